@@ -1,0 +1,133 @@
+"""The speculative decoding loop: prefill, then draft -> verify -> commit until done.
+
+The target's cache always holds the sequence minus its last token (the "root"), which the next
+verification forward feeds together with the drafted tree. With no proposer every tree is the
+root alone, and the loop is plain autoregressive decoding: the baseline runs through the same code.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from decode.metrics import RequestStats
+from decode.proposers import Proposer
+from decode.runner import ModelRunner
+from decode.sampling import SamplingConfig, Verdict, logits_to_probs, sample, verify_greedy, verify_sampling
+from decode.tree import TokenTree
+
+__all__ = ["SpeculativeEngine", "Generation", "SamplingConfig"]
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # new tokens only; ends with EOS if one was emitted
+    stats: RequestStats
+
+
+class SpeculativeEngine:
+    def __init__(self, target_model: torch.nn.Module, proposer: Proposer | None = None,
+                 eos_token_ids: set[int] | frozenset = frozenset(), device: str | torch.device | None = None,
+                 static_shapes: bool = False, max_tree_nodes: int = 64):
+        self.target = ModelRunner(target_model, static_shapes=static_shapes)
+        self.proposer = proposer
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_tree_nodes = max_tree_nodes
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int,
+                 sampling: SamplingConfig = SamplingConfig()) -> Generation:
+        check_request(prompt_ids, max_new_tokens)
+        stats = RequestStats()
+        generator = make_generator(sampling, self.target.device)
+        start = time.perf_counter()
+        out = [self.prefill(list(prompt_ids), max_new_tokens, sampling, generator)]
+        stats.target_forwards = 1
+        while not self.finished(out, max_new_tokens):
+            out += self.step(list(prompt_ids) + out, max_new_tokens - len(out), sampling, generator, stats)
+        out = truncate_at_eos(out, self.eos_token_ids)[:max_new_tokens]
+        stats.new_tokens = len(out)
+        stats.total_time_s = time.perf_counter() - start
+        return Generation(out, stats)
+
+    def prefill(self, prompt: list[int], max_new_tokens: int, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> int:
+        """Run the prompt through the target and emit the first new token."""
+        capacity = len(prompt) + max_new_tokens + self.max_tree_nodes + 1
+        self.target.start(capacity)
+        if self.proposer is not None:
+            self.proposer.begin(prompt, capacity)
+        _, logits = self.target.forward(prompt, logits_rows=slice(-1, None))  # [1, V]
+        self.target.cache.advance(len(prompt) - 1)  # the last prompt token is re-fed as the first root
+        return pick_token(logits[0], sampling, generator)
+
+    def step(self, seq: list[int], remaining: int, sampling: SamplingConfig,
+             generator: torch.Generator | None, stats: RequestStats) -> list[int]:
+        """One target forward: draft a tree after seq, verify it, commit the accepted path.
+        Returns the emitted tokens (accepted drafts + the bonus token)."""
+        t0 = time.perf_counter()
+        tree = self.draft(seq, remaining - 1, sampling, generator)
+        t1 = time.perf_counter()
+        _, logits = self.target.forward(tree.tokens, tree.depths, tree.ancestor_mask())  # [N, V]
+        verdict = verify(tree, logits, sampling, generator)
+        self.target.cache.commit_path(verdict.path)
+        sync(self.target.device)
+        stats.draft_time_s += t1 - t0
+        stats.verify_time_s += time.perf_counter() - t1
+        stats.record_step(tree.max_depth, len(verdict.path) - 1)
+        return [tree.tokens[i] for i in verdict.path[1:]] + [verdict.bonus]
+
+    def draft(self, seq: list[int], max_depth: int, sampling: SamplingConfig,
+              generator: torch.Generator | None) -> TokenTree:
+        if self.proposer is None or max_depth <= 0:
+            return TokenTree.root(seq[-1])
+        tree = self.proposer.propose(seq, max_depth, sampling, generator)
+        if len(tree) > self.max_tree_nodes:
+            raise ValueError(f"proposer {self.proposer.name} drafted {len(tree)} nodes, "
+                             f"more than max_tree_nodes={self.max_tree_nodes}")
+        return tree
+
+    def finished(self, out: list[int], max_new_tokens: int) -> bool:
+        return len(out) >= max_new_tokens or any(t in self.eos_token_ids for t in out)
+
+
+def verify(tree: TokenTree, logits: torch.Tensor, sampling: SamplingConfig,
+           generator: torch.Generator | None) -> Verdict:
+    if sampling.greedy:
+        return verify_greedy(tree, logits)
+    return verify_sampling(tree, logits, sampling, generator)
+
+
+def pick_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> int:
+    """[V] logits -> the token plain decoding would emit."""
+    if sampling.greedy:
+        return int(logits.argmax())
+    return sample(logits_to_probs(logits.cpu(), sampling), generator)
+
+
+def make_generator(sampling: SamplingConfig, device: torch.device) -> torch.Generator | None:
+    if sampling.greedy:
+        return None
+    return torch.Generator(device="cpu").manual_seed(sampling.seed)
+
+
+def truncate_at_eos(tokens: list[int], eos_token_ids: set[int]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in eos_token_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
+def check_request(prompt_ids: list[int], max_new_tokens: int) -> None:
+    if len(prompt_ids) == 0:
+        raise ValueError("empty prompt: at least one token is needed to start generation")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued kernels so that wall-clock timings are honest on CUDA."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,107 @@
+"""A preallocated KV cache that speculative decoding can roll back by moving a length.
+
+The cache holds `length` committed positions. A forward of q new tokens writes them at
+[length, length + q) and attends over [0, length + q); nothing is committed until the engine says
+which of those q entries survive (`commit_path` for a verified tree, `advance` for a chain the
+drafter wrote itself). Rolling back is therefore free: entries past `length` are simply overwritten
+by the next forward. Accepted tree nodes that are not already contiguous are moved down with one
+`index_copy_` per layer (accepted-path compaction).
+
+With `static_shapes=True` (CUDA, for CUDA graphs / torch.compile) every forward sees the whole
+buffer and the caller's mask hides the unused tail; on CPU the attended length follows the real
+length, which keeps attention cost proportional to the context.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class PreallocatedLayer(CacheLayerMixin):
+    """One decoder layer's keys and values, [B, H, max_len, D], written in place."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, owner: "SpecCache"):
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads = key_states.shape[:2]
+        shape = (batch, heads, self.owner.max_len)
+        self.keys = key_states.new_zeros(*shape, key_states.shape[-1])  # [B, H, L, D]
+        self.values = value_states.new_zeros(*shape, value_states.shape[-1])
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.owner.length
+        end = start + key_states.shape[-2]
+        if end > self.owner.max_len:
+            raise RuntimeError(f"KV cache overflow: {end} positions needed, {self.owner.max_len} allocated")
+        self.keys[:, :, start:end] = key_states
+        self.values[:, :, start:end] = value_states
+        if self.owner.static_shapes:
+            return self.keys, self.values
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.owner.static_shapes:
+            return self.owner.max_len, 0
+        return self.owner.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.length
+
+    def get_max_length(self) -> int:
+        return self.owner.max_len
+
+    def move_entries(self, src: torch.Tensor, dst_start: int) -> None:
+        """Copy cache entries at positions `src` [n] to [dst_start, dst_start + n)."""
+        if not self.is_initialized:
+            return
+        dst = torch.arange(dst_start, dst_start + src.numel(), device=self.keys.device)
+        self.keys.index_copy_(2, dst, self.keys.index_select(2, src))
+        self.values.index_copy_(2, dst, self.values.index_select(2, src))
+
+
+class SpecCache(Cache):
+    """KV cache for one sequence (batch size 1) with a committed `length` the engine controls."""
+
+    def __init__(self, num_layers: int, max_len: int, static_shapes: bool = False):
+        self.max_len = max_len
+        self.length = 0
+        self.static_shapes = static_shapes
+        super().__init__(layers=[PreallocatedLayer(self) for _ in range(num_layers)])
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def reset(self) -> None:
+        """Forget everything; the buffers stay allocated."""
+        self.length = 0
+
+    def truncate(self, length: int) -> None:
+        """Roll back to the first `length` positions (a length move, no copy)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        self.length = length
+
+    def advance(self, n: int) -> None:
+        """Commit the n entries the last forward wrote after `length` (a chain, in order)."""
+        self.length += n
+
+    def commit_path(self, node_indices: list[int]) -> None:
+        """Commit the tree nodes `node_indices` (written at length + index by the last forward),
+        in order, as the next positions of the sequence."""
+        if node_indices == list(range(len(node_indices))):
+            self.length += len(node_indices)  # the accepted path is already contiguous
+            return
+        src = torch.tensor(node_indices, dtype=torch.long) + self.length
+        for layer in self.layers:
+            layer.move_entries(src.to(layer.device if layer.is_initialized else "cpu"), self.length)
+        self.length += len(node_indices)

@@ -1,0 +1,153 @@
+"""Proposers draft candidate continuations as a token tree rooted at the last emitted token.
+
+A proposer never decides what is emitted; the target's verification does. A proposer that is
+always wrong costs time, never correctness.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from decode.runner import ModelRunner
+from decode.sampling import SamplingConfig, logits_to_probs, sample
+from decode.tree import TokenTree
+
+
+class Proposer(ABC):
+    name: str = "proposer"
+
+    def begin(self, prompt_ids: list[int], capacity: int) -> None:
+        """A new request starts; `capacity` bounds the sequence length it will reach."""
+
+    @abstractmethod
+    def propose(
+        self, seq: list[int], max_depth: int, sampling: SamplingConfig, generator: torch.Generator | None
+    ) -> TokenTree:
+        """Draft after `seq` (prompt + emitted tokens); the tree's root is seq[-1]."""
+
+
+class DraftModelProposer(Proposer):
+    """A small causal LM that drafts a chain of `gamma` tokens autoregressively.
+
+    Its cache holds `cached` = the tokens it has processed. After verification the sequence is the
+    old one plus the accepted drafts plus the bonus token, so the cache is valid up to the longest
+    common prefix with the new sequence: roll back to it (a length move) and feed the rest.
+    """
+
+    name = "draft_model"
+
+    def __init__(self, model: torch.nn.Module, gamma: int = 5, vocab_map: torch.Tensor | None = None,
+                 eos_token_ids: set[int] = frozenset(), target_vocab: int | None = None):
+        if gamma < 1:
+            raise ValueError(f"gamma must be >= 1, got {gamma}")
+        self.runner = ModelRunner(model)
+        self.gamma = gamma
+        self.vocab_map = None if vocab_map is None else vocab_map.to(self.runner.device)
+        self.eos_token_ids = set(eos_token_ids)
+        # a reduced head's probabilities are scattered into the target's vocabulary for sampling
+        self.target_vocab = target_vocab or (None if vocab_map is None else int(vocab_map.max()) + 1)
+        self.cached: list[int] = []
+
+    def begin(self, prompt_ids: list[int], capacity: int) -> None:
+        self.runner.start(capacity + self.gamma + 1)
+        self.cached = []
+
+    def propose(self, seq, max_depth, sampling, generator):
+        depth = min(self.gamma, max_depth)
+        if depth <= 0:
+            return TokenTree.root(seq[-1])
+        keep = min(common_prefix_len(self.cached, seq), len(seq) - 1)
+        self.runner.cache.truncate(keep)
+        logits = self._feed(seq[keep:])
+        drafts, probs = [], []
+        for i in range(depth):
+            token, q = self._choose(logits, sampling, generator)
+            drafts.append(token)
+            probs.append(q)
+            if i == depth - 1 or token in self.eos_token_ids:
+                break
+            logits = self._feed([token])
+        self.cached = seq + drafts[:-1]
+        return TokenTree.chain(seq[-1], drafts, probs)
+
+    def _feed(self, tokens: list[int]) -> torch.Tensor:
+        _, logits = self.runner.forward(tokens, logits_rows=slice(-1, None))
+        self.runner.cache.advance(len(tokens))
+        return logits[0]  # [V_draft]
+
+    def _choose(self, logits: torch.Tensor, sampling: SamplingConfig, generator) -> tuple[int, torch.Tensor | None]:
+        if sampling.greedy:
+            idx = int(logits.argmax())
+            return (idx if self.vocab_map is None else int(self.vocab_map[idx])), None
+        q = logits_to_probs(logits.cpu(), sampling)  # [V_draft]
+        if self.vocab_map is not None:
+            q = q.new_zeros(self.target_vocab).scatter_(0, self.vocab_map.cpu(), q)  # [V]
+        return sample(q, generator), q
+
+
+class PromptLookupProposer(Proposer):
+    """N-gram lookup in the sequence itself (prompt lookup decoding): find the most recent earlier
+    occurrence of the last n tokens (longest n first) and propose what followed it."""
+
+    name = "prompt_lookup"
+
+    def __init__(self, num_tokens: int = 10, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.num_tokens = num_tokens
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, seq, max_depth, sampling, generator):
+        depth = min(self.num_tokens, max_depth)
+        drafts = lookup_continuation(seq, depth, self.max_ngram, self.min_ngram) if depth > 0 else []
+        return TokenTree.chain(seq[-1], drafts)
+
+
+def lookup_continuation(seq: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of seq's last n tokens."""
+    n_seq = len(seq)
+    for n in range(min(max_ngram, n_seq - 1), min_ngram - 1, -1):
+        pattern = seq[n_seq - n:]
+        for start in range(n_seq - n - 1, -1, -1):  # latest match first, excluding the suffix itself
+            if seq[start:start + n] == pattern:
+                return seq[start + n:start + n + k]
+    return []
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def build_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: set[int] = frozenset(), **kw) -> Proposer:
+    """The proposer for a loaded drafter (models.drafters.Drafter), checked against the target."""
+    if drafter.kind == "prompt_lookup":
+        return PromptLookupProposer(num_tokens=kw.get("num_tokens", max(gamma, 1) * 2),
+                                    max_ngram=kw.get("max_ngram", 3))
+    if drafter.kind == "draft_model":
+        check_vocab(drafter.model, target_model, drafter.vocab_map)
+        return DraftModelProposer(drafter.model, gamma, drafter.vocab_map, eos_token_ids,
+                                  target_vocab=vocab_size(target_model))
+    raise ValueError(f"no proposer for drafter kind {drafter.kind!r} (known: draft_model, prompt_lookup)")
+
+
+def vocab_size(model: torch.nn.Module) -> int:
+    return model.get_output_embeddings().weight.shape[0]
+
+
+def check_vocab(draft_model, target_model, vocab_map: torch.Tensor | None) -> None:
+    """A drafter must speak the target's vocabulary: same head size, or a map into it."""
+    v_target, v_draft = vocab_size(target_model), vocab_size(draft_model)
+    if vocab_map is None and v_draft != v_target:
+        raise ValueError(f"drafter vocabulary ({v_draft} tokens) does not match the target's ({v_target}); "
+                         "train the drafter on this target or give a vocab_map")
+    if vocab_map is not None:
+        if vocab_map.numel() != v_draft:
+            raise ValueError(f"vocab_map has {vocab_map.numel()} entries but the drafter head has {v_draft}")
+        if int(vocab_map.max()) >= v_target or int(vocab_map.min()) < 0:
+            raise ValueError(f"vocab_map points outside the target's vocabulary of {v_target} tokens")
