@@ -60,7 +60,7 @@ class SpeculativeEngine:
         if self.proposer is not None:
             self.proposer.begin(prompt, capacity)
         _, logits = self.target.forward(prompt, logits_rows=slice(-1, None))  # [1, V]
-        self.target.cache.advance(len(prompt) - 1)  # the last prompt token is re-fed as the first root
+        self.target.cache.advance(len(prompt))  # the first emitted token becomes the first root
         return pick_token(logits[0], sampling, generator)
 
     def step(self, seq: list[int], remaining: int, sampling: SamplingConfig,

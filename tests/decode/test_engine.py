@@ -1,0 +1,130 @@
+"""The engine is lossless: greedy output is the target's own, for every proposer and edge case."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+from decode.engine import SpeculativeEngine
+from decode.proposers import DraftModelProposer, PromptLookupProposer, build_proposer, lookup_continuation
+from decode.sampling import SamplingConfig
+
+PROMPT = [1, 5, 7, 9, 11, 5, 7]
+
+
+def target_greedy(model, prompt, n, eos=None):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                         eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+class AlwaysWrongProposer(PromptLookupProposer):
+    """Drafts the token the target is known not to emit (its argmax + 1), four deep."""
+
+    def __init__(self, target):
+        super().__init__()
+        self.target = target
+
+    def propose(self, seq, max_depth, sampling, generator):
+        from decode.tree import TokenTree
+        nxt = int(self.target(torch.tensor([seq])).logits[0, -1].argmax())
+        wrong = (nxt + 1) % self.target.config.vocab_size
+        return TokenTree.chain(seq[-1], [wrong, wrong, wrong][:max_depth])
+
+
+def proposers(target):
+    drafter = make_tiny_llama(seed=1, layers=1)
+    return {
+        "baseline": None,
+        "bad_drafter": DraftModelProposer(drafter, gamma=4),
+        "perfect_drafter": DraftModelProposer(target, gamma=4),
+        "prompt_lookup": PromptLookupProposer(num_tokens=6),
+        "always_wrong": AlwaysWrongProposer(target),
+    }
+
+
+@pytest.mark.parametrize("name", ["baseline", "bad_drafter", "perfect_drafter", "prompt_lookup", "always_wrong"])
+def test_greedy_output_is_the_targets(tiny_target, name):
+    ref = target_greedy(tiny_target, PROMPT, 40)
+    proposer = proposers(tiny_target)[name]
+    gen = SpeculativeEngine(tiny_target, proposer).generate(PROMPT, 40)
+    assert gen.tokens == ref
+    assert gen.stats.new_tokens == 40
+    if name == "perfect_drafter":
+        assert gen.stats.alpha == 1.0 and gen.stats.tau > 3.0
+    if name in ("always_wrong", "baseline"):
+        assert gen.stats.tau == 1.0
+
+
+def test_eos_inside_a_draft_stops_exactly(tiny_target):
+    ref = target_greedy(tiny_target, PROMPT, 40)
+    eos = ref[13]
+    expected = ref[: ref.index(eos) + 1]
+    gen = SpeculativeEngine(tiny_target, DraftModelProposer(tiny_target, gamma=6, eos_token_ids={eos}),
+                            eos_token_ids={eos}).generate(PROMPT, 40)
+    assert gen.tokens == expected
+    assert gen.tokens == target_greedy(tiny_target, PROMPT, 40, eos=eos)
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 7, 11])
+def test_max_new_tokens_inside_a_draft(tiny_target, max_new):
+    ref = target_greedy(tiny_target, PROMPT, max_new)
+    gen = SpeculativeEngine(tiny_target, DraftModelProposer(tiny_target, gamma=5)).generate(PROMPT, max_new)
+    assert gen.tokens == ref and len(gen.tokens) == max_new
+
+
+def test_repeated_requests_reuse_the_engine(tiny_target):
+    engine = SpeculativeEngine(tiny_target, DraftModelProposer(make_tiny_llama(seed=1, layers=1), gamma=3))
+    for prompt in ([1, 2, 3], PROMPT, [4] * 30, [9]):
+        assert engine.generate(prompt, 12).tokens == target_greedy(tiny_target, prompt, 12)
+
+
+def test_reduced_vocab_drafter_is_lossless(tiny_target):
+    """A drafter whose head covers only some target tokens, mapped back through vocab_map."""
+    drafter = make_tiny_llama(seed=3, layers=1)  # embeds all 64 target tokens ...
+    drafter.lm_head = torch.nn.Linear(32, 16, bias=False)  # ... but its head scores only 16
+    vocab_map = torch.arange(0, 64, 4)  # draft id i -> target id 4i
+    proposer = DraftModelProposer(drafter, gamma=3, vocab_map=vocab_map, target_vocab=64)
+    gen = SpeculativeEngine(tiny_target, proposer).generate(PROMPT, 30)
+    assert gen.tokens == target_greedy(tiny_target, PROMPT, 30)
+    sampled = SpeculativeEngine(tiny_target, proposer).generate(PROMPT, 10, SamplingConfig(temperature=1.0))
+    assert len(sampled.tokens) == 10
+
+
+def test_stats_add_up(tiny_target):
+    gen = SpeculativeEngine(tiny_target, DraftModelProposer(make_tiny_llama(seed=1, layers=1), 4)).generate(PROMPT, 30)
+    s = gen.stats
+    assert s.new_tokens == 30
+    assert s.accepted + s.target_forwards >= s.new_tokens  # every forward emits a bonus token
+    assert s.drafted == sum(s.drafted_per_position)
+    assert s.accepted == sum(s.accepted_per_position)
+    assert s.tau == pytest.approx(s.new_tokens / s.target_forwards)
+    assert s.draft_time_s > 0 and s.verify_time_s > 0 and s.total_time_s >= s.draft_time_s + s.verify_time_s
+
+
+def test_prompt_lookup_finds_latest_longest_match():
+    seq = [1, 2, 3, 9, 1, 2, 3, 4, 5, 7, 1, 2, 3]
+    assert lookup_continuation(seq, 3, max_ngram=3, min_ngram=1) == [4, 5, 7]
+    assert lookup_continuation([1, 2, 3], 3, 3, 1) == []
+
+
+def test_bad_requests_are_refused(tiny_target):
+    engine = SpeculativeEngine(tiny_target, None)
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.generate([], 5)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate([1, 2], 0)
+    with pytest.raises(ValueError, match="gamma"):
+        DraftModelProposer(tiny_target, gamma=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingConfig(temperature=-1)
+
+
+def test_mismatched_vocabulary_is_refused(tiny_target):
+    drafter = SimpleNamespace(kind="draft_model", model=make_tiny_llama(vocab_size=50), vocab_map=None)
+    with pytest.raises(ValueError, match=r"vocabulary \(50 tokens\).*\(64\)"):
+        build_proposer(drafter, tiny_target)
+    unknown = SimpleNamespace(kind="crystal_ball", model=None, vocab_map=None)
+    with pytest.raises(ValueError, match="crystal_ball"):
+        build_proposer(unknown, tiny_target)
