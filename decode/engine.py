@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from decode.adaptive import DraftLengthController
 from decode.metrics import RequestStats
 from decode.proposers import Proposer
 from decode.runner import ModelRunner
@@ -30,11 +31,17 @@ class Generation:
 class SpeculativeEngine:
     def __init__(self, target_model: torch.nn.Module, proposer: Proposer | None = None,
                  eos_token_ids: set[int] | frozenset = frozenset(), device: str | torch.device | None = None,
-                 static_shapes: bool = False, max_tree_nodes: int = 64):
+                 static_shapes: bool = False, max_tree_nodes: int = 64, adaptive: bool = True):
+        """adaptive: in greedy mode, choose each step's draft depth by measured cost and
+        acceptance (decode.adaptive). Sampling always drafts the proposer's full depth, so that a
+        seed reproduces its output (timings must not steer which random draws are made)."""
         self.target = ModelRunner(target_model, static_shapes=static_shapes)
         self.proposer = proposer
         self.eos_token_ids = set(eos_token_ids)
         self.max_tree_nodes = max_tree_nodes
+        self.controller = None
+        if proposer is not None and adaptive:
+            self.controller = DraftLengthController(max_depth=proposer.max_depth)
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int,
@@ -67,16 +74,21 @@ class SpeculativeEngine:
              generator: torch.Generator | None, stats: RequestStats) -> list[int]:
         """One target forward: draft a tree after seq, verify it, commit the accepted path.
         Returns the emitted tokens (accepted drafts + the bonus token)."""
+        adapt = self.controller is not None and sampling.greedy
+        depth = self.controller.choose(remaining - 1) if adapt else remaining - 1
         t0 = time.perf_counter()
-        tree = self.draft(seq, remaining - 1, sampling, generator)
+        tree = self.draft(seq, depth, sampling, generator)
         t1 = time.perf_counter()
         _, logits = self.target.forward(tree.tokens, tree.depths, tree.ancestor_mask())  # [N, V]
         verdict = verify(tree, logits, sampling, generator)
         self.target.cache.commit_path(verdict.path)
         sync(self.target.device)
+        t2 = time.perf_counter()
         stats.draft_time_s += t1 - t0
-        stats.verify_time_s += time.perf_counter() - t1
+        stats.verify_time_s += t2 - t1
         stats.record_step(tree.max_depth, len(verdict.path) - 1)
+        if adapt:
+            self.controller.observe(tree.max_depth, len(verdict.path) - 1, len(tree), t1 - t0, t2 - t1)
         return [tree.tokens[i] for i in verdict.path[1:]] + [verdict.bonus]
 
     def draft(self, seq: list[int], max_depth: int, sampling: SamplingConfig,

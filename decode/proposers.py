@@ -17,6 +17,7 @@ from decode.tree import TokenTree
 
 class Proposer(ABC):
     name: str = "proposer"
+    max_depth: int = 1  # the deepest tree it drafts; the engine may ask for less
 
     def begin(self, prompt_ids: list[int], capacity: int) -> None:
         """A new request starts; `capacity` bounds the sequence length it will reach."""
@@ -43,7 +44,7 @@ class DraftModelProposer(Proposer):
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
         self.runner = ModelRunner(model)
-        self.gamma = gamma
+        self.gamma = self.max_depth = gamma
         self.vocab_map = None if vocab_map is None else vocab_map.to(self.runner.device)
         self.eos_token_ids = set(eos_token_ids)
         # a reduced head's probabilities are scattered into the target's vocabulary for sampling
@@ -96,7 +97,7 @@ class PromptLookupProposer(Proposer):
     def __init__(self, num_tokens: int = 10, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        self.num_tokens = num_tokens
+        self.num_tokens = self.max_depth = num_tokens
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def propose(self, seq, max_depth, sampling, generator):

@@ -1,0 +1,77 @@
+"""Cost-aware draft length: draft as deep as pays for itself, measured online.
+
+Drafting k tokens emits on average E(k) = 1 + sum_{i=1..k} prod_{j<=i} a_j tokens per target
+forward, where a_j is the acceptance rate of draft position j given that position j-1 was
+accepted; it costs k drafter steps plus a target forward over k + 1 nodes. The controller
+estimates a_j, the drafter's cost per token and the target's cost per tree size from the steps it
+has seen, and picks the k in [0, max_depth] that maximises E(k) / cost(k). k = 0 is plain decoding:
+a drafter that is almost never right should not slow the target down. While k = 0 wins it still
+drafts one token every `probe_every` steps, so that a drafter that starts agreeing is noticed.
+
+This only changes how much is drafted, never what is emitted: the output stays lossless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DraftLengthController:
+    max_depth: int
+    probe_every: int = 8
+    decay: float = 0.9  # EMA weight of the past; recent steps count most
+    accept: list[float] = field(default_factory=list)  # a_j estimates, prior 0.5
+    draft_cost: float | None = None  # seconds per drafted token
+    verify_cost: dict[int, float] = field(default_factory=dict)  # tree size -> seconds
+    steps_without_draft: int = 0
+
+    def __post_init__(self):
+        self.accept = [0.5] * self.max_depth
+
+    def choose(self, limit: int) -> int:
+        """The draft depth for the next step, at most `limit` (tokens left before max_new_tokens)."""
+        limit = min(limit, self.max_depth)
+        if limit <= 0:
+            return 0
+        if self.draft_cost is None or 1 not in self.verify_cost:
+            return limit  # nothing measured yet: draft fully once to learn the costs
+        best = max(range(limit + 1), key=self.throughput)
+        if best == 0:
+            self.steps_without_draft += 1
+            if self.steps_without_draft >= self.probe_every:
+                self.steps_without_draft = 0
+                return 1
+        return best
+
+    def throughput(self, k: int) -> float:
+        """Expected tokens per second when drafting k tokens."""
+        expected, reach = 1.0, 1.0
+        for j in range(k):
+            reach *= self.accept[j]
+            expected += reach
+        return expected / (k * (self.draft_cost or 0.0) + self.predicted_verify_cost(k + 1))
+
+    def predicted_verify_cost(self, nodes: int) -> float:
+        if nodes in self.verify_cost:
+            return self.verify_cost[nodes]
+        known = sorted(self.verify_cost)
+        lo = max((n for n in known if n < nodes), default=known[0])
+        hi = min((n for n in known if n > nodes), default=None)
+        if hi is None or hi == lo:  # extrapolate: assume each extra node costs 10% of a single-token forward
+            return self.verify_cost[lo] + 0.1 * self.verify_cost[known[0]] * (nodes - lo)
+        w = (nodes - lo) / (hi - lo)
+        return (1 - w) * self.verify_cost[lo] + w * self.verify_cost[hi]
+
+    def observe(self, depth: int, n_accepted: int, tree_nodes: int, draft_s: float, verify_s: float) -> None:
+        """Learn from one verification step."""
+        for j in range(min(depth, n_accepted + 1)):  # positions that were reached
+            self.accept[j] = self._ema(self.accept[j], float(j < n_accepted))
+        if depth > 0:
+            per_token = draft_s / depth
+            self.draft_cost = per_token if self.draft_cost is None else self._ema(self.draft_cost, per_token)
+        old = self.verify_cost.get(tree_nodes)
+        self.verify_cost[tree_nodes] = verify_s if old is None else self._ema(old, verify_s)
+
+    def _ema(self, old: float, new: float) -> float:
+        return self.decay * old + (1 - self.decay) * new
