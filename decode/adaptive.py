@@ -34,7 +34,7 @@ class DraftLengthController:
         limit = min(limit, self.max_depth)
         if limit <= 0:
             return 0
-        if self.draft_cost is None or 1 not in self.verify_cost:
+        if self.draft_cost is None or not self.verify_cost:
             return limit  # nothing measured yet: draft fully once to learn the costs
         best = max(range(limit + 1), key=self.throughput)
         if best == 0:
@@ -53,15 +53,19 @@ class DraftLengthController:
         return expected / (k * (self.draft_cost or 0.0) + self.predicted_verify_cost(k + 1))
 
     def predicted_verify_cost(self, nodes: int) -> float:
+        """Measured cost for this tree size, else interpolated between measured sizes, else scaled
+        from the nearest measured size by a prior of +10% of a one-token forward per extra node."""
         if nodes in self.verify_cost:
             return self.verify_cost[nodes]
         known = sorted(self.verify_cost)
-        lo = max((n for n in known if n < nodes), default=known[0])
-        hi = min((n for n in known if n > nodes), default=None)
-        if hi is None or hi == lo:  # extrapolate: assume each extra node costs 10% of a single-token forward
-            return self.verify_cost[lo] + 0.1 * self.verify_cost[known[0]] * (nodes - lo)
-        w = (nodes - lo) / (hi - lo)
-        return (1 - w) * self.verify_cost[lo] + w * self.verify_cost[hi]
+        below = [n for n in known if n < nodes]
+        above = [n for n in known if n > nodes]
+        if below and above:
+            lo, hi = below[-1], above[0]
+            w = (nodes - lo) / (hi - lo)
+            return (1 - w) * self.verify_cost[lo] + w * self.verify_cost[hi]
+        nearest = below[-1] if below else above[0]
+        return self.verify_cost[nearest] * _prior(nodes) / _prior(nearest)
 
     def observe(self, depth: int, n_accepted: int, tree_nodes: int, draft_s: float, verify_s: float) -> None:
         """Learn from one verification step."""
@@ -75,3 +79,8 @@ class DraftLengthController:
 
     def _ema(self, old: float, new: float) -> float:
         return self.decay * old + (1 - self.decay) * new
+
+
+def _prior(nodes: int) -> float:
+    """Relative cost of a target forward over `nodes` tokens before anything is measured."""
+    return 1.0 + 0.1 * (nodes - 1)
