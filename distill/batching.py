@@ -1,0 +1,87 @@
+"""Teacher records -> padded training batches with the loss placed on response positions only.
+
+A record is one target generation: prompt_ids, response_ids and optionally, per response token,
+the target's top-k (ids, log-probs) of the distribution it was produced from. The drafter reads
+prompt + response; the logit at position t predicts token t + 1, so the response token j is
+predicted at position P - 1 + j, and that is where its label, mask and top-k go.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, T]
+    attention_mask: torch.Tensor  # [B, T] 1 for real tokens
+    labels: torch.Tensor  # [B, T] the target's next token (draft-vocabulary index when reduced), 0 where masked
+    loss_mask: torch.Tensor  # [B, T] bool, True on positions predicting a response token
+    topk_ids: torch.Tensor | None = None  # [B, T, K] target ids (draft-vocabulary index when reduced)
+    topk_logprobs: torch.Tensor | None = None  # [B, T, K]
+
+    def to(self, device) -> "Batch":
+        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        return Batch(**moved)
+
+
+def fit_to_length(prompt: list[int], response: list[int], max_len: int) -> tuple[list[int], list[int]]:
+    """Cut the response to leave room for at least one prompt token, then the prompt from the
+    left (its end, next to the response, is what conditions the response)."""
+    response = response[: max_len - 1]
+    keep = max_len - len(response)
+    return prompt[-keep:], response
+
+
+def collate(records: list[dict], pad_id: int, max_len: int, target_to_draft: torch.Tensor | None = None) -> Batch:
+    """records -> Batch; `target_to_draft` [V] maps target ids to a reduced head's indices (-1 = absent)."""
+    fitted = [fit_to_length(list(r["prompt_ids"]), list(r["response_ids"]), max_len) for r in records]
+    width = max(len(p) + len(r) for p, r in fitted)
+    has_topk = "topk_ids" in records[0] and records[0]["topk_ids"] is not None
+    k = len(records[0]["topk_ids"][0]) if has_topk and len(records[0]["topk_ids"]) else 0
+    b = len(records)
+    input_ids = torch.full((b, width), pad_id, dtype=torch.long)
+    attention = torch.zeros(b, width, dtype=torch.long)
+    labels = torch.zeros(b, width, dtype=torch.long)
+    loss_mask = torch.zeros(b, width, dtype=torch.bool)
+    topk_ids = torch.zeros(b, width, max(k, 1), dtype=torch.long) if has_topk else None
+    topk_lp = torch.full((b, width, max(k, 1)), float("-inf")) if has_topk else None
+    for i, ((prompt, response), record) in enumerate(zip(fitted, records)):
+        seq = prompt + response
+        input_ids[i, : len(seq)] = torch.tensor(seq)
+        attention[i, : len(seq)] = 1
+        start = len(prompt) - 1  # the position that predicts response[0]
+        span = slice(start, start + len(response))
+        labels[i, span] = torch.tensor(response)
+        loss_mask[i, span] = True
+        if has_topk and response:
+            topk_ids[i, span] = torch.tensor(record["topk_ids"][: len(response)], dtype=torch.long)
+            topk_lp[i, span] = torch.tensor(record["topk_logprobs"][: len(response)], dtype=torch.float)
+    batch = Batch(input_ids, attention, labels, loss_mask, topk_ids, topk_lp)
+    return batch if target_to_draft is None else to_draft_vocab(batch, target_to_draft)
+
+
+def to_draft_vocab(batch: Batch, target_to_draft: torch.Tensor) -> Batch:
+    """Express labels and top-k ids in a reduced head's indices. A label outside the reduced
+    vocabulary cannot be predicted by the drafter: it leaves the loss (rare by construction).
+    A top-k id outside it points at index n_draft, one past the head, where the trainer appends a
+    -inf logit column (`with_absent_column`): both sides then give it no mass and the target's
+    probability there joins the tail bucket."""
+    labels = target_to_draft[batch.labels]
+    loss_mask = batch.loss_mask & (labels >= 0)
+    batch.labels = labels.clamp_min(0)
+    batch.loss_mask = loss_mask
+    if batch.topk_ids is not None:
+        n_draft = int(target_to_draft.max()) + 1
+        mapped = target_to_draft[batch.topk_ids]
+        batch.topk_logprobs = batch.topk_logprobs.masked_fill(mapped < 0, float("-inf"))
+        batch.topk_ids = torch.where(mapped < 0, torch.full_like(mapped, n_draft), mapped)
+    return batch
+
+
+def with_absent_column(draft_logits: torch.Tensor) -> torch.Tensor:
+    """[B, T, V_d] -> [B, T, V_d + 1] with a -inf logit for target tokens outside a reduced head."""
+    absent = draft_logits.new_full((*draft_logits.shape[:-1], 1), float("-inf"))
+    return torch.cat([draft_logits, absent], dim=-1)

@@ -1,0 +1,25 @@
+"""Acceptance of the drafter being trained, measured with the real engine on held-out prompts."""
+
+from __future__ import annotations
+
+import torch
+
+from decode.engine import SpeculativeEngine
+from decode.metrics import aggregate_stats
+from decode.proposers import DraftModelProposer
+
+
+@torch.no_grad()
+def measure_acceptance(target, draft_model, vocab_map, prompts: list[list[int]], max_new_tokens: int,
+                       gamma: int) -> dict:
+    """Greedy speculative decoding of each prompt at a fixed draft length (no adaptation, so that
+    alpha measures the drafter alone). Returns the aggregate: tau, alpha, acceptance per position."""
+    was_training = draft_model.training
+    draft_model.eval()
+    proposer = DraftModelProposer(draft_model, gamma=gamma, vocab_map=vocab_map,
+                                  eos_token_ids=target.eos_token_ids,
+                                  target_vocab=target.model.get_output_embeddings().weight.shape[0])
+    engine = SpeculativeEngine(target.model, proposer, target.eos_token_ids, adaptive=False)
+    stats = [engine.generate(p, max_new_tokens).stats for p in prompts]
+    draft_model.train(was_training)
+    return aggregate_stats(stats)

@@ -1,0 +1,138 @@
+"""Train a drafter toward a target, then keep the one the engine measures best.
+
+    accelerate launch train/distill.py --config configs/distill/<job>.yaml [--field value ...]
+
+Reads top to bottom: parse the config, load the target, have it write the teacher data, build the
+drafter, train (measuring acceptance with the real engine every `eval_every` steps), save the
+best drafter by measured tau as a drafter directory at `output_dir`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":
+    # Run by path, this file's folder (train/) is sys.path[0], where this very file would shadow
+    # the `distill` package. Put the repository root there instead.
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
+    sys.path.insert(0, os.path.dirname(_here))
+
+import logging  # noqa: E402
+from dataclasses import asdict  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
+from accelerate.utils import DataLoaderConfiguration, set_seed  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+from train.checkpoints import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
+from train.config import load_config  # noqa: E402
+from train.distill_config import DistillConfig  # noqa: E402
+from train import distill_steps as steps  # noqa: E402
+
+log = logging.getLogger("specdistill.distill")
+
+
+def main(argv: list[str] | None = None) -> Path:
+    cfg = load_config(DistillConfig, argv)
+    accelerator = make_accelerator(cfg)
+    set_seed(cfg.seed)
+    target = steps.load_target_for(cfg, accelerator)
+    records = steps.teacher_records(cfg, target, accelerator)
+    drafter, vocab_map = steps.build_drafter(cfg, target, records)
+    loader = steps.make_loader(cfg, records, target, vocab_map)
+    total = steps.total_steps(cfg, len(loader), accelerator.num_processes)
+    optimizer, scheduler = steps.make_optimizer(cfg, drafter, total)
+    drafter, optimizer, loader, scheduler = accelerator.prepare(drafter, optimizer, loader, scheduler)
+    state = resume_or_start(cfg, accelerator)
+    eval_prompts = steps.eval_prompt_ids(cfg, target) if accelerator.is_main_process else []
+
+    train(cfg, accelerator, target, drafter, vocab_map, loader, optimizer, scheduler, state, eval_prompts, total)
+
+    out = steps.publish_best(cfg, accelerator, target, vocab_map, state)
+    accelerator.end_training()
+    return out
+
+
+def make_accelerator(cfg: DistillConfig) -> Accelerator:
+    precision = cfg.mixed_precision
+    if precision == "auto":
+        precision = "bf16" if torch.cuda.is_available() else "no"
+    if cfg.tracker == "wandb":
+        os.environ.setdefault("WANDB_MODE", "online" if os.environ.get("WANDB_API_KEY") else "offline")
+    accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, mixed_precision=precision,
+                              log_with=None if cfg.tracker == "none" else cfg.tracker,
+                              project_dir=cfg.work_dir,
+                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True,
+                                                                        data_seed=cfg.seed))
+    logging.basicConfig(level=logging.INFO if accelerator.is_main_process else logging.WARNING,
+                        format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    if cfg.tracker != "none":
+        accelerator.init_trackers("specdistill", config=asdict(cfg))
+    return accelerator
+
+
+def resume_or_start(cfg: DistillConfig, accelerator: Accelerator) -> TrainState:
+    if not cfg.resume:
+        return TrainState()
+    path = latest_checkpoint(cfg.work_dir)
+    if path is None:
+        raise FileNotFoundError(f"--resume: no complete checkpoint under {cfg.work_dir}/checkpoints")
+    state = load_checkpoint(accelerator, path)
+    log.info("resumed from %s at step %d", path, state.step)
+    return state
+
+
+def train(cfg, accelerator, target, drafter, vocab_map, loader, optimizer, scheduler, state, eval_prompts,
+          total: int) -> None:
+    bar = tqdm(total=total, initial=state.step, desc="distill", disable=not accelerator.is_local_main_process)
+    drafter.train()
+    while state.step < total:
+        batches = steps.epoch_batches(accelerator, loader, state)
+        for window in steps.accumulation_windows(batches, cfg.grad_accum):
+            loss = steps.train_window(cfg, accelerator, target, drafter, vocab_map, window, optimizer,
+                                      scheduler, state)
+            state.step += 1
+            bar.update(1)
+            after_step(cfg, accelerator, target, drafter, vocab_map, state, loss, eval_prompts, bar)
+            if state.step >= total:
+                break
+        else:
+            state.epoch, state.batches_in_epoch = state.epoch + 1, 0
+    bar.close()
+    if not state.history or state.history[-1]["step"] != state.step:
+        evaluate(cfg, accelerator, target, drafter, vocab_map, state, eval_prompts)
+
+
+def after_step(cfg, accelerator, target, drafter, vocab_map, state, loss, eval_prompts, bar) -> None:
+    if state.step % cfg.log_every == 0:
+        lr = steps.current_lr(drafter, accelerator)
+        bar.set_postfix(loss=f"{loss:.4f}")
+        log.info("step %d loss %.4f lr %.2e", state.step, loss, lr)
+        accelerator.log({"train/loss": loss, "train/lr": lr}, step=state.step)
+    if cfg.eval_every and state.step % cfg.eval_every == 0:
+        evaluate(cfg, accelerator, target, drafter, vocab_map, state, eval_prompts)
+    if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
+        save_checkpoint(accelerator, state, cfg.work_dir)
+
+
+def evaluate(cfg, accelerator, target, drafter, vocab_map, state, eval_prompts) -> None:
+    """Measure tau/alpha on held-out prompts (main process) and keep the best drafter so far."""
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        model = accelerator.unwrap_model(drafter)
+        result = steps.measure(cfg, target, model, vocab_map, eval_prompts)
+        state.history.append({"step": state.step, "tau": result["tau"], "alpha": result["alpha"]})
+        log.info("step %d held-out tau %.3f alpha %.3f", state.step, result["tau"], result["alpha"] or 0.0)
+        accelerator.log({"eval/tau": result["tau"], "eval/alpha": result["alpha"] or 0.0}, step=state.step)
+        if result["tau"] > state.best_tau:
+            state.best_tau, state.best_step = result["tau"], state.step
+            steps.save_best(cfg, target, model, vocab_map, state)
+    accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    main()

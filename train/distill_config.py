@@ -1,0 +1,103 @@
+"""The configuration of `train/distill.py`: one typed dataclass, every field with help text."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from train.config import ConfigError, check_choice
+
+METHODS = ("seqkd", "kd")
+LOSSES = ("ce", "fkl", "rkl", "jsd", "tvd")
+TRACKERS = ("none", "wandb")
+
+
+def _f(default, help_text: str):
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help_text})
+    return field(default=default, metadata={"help": help_text})
+
+
+@dataclass
+class DistillConfig:
+    """Train a drafter toward a target: sequence-level (seqkd) or token-level (kd) distillation."""
+
+    method: str = _f("seqkd", f"training method, one of {METHODS}")
+    target: str = _f("smollm2-135m", "target: the embedded default, an HF directory or hub id, or a .gguf file")
+    drafter: str = _f("truncated:4", "initial drafter: truncated:N, small:layers=L,hidden=H, or an HF directory")
+    draft_vocab: int = _f(0, "reduced draft head size (the most frequent target tokens); 0 keeps the full vocabulary")
+    lora_r: int = _f(0, "LoRA rank on the drafter (peft); 0 trains all its weights")
+    output_dir: str = _f("runs/drafter", "where the trained drafter directory is written")
+    work_dir: str = _f("", "checkpoints, teacher data and logs; default: <output_dir>.work")
+
+    # teacher data
+    prompts: list[str] = _f(["self:64"], "prompt sources: jsonl:PATH, hf:NAME[:SPLIT], self:N (see distill.prompts)")
+    exclude_prompts: list[str] = _f([], "prompt sources never trained on (the evaluation questions)")
+    max_prompts: int = _f(0, "cap on the number of prompts; 0 = all")
+    max_new_tokens: int = _f(128, "response length the target writes per prompt")
+    samples_per_prompt: int = _f(1, "responses per prompt (greedy uses 1)")
+    gen_temperature: float = _f(0.0, "teacher sampling temperature; 0 = greedy")
+    gen_top_p: float = _f(1.0, "teacher nucleus sampling")
+    gen_batch_size: int = _f(16, "prompts per batched target generation")
+    topk: int = _f(0, "store the target's top-k log-probs per response token (needed by kd); 0 = none")
+
+    # loss
+    loss: str = _f("ce", f"loss, one of {LOSSES}; seqkd uses ce on the target's tokens")
+    jsd_beta: float = _f(0.5, "beta of the generalized JSD (0 = forward KL, 1 = reverse KL)")
+    kd_temperature: float = _f(1.0, "softening temperature of token-level KD")
+    on_policy_lambda: float = _f(0.0, "kd: probability that a batch's responses are written by the drafter and scored live by the target")
+
+    # optimization
+    lr: float = _f(5e-4, "peak learning rate (AdamW)")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    warmup_steps: int = _f(20, "linear warm-up steps")
+    batch_size: int = _f(8, "sequences per micro-batch per process")
+    grad_accum: int = _f(1, "micro-batches per optimizer step")
+    epochs: int = _f(1, "passes over the teacher data (max_steps wins when set)")
+    max_steps: int = _f(0, "optimizer steps; 0 = run the epochs")
+    max_seq_len: int = _f(384, "prompt + response tokens per sequence (the prompt is cut from the left)")
+    seed: int = _f(0, "seed for data order, teacher sampling and initialization")
+    mixed_precision: str = _f("auto", "no, bf16, fp16, or auto (bf16 on CUDA, no on CPU)")
+
+    # acceptance measured in the loop
+    eval_every: int = _f(50, "measure tau/alpha with the engine every N optimizer steps; 0 = only at the end")
+    eval_prompts: str = _f("self:4", "held-out prompts for the in-loop measurement")
+    eval_max_new_tokens: int = _f(64, "tokens generated per held-out prompt")
+    eval_gamma: int = _f(5, "draft length of the in-loop measurement")
+
+    # bookkeeping
+    checkpoint_every: int = _f(50, "save full training state every N optimizer steps; 0 = never")
+    resume: bool = _f(False, "continue from the latest checkpoint in work_dir")
+    tracker: str = _f("none", f"experiment tracker, one of {TRACKERS} (wandb runs offline without a key)")
+    log_every: int = _f(10, "log a line every N optimizer steps")
+
+    def __post_init__(self):
+        check_choice("method", self.method, METHODS)
+        check_choice("loss", self.loss, LOSSES)
+        check_choice("tracker", self.tracker, TRACKERS)
+        check_choice("mixed_precision", self.mixed_precision, ("auto", "no", "bf16", "fp16"))
+        if self.method == "seqkd" and self.loss != "ce":
+            raise ConfigError(f"loss: seqkd trains with ce on the target's tokens, got {self.loss!r} (use method: kd)")
+        if self.method == "kd" and self.loss == "ce":
+            raise ConfigError("loss: kd needs a divergence (fkl, rkl, jsd or tvd), got 'ce' (use method: seqkd)")
+        if self.method == "kd" and self.topk <= 0 and self.on_policy_lambda < 1.0:
+            raise ConfigError("topk: kd on teacher data needs the target's stored top-k log-probs (topk > 0)")
+        for name in ("max_new_tokens", "gen_batch_size", "batch_size", "grad_accum", "epochs",
+                     "max_seq_len", "samples_per_prompt", "eval_max_new_tokens", "eval_gamma"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("draft_vocab", "lora_r", "max_prompts", "max_steps", "topk", "warmup_steps",
+                     "eval_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.on_policy_lambda <= 1.0:
+            raise ConfigError(f"on_policy_lambda: must be in [0, 1], got {self.on_policy_lambda}")
+        if not 0.0 <= self.jsd_beta <= 1.0:
+            raise ConfigError(f"jsd_beta: must be in [0, 1], got {self.jsd_beta}")
+        if self.lr <= 0 or self.kd_temperature <= 0:
+            raise ConfigError("lr and kd_temperature must be > 0")
+        if not self.prompts:
+            raise ConfigError("prompts: at least one prompt source is needed")
+        if self.samples_per_prompt > 1 and self.gen_temperature == 0:
+            raise ConfigError("samples_per_prompt: several samples per prompt need gen_temperature > 0")
+        if not self.work_dir:
+            self.work_dir = self.output_dir.rstrip("/") + ".work"

@@ -1,0 +1,249 @@
+"""The components `train/distill.py` builds and the steps it runs, each a small function.
+
+The maths (losses, batching, vocabulary reduction, on-policy sampling) lives in `distill/`; this
+module wires it to accelerate, the engine and the drafter directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import shutil
+from itertools import islice
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+from distill.batching import Batch, collate, with_absent_column
+from distill.losses import TopK, distill_loss
+from distill.onpolicy import sample_draft_responses, target_topk_over_draft_head
+from distill.prompts import exclusion_texts, load_prompt_sources
+from distill.teacher_data import TeacherDataSettings, generate_teacher_data, load_teacher_data
+from distill.vocab import count_response_tokens, coverage, inverse_map, select_draft_vocab
+from models.drafters import apply_lora, load_drafter, save_drafter
+from models.heads import reduce_head
+from models.target import load_target
+from train.acceptance import measure_acceptance
+
+log = logging.getLogger("specdistill.distill")
+
+
+# ---- components ---------------------------------------------------------------------------------------
+
+def load_target_for(cfg, accelerator):
+    dtype = torch.bfloat16 if accelerator.device.type == "cuda" else torch.float32
+    return load_target(cfg.target, device=str(accelerator.device), dtype=dtype)
+
+
+def teacher_settings(cfg) -> TeacherDataSettings:
+    greedy = cfg.gen_temperature == 0
+    return TeacherDataSettings(max_new_tokens=cfg.max_new_tokens, greedy=greedy,
+                               num_samples=0 if greedy else cfg.samples_per_prompt,
+                               temperature=cfg.gen_temperature if not greedy else 1.0, top_p=cfg.gen_top_p,
+                               topk=cfg.topk, batch_size=cfg.gen_batch_size, seed=cfg.seed)
+
+
+def teacher_records(cfg, target, accelerator) -> list[dict]:
+    """The target's responses to the training prompts, generated once (split across processes,
+    resumable, cached by content) and read back whole by every process."""
+    excluded = exclusion_texts(cfg.exclude_prompts) if cfg.exclude_prompts else set()
+    prompts = load_prompt_sources(cfg.prompts, target=target, exclude=excluded, seed=cfg.seed)
+    if cfg.max_prompts:
+        prompts = prompts[: cfg.max_prompts]
+    if not prompts:
+        raise ValueError(f"prompts: the sources {cfg.prompts} gave no prompts (after exclusions)")
+    out_dir = Path(cfg.work_dir) / "teacher"
+    generate_teacher_data(target, prompts, teacher_settings(cfg), out_dir=out_dir,
+                          process_index=accelerator.process_index, num_processes=accelerator.num_processes)
+    accelerator.wait_for_everyone()
+    records = [dict(r) for r in load_teacher_data(out_dir)]
+    tokens = sum(len(r["response_ids"]) for r in records)
+    log.info("teacher data: %d prompts, %d responses, %d response tokens", len(prompts), len(records), tokens)
+    return records
+
+
+def build_drafter(cfg, target, records: list[dict]) -> tuple[torch.nn.Module, torch.Tensor | None]:
+    """The initial drafter, its head optionally reduced to the teacher data's most used tokens."""
+    model = load_drafter(cfg.drafter, target).model
+    if model is None:
+        raise ValueError(f"drafter: {cfg.drafter!r} has no weights to train")
+    model = model.to(target.model.device).float()
+    vocab_map = None
+    if cfg.draft_vocab:
+        counts = count_response_tokens(records)
+        v_target = target.model.get_output_embeddings().weight.shape[0]
+        vocab_map = select_draft_vocab(counts, cfg.draft_vocab, v_target, always=target.eos_token_ids)
+        reduce_head(model, vocab_map)
+        log.info("draft head reduced to %d tokens, covering %.1f%% of teacher tokens",
+                 cfg.draft_vocab, 100 * coverage(counts, vocab_map))
+    if cfg.lora_r:
+        model = apply_lora(model, r=cfg.lora_r)
+    if not cfg.lora_r:
+        model.requires_grad_(True)
+    return model, vocab_map
+
+
+def make_loader(cfg, records: list[dict], target, vocab_map) -> DataLoader:
+    pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    v_target = target.model.get_output_embeddings().weight.shape[0]
+    t2d = None if vocab_map is None else inverse_map(vocab_map, v_target)
+    # shuffled by accelerate's seedable sampler (seed + epoch): the same order on resume
+    return DataLoader(records, batch_size=cfg.batch_size, shuffle=True, drop_last=False,
+                      collate_fn=lambda rows: collate(rows, pad_id, cfg.max_seq_len, t2d))
+
+
+def make_optimizer(cfg, model, total_steps: int):
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    def schedule(step: int) -> float:  # linear warm-up, cosine decay to 10%
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def total_steps(cfg, num_batches: int, num_processes: int) -> int:
+    """Optimizer steps of the run; num_batches counts micro-batches before sharding across processes."""
+    if cfg.max_steps:
+        return cfg.max_steps
+    per_process = math.ceil(num_batches / num_processes)
+    return cfg.epochs * math.ceil(per_process / cfg.grad_accum)
+
+
+def eval_prompt_ids(cfg, target) -> list[list[int]]:
+    prompts = load_prompt_sources([cfg.eval_prompts], target=target, seed=cfg.seed + 1)
+    return [target.encode_chat(p.messages) for p in prompts]
+
+
+# ---- one training step ----------------------------------------------------------------------------------
+
+def epoch_batches(accelerator, loader, state):
+    """This epoch's micro-batches, the ones a resumed run already consumed skipped."""
+    loader.set_epoch(state.epoch)
+    if state.batches_in_epoch:
+        return iter(accelerator.skip_first_batches(loader, state.batches_in_epoch))
+    return iter(loader)
+
+
+def accumulation_windows(batches, size: int):
+    """Groups of `size` micro-batches (the last may be shorter): one optimizer step each."""
+    while True:
+        window = list(islice(batches, size))
+        if not window:
+            return
+        yield window
+
+
+def train_window(cfg, accelerator, target, drafter, vocab_map, window: list[Batch], optimizer, scheduler,
+                 state) -> float:
+    """One optimizer step over an accumulation window, token-normalized across the whole window and
+    all processes: every response token weighs the same whatever micro-batch it fell in."""
+    rng = random.Random(cfg.seed * 1_000_003 + state.step)  # on-policy coin flips replay on resume
+    if cfg.on_policy_lambda and rng.random() < cfg.on_policy_lambda:
+        window = [on_policy_batch(cfg, accelerator, target, drafter, vocab_map, b, rng) for b in window]
+    local = torch.tensor(float(sum(int(b.loss_mask.sum()) for b in window)), device=accelerator.device)
+    global_tokens = accelerator.reduce(local, "sum").clamp_min(1.0)
+    # DDP averages gradients over processes and accelerator.backward divides by grad_accum: undo both
+    scale = accelerator.num_processes * accelerator.gradient_accumulation_steps / global_tokens
+    total = 0.0
+    for batch in window:
+        with accelerator.accumulate(drafter):
+            loss_sum = micro_batch_loss(cfg, drafter, batch)
+            accelerator.backward(loss_sum * scale)
+            total += float(loss_sum)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(drafter.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        state.batches_in_epoch += 1
+    return float(accelerator.reduce(torch.tensor(total, device=accelerator.device), "sum") / global_tokens)
+
+
+def micro_batch_loss(cfg, drafter, batch: Batch) -> torch.Tensor:
+    """Sum of the per-token loss over the batch's response positions."""
+    logits = drafter(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [B, T, V_d]
+    if cfg.loss == "ce":
+        return distill_loss("ce", logits, labels=batch.labels, mask=batch.loss_mask, reduction="sum")
+    target = TopK(batch.topk_ids, batch.topk_logprobs)
+    if int(batch.topk_ids.max()) >= logits.shape[-1]:  # ids outside a reduced head
+        logits = with_absent_column(logits)
+    return distill_loss(cfg.loss, logits, target=target, mask=batch.loss_mask, beta=cfg.jsd_beta,
+                        temperature=cfg.kd_temperature, reduction="sum")
+
+
+@torch.no_grad()
+def on_policy_batch(cfg, accelerator, target, drafter, vocab_map, batch: Batch, rng: random.Random) -> Batch:
+    """Replace the batch's responses by the drafter's own samples, scored live by the target."""
+    prompts = [ids[: int(start)].tolist() for ids, start in zip(batch.input_ids, first_loss_position(batch))]
+    model = accelerator.unwrap_model(drafter)
+    pad_id = 0
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    responses = sample_draft_responses(model, prompts, cfg.max_new_tokens, 1.0, target.eos_token_ids, pad_id,
+                                       vocab_map, gen)
+    records = [{"prompt_ids": p, "response_ids": r or [next(iter(target.eos_token_ids))]}
+               for p, r in zip(prompts, responses)]
+    fresh = collate(records, pad_id, cfg.max_seq_len).to(accelerator.device)
+    target_logits = target.model(input_ids=fresh.input_ids, attention_mask=fresh.attention_mask).logits
+    live = target_topk_over_draft_head(target_logits, vocab_map)
+    fresh.topk_ids, fresh.topk_logprobs = live.ids, live.logprobs
+    if vocab_map is not None:  # labels in draft indices (only used by ce, kept consistent)
+        v_target = target_logits.shape[-1]
+        t2d = inverse_map(vocab_map, v_target).to(fresh.labels.device)
+        fresh.loss_mask &= t2d[fresh.labels] >= 0
+        fresh.labels = t2d[fresh.labels].clamp_min(0)
+    return fresh
+
+
+def first_loss_position(batch: Batch) -> torch.Tensor:
+    """[B] the first position predicting a response token + 1 = the prompt length."""
+    return batch.loss_mask.float().argmax(-1) + 1
+
+
+def current_lr(drafter, accelerator) -> float:
+    return accelerator._optimizers[0].param_groups[0]["lr"] if accelerator._optimizers else 0.0
+
+
+# ---- measuring and saving -------------------------------------------------------------------------------
+
+def measure(cfg, target, model, vocab_map, prompt_ids) -> dict:
+    return measure_acceptance(target, model, vocab_map, prompt_ids, cfg.eval_max_new_tokens, cfg.eval_gamma)
+
+
+def save_best(cfg, target, model, vocab_map, state) -> Path:
+    """The best drafter so far, as a complete drafter directory under work_dir/best."""
+    return save_drafter(Path(cfg.work_dir) / "best", plain_model(model), target, "draft_model", config=vars(cfg),
+                        vocab_map=vocab_map, extra={"step": state.step, "held_out_tau": state.best_tau,
+                                                    "history": state.history})
+
+
+def publish_best(cfg, accelerator, target, vocab_map, state) -> Path:
+    """Copy the best measured drafter to output_dir (atomically: a copy, then a rename)."""
+    out = Path(cfg.output_dir)
+    if accelerator.is_main_process:
+        tmp = out.with_name(f".{out.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(Path(cfg.work_dir) / "best", tmp)
+        old = out.with_name(f".{out.name}.old")
+        if out.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+        log.info("drafter written to %s (step %d, held-out tau %.3f)", out, state.best_step, state.best_tau)
+    accelerator.wait_for_everyone()
+    return out
+
+
+def plain_model(model):
+    """A peft-wrapped model merged into plain weights; anything else as is."""
+    if hasattr(model, "merge_and_unload"):
+        import copy
+
+        return copy.deepcopy(model).merge_and_unload()
+    return model
