@@ -1,0 +1,68 @@
+"""Batched generation by the target through HF `generate`, shared by self-prompting and teacher data.
+
+Every sampling knob is set explicitly, so that the model's own generation_config (top_k=50 by HF default,
+repetition penalties) cannot silently change the distribution the drafter is taught.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+import torch
+from transformers import GenerationConfig
+
+__all__ = ["generate_batch", "cut_at_eos", "left_pad", "pad_token_id"]
+
+
+def pad_token_id(tokenizer, eos_token_ids: Collection[int]) -> int:
+    """The tokenizer's pad id, else an EOS id (padding is masked out and stripped either way)."""
+    if tokenizer.pad_token_id is not None:
+        return int(tokenizer.pad_token_id)
+    if not eos_token_ids:
+        raise ValueError("the target's tokenizer has neither a pad token nor an EOS token")
+    return min(eos_token_ids)
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int,
+             device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids [B, T], attention_mask [B, T]) with the sequences right-aligned."""
+    if not sequences or any(len(s) == 0 for s in sequences):
+        raise ValueError("cannot generate from an empty batch or an empty prompt")
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, width - len(seq):] = torch.tensor(list(seq), dtype=torch.long)
+        mask[row, width - len(seq):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def cut_at_eos(tokens: Sequence[int], eos_token_ids: Collection[int]) -> list[int]:
+    """Tokens up to and including the first EOS; all of them when there is none."""
+    for i, tok in enumerate(tokens):
+        if tok in eos_token_ids:
+            return list(tokens[: i + 1])
+    return list(tokens)
+
+
+def generation_config(max_new_tokens: int, do_sample: bool, temperature: float, top_p: float,
+                      pad_id: int, eos_token_ids: Collection[int]) -> GenerationConfig:
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=0) if do_sample else {}
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=do_sample, num_beams=1,
+        repetition_penalty=1.0, pad_token_id=pad_id, eos_token_id=sorted(eos_token_ids), **sampling,
+    )
+
+
+@torch.inference_mode()
+def generate_batch(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, pad_id: int,
+                   eos_token_ids: Collection[int], do_sample: bool = False, temperature: float = 1.0,
+                   top_p: float = 1.0) -> list[list[int]]:
+    """New tokens per prompt, each cut after its first EOS (kept). Sampling draws from torch's global RNG
+    (HF generate takes no generator): callers seed it, inside `torch.random.fork_rng` to leave theirs be."""
+    device = next(model.parameters()).device
+    input_ids, attention_mask = left_pad(prompts, pad_id, device)       # [B, T]
+    config = generation_config(max_new_tokens, do_sample, temperature, top_p, pad_id, eos_token_ids)
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    new = out[:, input_ids.shape[1]:].tolist()                         # [B, <= max_new_tokens]
+    return [cut_at_eos(row, eos_token_ids) for row in new]
