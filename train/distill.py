@@ -36,7 +36,7 @@ from train import distill_steps as steps  # noqa: E402
 log = logging.getLogger("specdistill.distill")
 
 
-def main(argv: list[str] | None = None) -> Path:
+def main(argv: list[str] | None = None) -> Path | None:
     cfg = load_config(DistillConfig, argv)
     accelerator = make_accelerator(cfg)
     set_seed(cfg.seed)
@@ -50,9 +50,9 @@ def main(argv: list[str] | None = None) -> Path:
     state = resume_or_start(cfg, accelerator)
     eval_prompts = steps.eval_prompt_ids(cfg, target) if accelerator.is_main_process else []
 
-    train(cfg, accelerator, target, drafter, vocab_map, loader, optimizer, scheduler, state, eval_prompts, total)
-
-    out = steps.publish_best(cfg, accelerator, target, vocab_map, state)
+    finished = train(cfg, accelerator, target, drafter, vocab_map, loader, optimizer, scheduler, state,
+                     eval_prompts, total)
+    out = steps.publish_best(cfg, accelerator, target, vocab_map, state) if finished else None
     accelerator.end_training()
     return out
 
@@ -87,7 +87,8 @@ def resume_or_start(cfg: DistillConfig, accelerator: Accelerator) -> TrainState:
 
 
 def train(cfg, accelerator, target, drafter, vocab_map, loader, optimizer, scheduler, state, eval_prompts,
-          total: int) -> None:
+          total: int) -> bool:
+    """Train to `total` steps; False when stopped early at `stop_at_step` (resume to continue)."""
     bar = tqdm(total=total, initial=state.step, desc="distill", disable=not accelerator.is_local_main_process)
     drafter.train()
     while state.step < total:
@@ -98,6 +99,10 @@ def train(cfg, accelerator, target, drafter, vocab_map, loader, optimizer, sched
             state.step += 1
             bar.update(1)
             after_step(cfg, accelerator, target, drafter, vocab_map, state, loss, eval_prompts, bar)
+            if state.step == cfg.stop_at_step:
+                save_checkpoint(accelerator, state, cfg.work_dir)
+                log.info("stopped at step %d as asked; continue with --resume", state.step)
+                return False
             if state.step >= total:
                 break
         else:
@@ -105,6 +110,7 @@ def train(cfg, accelerator, target, drafter, vocab_map, loader, optimizer, sched
     bar.close()
     if not state.history or state.history[-1]["step"] != state.step:
         evaluate(cfg, accelerator, target, drafter, vocab_map, state, eval_prompts)
+    return True
 
 
 def after_step(cfg, accelerator, target, drafter, vocab_map, state, loss, eval_prompts, bar) -> None:

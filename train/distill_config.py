@@ -67,6 +67,7 @@ class DistillConfig:
     # bookkeeping
     checkpoint_every: int = _f(50, "save full training state every N optimizer steps; 0 = never")
     resume: bool = _f(False, "continue from the latest checkpoint in work_dir")
+    stop_at_step: int = _f(0, "checkpoint and stop after this optimizer step, as a preempted job would (continue with resume); 0 = run to the end")
     tracker: str = _f("none", f"experiment tracker, one of {TRACKERS} (wandb runs offline without a key)")
     log_every: int = _f(10, "log a line every N optimizer steps")
 
@@ -86,7 +87,7 @@ class DistillConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("draft_vocab", "lora_r", "max_prompts", "max_steps", "topk", "warmup_steps",
-                     "eval_every", "checkpoint_every"):
+                     "eval_every", "checkpoint_every", "stop_at_step"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.on_policy_lambda <= 1.0:

@@ -8,7 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 import decode.sampling as sampling_mod
-from conftest import make_tiny_llama
+from tests.conftest import make_tiny_llama
 from decode.engine import SpeculativeEngine
 from decode.proposers import DraftModelProposer, PromptLookupProposer
 from decode.sampling import SamplingConfig, logits_to_probs, verify_sampling

@@ -1,0 +1,51 @@
+"""Batches put the loss exactly on response positions; a reduced vocabulary maps back exactly."""
+
+from collections import Counter
+
+import torch
+
+from distill.batching import collate, fit_to_length, with_absent_column
+from distill.vocab import coverage, inverse_map, select_draft_vocab
+
+
+def test_labels_sit_where_logits_predict_the_response():
+    records = [{"prompt_ids": [5, 6, 7], "response_ids": [8, 9]}, {"prompt_ids": [1], "response_ids": [2, 3, 4]}]
+    b = collate(records, pad_id=0, max_len=16)
+    assert b.input_ids.tolist() == [[5, 6, 7, 8, 9], [1, 2, 3, 4, 0]]
+    assert b.loss_mask.tolist() == [[False, False, True, True, False], [True, True, True, False, False]]
+    # position t predicts input t + 1: the label at every masked position is the next input token
+    nxt = torch.roll(b.input_ids, -1, dims=1)
+    assert torch.equal(b.labels[b.loss_mask], nxt[b.loss_mask])
+    assert b.attention_mask.tolist() == [[1] * 5, [1, 1, 1, 1, 0]]
+
+
+def test_long_sequences_keep_the_prompt_end_and_a_response_start():
+    prompt, response = fit_to_length(list(range(10)), [100, 101, 102], max_len=6)
+    assert prompt == [7, 8, 9] and response == [100, 101, 102]
+    prompt, response = fit_to_length([1, 2], list(range(10)), max_len=4)
+    assert prompt == [2] and response == [0, 1, 2]
+
+
+def test_topk_aligned_with_labels():
+    rec = {"prompt_ids": [1, 2], "response_ids": [3, 4],
+           "topk_ids": [[3, 5], [4, 6]], "topk_logprobs": [[-0.1, -2.0], [-0.2, -3.0]]}
+    b = collate([rec], pad_id=0, max_len=8)
+    assert b.topk_ids[0, 1].tolist() == [3, 5] and b.topk_ids[0, 2].tolist() == [4, 6]
+    assert torch.equal(b.topk_ids[b.loss_mask][:, 0], b.labels[b.loss_mask])
+
+
+def test_reduced_vocab_maps_labels_and_drops_absent_ones():
+    counts = Counter({7: 10, 3: 5, 9: 1, 11: 1})
+    vmap = select_draft_vocab(counts, 3, target_vocab=20, always=[2])
+    assert vmap.tolist() == [2, 3, 7]  # eos kept, then the most frequent, sorted
+    inv = inverse_map(vmap, 20)
+    assert inv[vmap].tolist() == [0, 1, 2] and int((inv >= 0).sum()) == 3
+    assert coverage(counts, vmap) == 15 / 17
+    rec = {"prompt_ids": [1], "response_ids": [7, 9, 3], "topk_ids": [[7, 9], [9, 7], [3, 7]],
+           "topk_logprobs": [[-0.1, -3.0], [-0.5, -1.0], [-0.1, -3.0]]}
+    b = collate([rec], pad_id=0, max_len=8, target_to_draft=inv)
+    assert b.loss_mask[0].tolist() == [True, False, True, False]  # token 9 cannot be drafted
+    assert b.labels[0, [0, 2]].tolist() == [2, 1]
+    assert b.topk_ids[0, 0].tolist() == [2, 3]  # 9 -> the absent column, index n_draft = 3
+    assert b.topk_logprobs[0, 0, 1] == float("-inf")
+    assert with_absent_column(torch.zeros(1, 4, 3)).shape == (1, 4, 4)
