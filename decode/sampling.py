@@ -92,8 +92,8 @@ def verify_sampling(
     while True:
         p = probs[node]
         accepted = None
-        for child in tree.children(node):
-            p, ok = try_accept(p, tree.tokens[child], tree.draft_probs[child], generator)
+        for _, child, q in proposals_in_source_order(tree, node):
+            p, ok = try_accept(p, tree.tokens[child], q, generator)
             if ok:
                 accepted = child
                 break
@@ -101,6 +101,13 @@ def verify_sampling(
             return Verdict(path, sample(p, generator))
         node = accepted
         path.append(node)
+
+
+def proposals_in_source_order(tree: TokenTree, node: int) -> list[tuple[int, int, torch.Tensor | None]]:
+    """(source, child, q) of every draft under `node`, ordered by source (then insertion). The order
+    must not depend on the sampled tokens themselves, or the rejection chain would be biased."""
+    found = [(source, child, q) for child in tree.children(node) for source, q in tree.proposals[child]]
+    return sorted(found, key=lambda item: item[0])
 
 
 def try_accept(

@@ -16,14 +16,16 @@ import torch
 class TokenTree:
     tokens: list[int]
     parents: list[int]  # parents[0] == -1
-    # The distribution each node's token was sampled from ([V] probabilities over the target's
-    # vocabulary), or None where the proposal was deterministic (greedy drafts, n-gram lookup).
-    draft_probs: list[torch.Tensor | None] = field(default_factory=list)
+    # Who proposed each node: (source, q) pairs, one per proposer (drafter) that drafted this
+    # token here, where q is the [V] distribution over the target's vocabulary it was sampled
+    # from, or None for a deterministic proposal (greedy drafts, n-gram lookup). Several sources
+    # share a node when their drafts coincide; sampling verification tries them in source order.
+    proposals: list[list[tuple[int, torch.Tensor | None]]] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)
 
     @classmethod
     def root(cls, token: int) -> "TokenTree":
-        return cls(tokens=[token], parents=[-1], draft_probs=[None], depths=[0])
+        return cls(tokens=[token], parents=[-1], proposals=[[]], depths=[0])
 
     @classmethod
     def chain(cls, root: int, drafts: list[int], probs: list[torch.Tensor | None] | None = None) -> "TokenTree":
@@ -33,18 +35,27 @@ class TokenTree:
             parent = tree.add(token, parent, probs[i] if probs else None, dedupe=False)
         return tree
 
+    def add_chain(self, drafts: list[int], probs: list[torch.Tensor | None] | None = None, source: int = 0) -> None:
+        """Merge one proposer's chain under the root, sharing prefixes with what is there."""
+        parent = 0
+        for i, token in enumerate(drafts):
+            parent = self.add(token, parent, probs[i] if probs else None, source=source)
+
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def add(self, token: int, parent: int, probs: torch.Tensor | None = None, dedupe: bool = True) -> int:
-        """Append `token` under `parent`; with `dedupe`, reuse an existing identical child."""
+    def add(self, token: int, parent: int, probs: torch.Tensor | None = None, dedupe: bool = True,
+            source: int = 0) -> int:
+        """Append `token` under `parent` as proposed by `source`; with `dedupe`, an identical child
+        is shared (the proposal is recorded on it) instead of duplicated."""
         if dedupe:
             for child in self.children(parent):
                 if self.tokens[child] == token:
+                    self.proposals[child].append((source, probs))
                     return child
         self.tokens.append(int(token))
         self.parents.append(parent)
-        self.draft_probs.append(probs)
+        self.proposals.append([(source, probs)])
         self.depths.append(self.depths[parent] + 1)
         return len(self.tokens) - 1
 
