@@ -58,12 +58,12 @@ class TopK:
             raise ValueError(f"TopK ids {tuple(self.ids.shape)} and logprobs {tuple(self.logprobs.shape)} differ")
 
 
-Target = torch.Tensor | TopK
+TargetDist = torch.Tensor | TopK   # full target logits [B, T, V] or its stored top-k
 
 
 # ---- entry point --------------------------------------------------------------------------------
 
-def distill_loss(kind: str, draft_logits: torch.Tensor, target: Target | None = None,
+def distill_loss(kind: str, draft_logits: torch.Tensor, target: TargetDist | None = None,
                  labels: torch.Tensor | None = None, mask: torch.Tensor | None = None, beta: float = 0.5,
                  temperature: float = 1.0, reduction: Reduction = "mean",
                  normalizer: float | torch.Tensor | None = None) -> torch.Tensor:
@@ -96,7 +96,7 @@ def cross_entropy_loss(draft_logits: torch.Tensor, labels: torch.Tensor, mask: t
     return reduce_tokens(per_token, mask, reduction, normalizer)
 
 
-def forward_kl(draft_logits: torch.Tensor, target: Target, mask: torch.Tensor | None = None,
+def forward_kl(draft_logits: torch.Tensor, target: TargetDist, mask: torch.Tensor | None = None,
                temperature: float = 1.0, reduction: Reduction = "mean",
                normalizer: float | torch.Tensor | None = None) -> torch.Tensor:
     """KL(p_target || q_draft)."""
@@ -104,7 +104,7 @@ def forward_kl(draft_logits: torch.Tensor, target: Target, mask: torch.Tensor | 
     return reduce_tokens(kl_per_token(target_logp, draft_logp), mask, reduction, normalizer)
 
 
-def reverse_kl(draft_logits: torch.Tensor, target: Target, mask: torch.Tensor | None = None,
+def reverse_kl(draft_logits: torch.Tensor, target: TargetDist, mask: torch.Tensor | None = None,
                temperature: float = 1.0, reduction: Reduction = "mean",
                normalizer: float | torch.Tensor | None = None) -> torch.Tensor:
     """KL(q_draft || p_target)."""
@@ -112,7 +112,7 @@ def reverse_kl(draft_logits: torch.Tensor, target: Target, mask: torch.Tensor | 
     return reduce_tokens(kl_per_token(draft_logp, target_logp), mask, reduction, normalizer)
 
 
-def jsd(draft_logits: torch.Tensor, target: Target, mask: torch.Tensor | None = None, beta: float = 0.5,
+def jsd(draft_logits: torch.Tensor, target: TargetDist, mask: torch.Tensor | None = None, beta: float = 0.5,
         temperature: float = 1.0, reduction: Reduction = "mean",
         normalizer: float | torch.Tensor | None = None) -> torch.Tensor:
     """Generalized Jensen-Shannon divergence of GKD (Agarwal et al. 2024), rescaled to be continuous in beta.
@@ -140,7 +140,7 @@ def jsd(draft_logits: torch.Tensor, target: Target, mask: torch.Tensor | None = 
     return reduce_tokens(per_token, mask, reduction, normalizer)
 
 
-def total_variation(draft_logits: torch.Tensor, target: Target, mask: torch.Tensor | None = None,
+def total_variation(draft_logits: torch.Tensor, target: TargetDist, mask: torch.Tensor | None = None,
                     temperature: float = 1.0, reduction: Reduction = "mean",
                     normalizer: float | torch.Tensor | None = None) -> torch.Tensor:
     """0.5 * sum |p - q|, in [0, 1]. One minus it is the speculative-sampling acceptance probability."""
@@ -197,7 +197,7 @@ def kl_per_token(p_logp: torch.Tensor, q_logp: torch.Tensor) -> torch.Tensor:
     return (p_logp.exp() * (p_logp - q_logp)).sum(-1)                  # [B, T]
 
 
-def paired_log_probs(draft_logits: torch.Tensor, target: Target,
+def paired_log_probs(draft_logits: torch.Tensor, target: TargetDist,
                      temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(draft log-probs, target log-probs) over the same outcomes: the vocabulary [B, T, V] for full
     target logits, or the K+1 collapsed categorical [B, T, K+1] for a TopK target. Computed in fp32."""
