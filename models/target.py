@@ -1,0 +1,185 @@
+"""Targets: the model whose output speculative decoding must reproduce, with its tokenizer and fingerprint.
+
+`load_target(spec)` accepts:
+  None or "smollm2-135m"  the embedded default (models.embedded), cached after the first use;
+  a local HF directory     anything AutoModelForCausalLM loads (config.json + weights + tokenizer);
+  a .gguf file             dequantized once and cached under $SPECDISTILL_CACHE keyed by its hash;
+  a hub id ("org/name")    from the local HF cache, else the hub (unreachable from these machines).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from models.embedded import EMBEDDED_NAME, embedded_target_dir
+from models.fingerprint import fingerprint_target, tokenizer_fingerprint
+from models.gguf_convert import cached_gguf_dir
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TARGET = EMBEDDED_NAME
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+class HubUnreachableError(OSError):
+    """A hub id was given, it is not in the local HF cache, and the hub cannot be reached."""
+
+
+@dataclass
+class Target:
+    model: "torch.nn.Module"  # HF causal LM, eval(), requires_grad_(False), on its device
+    tokenizer: object  # a transformers tokenizer (None only for synthetic test targets)
+    name: str
+    fingerprint: str
+    _tokenizer_fingerprint: str | None = field(default=None, repr=False)
+
+    @cached_property
+    def tokenizer_fingerprint(self) -> str:
+        return self._tokenizer_fingerprint or tokenizer_fingerprint(self.tokenizer)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output head: the token ids the target can emit."""
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """The tokenizer's EOS plus every EOS id of the generation config (chat models often have several)."""
+        ids = set(as_id_list(getattr(self.tokenizer, "eos_token_id", None)))
+        generation_config = getattr(self.model, "generation_config", None)
+        ids.update(as_id_list(getattr(generation_config, "eos_token_id", None)))
+        return ids
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of `messages` under the tokenizer's own chat template, ready for the assistant turn."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"the tokenizer of target {self.name!r} has no chat template; "
+                             "use a chat/instruct model or encode prompts with tokenizer(...) directly")
+        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded
+        if ids and isinstance(ids[0], list):  # a batch of one conversation
+            ids = ids[0]
+        return [int(token) for token in ids]
+
+
+def as_id_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple, set)) else [int(value)]
+
+
+def target_from_model(model: torch.nn.Module, tokenizer, name: str = "custom") -> Target:
+    """Wrap an already loaded model (frozen in place) as a Target; used by tests and by load_target."""
+    model.eval().requires_grad_(False)
+    return Target(model=model, tokenizer=tokenizer, name=name, fingerprint=fingerprint_target(model, tokenizer),
+                  _tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
+
+
+def default_dtype(device: str | torch.device) -> torch.dtype:
+    """fp32 on CPU (bf16 matmuls are slow there), bf16 on CUDA."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def load_target(spec: str | None = None, device: str = "cpu", dtype: torch.dtype | None = None) -> Target:
+    """Load a target (see the module docstring for the accepted specs), frozen, on `device`."""
+    dtype = dtype or default_dtype(device)
+    name = DEFAULT_TARGET if spec is None else str(spec)
+    source = resolve_target_source(name)
+    if source is None:
+        model, tokenizer = load_from_hub(name, dtype)
+    else:
+        model, tokenizer = load_local(source, dtype)
+    target = target_from_model(model.to(device), tokenizer, name)
+    log.info("loaded target %s (%s, %s, fingerprint %s)", name, device, dtype, target.fingerprint[:12])
+    return target
+
+
+def resolve_target_source(spec: str) -> Path | None:
+    """The local HF directory to load for `spec`, or None for a hub id."""
+    if spec == DEFAULT_TARGET:
+        return embedded_target_dir()
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"target {spec!r} is a file but not a .gguf checkpoint; pass a .gguf file, "
+                             f"an HF model directory, {DEFAULT_TARGET!r} or a hub id")
+        return cached_gguf_dir(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"target directory {path} has no config.json; it is not a HF model directory")
+        return path
+    if spec.endswith(".gguf") or not HUB_ID.match(spec) or spec.startswith((".", "~")):
+        raise FileNotFoundError(f"target {spec!r} does not exist (expected an HF model directory, a .gguf file, "
+                                f"{DEFAULT_TARGET!r} or a hub id like 'org/name')")
+    return None
+
+
+def load_local(directory: Path, dtype: torch.dtype):
+    model = load_causal_lm(str(directory), dtype)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    except (OSError, ValueError) as err:
+        raise FileNotFoundError(f"target directory {directory} has no usable tokenizer ({err})") from err
+    return model, tokenizer
+
+
+def load_causal_lm(source: str, dtype: torch.dtype, **kwargs):
+    """AutoModelForCausalLM with SDPA attention, or the model's default where SDPA is unsupported."""
+    try:
+        return AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa", **kwargs)
+    except ValueError as err:
+        if "sdpa" not in str(err).lower():
+            raise
+        log.warning("%s does not support SDPA attention; using its default", source)
+        return AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+
+
+def load_from_hub(hub_id: str, dtype: torch.dtype):
+    """From the local HF cache if it is there, else from the hub, with a clear error when unreachable."""
+    try:
+        model = load_causal_lm(hub_id, dtype, local_files_only=True)
+        return model, AutoTokenizer.from_pretrained(hub_id, local_files_only=True)
+    except OSError:
+        log.info("%s is not in the local HF cache; trying the hub", hub_id)
+    if not hub_reachable():
+        raise HubUnreachableError(
+            f"target {hub_id!r} is neither a local path nor in the local HF cache, and the Hugging Face hub "
+            "is unreachable from this machine; download the model elsewhere and pass its local directory "
+            f"(or a .gguf file), or use the embedded default {DEFAULT_TARGET!r}")
+    try:
+        return load_causal_lm(hub_id, dtype), AutoTokenizer.from_pretrained(hub_id)
+    except OSError as err:
+        raise HubUnreachableError(f"could not load target {hub_id!r} from the hub ({err}); "
+                                  "pass a local HF directory or a .gguf file instead") from err
+
+
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """A TCP connection to the hub endpoint succeeds (avoids minutes of HTTP retries when it cannot)."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return False
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        with socket.create_connection((endpoint.hostname, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
