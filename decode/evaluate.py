@@ -1,0 +1,323 @@
+"""The evaluation command: a drafter's speculative decoding against plain decoding of the same target.
+
+    python -m decode.evaluate --drafter truncated:4 --questions question.jsonl [--target T] [--peers hf]
+
+Spec-Bench's protocol: greedy by default, batch size 1, every method in one process on the same
+prompts after its own warm-up, methods interleaved per question (so the machine's noise hits them
+alike), multi-turn questions with turn k+1 conditioned on the method's own answer to turn k, speedup
+per category and overall, losslessness checked token for token against the baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import platform
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from decode.peers import (HF_PROMPT_LOOKUP_NUM_TOKENS, Method, assisted_skip_reason, engine_method,
+                          hf_method)
+from decode.proposers import build_proposer
+from decode.questions import Question, QuestionFileError, load_questions
+from decode.report import BASELINE, TurnResult, format_tables, summarize, write_report
+from decode.sampling import SamplingConfig
+
+log = logging.getLogger(__name__)
+
+PEERS = ("none", "hf")
+
+
+@dataclass
+class EvalConfig:
+    drafters: tuple[str, ...]  # drafter specs (models.drafters.load_drafter); one "speculative" method each
+    questions: str  # the question file, recorded in the report
+    target: str | None = None  # target spec (models.target.load_target); None = the embedded default
+    limit: int | None = None  # the first N questions; None = all
+    max_new_tokens: int = 256  # per turn
+    temperature: float = 0.0  # 0 = greedy (the protocol); > 0 = speculative sampling, no mismatch check
+    gamma: int = 5  # draft length of draft-model proposers
+    peers: str = "none"  # "hf": also transformers' generate, assisted generation and prompt lookup
+    warmup: int = 2  # untimed generations per method before measuring
+    device: str = "cpu"
+    seed: int = 0  # for sampling
+    out: str | None = None  # output directory; None = runs/evaluate/<time>
+
+    def __post_init__(self):
+        self.drafters = tuple(self.drafters)
+        if not self.drafters:
+            raise ValueError("drafters: at least one drafter spec is needed")
+        checks = {"limit": self.limit is None or self.limit >= 1, "max_new_tokens": self.max_new_tokens >= 1,
+                  "temperature": self.temperature >= 0, "gamma": self.gamma >= 1, "warmup": self.warmup >= 0,
+                  "peers": self.peers in PEERS}
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"{name}: invalid value {getattr(self, name)!r}")
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(temperature=self.temperature, seed=self.seed)
+
+
+@dataclass
+class EvalResult:
+    config: dict  # the run's configuration, target fingerprint, drafter manifests, machine
+    summary: dict  # decode.report.summarize
+    results: list[TurnResult]
+    skipped: dict[str, str]  # method -> why it did not run
+
+
+# ---- the protocol ----------------------------------------------------------------------------------
+
+def conversation_for_turn(turns: Sequence[str], answers: Sequence[str], k: int) -> list[dict]:
+    """The messages that turn k is generated from: every earlier user turn followed by the method's
+    own answer to it, then user turn k."""
+    if len(answers) < k:
+        raise ValueError(f"turn {k} needs the answers to the {k} turns before it, got {len(answers)}")
+    messages = []
+    for i in range(k):
+        messages += [{"role": "user", "content": turns[i]}, {"role": "assistant", "content": answers[i]}]
+    return messages + [{"role": "user", "content": turns[k]}]
+
+
+def decode_answer(tokenizer, tokens: list[int]) -> str:
+    """The answer as the next turn's conversation carries it (special tokens such as EOS dropped)."""
+    return tokenizer.decode(tokens, skip_special_tokens=True).strip()
+
+
+def run_question(method: Method, question: Question, target) -> list[TurnResult]:
+    """Every turn of one question with one method, each turn conditioned on the method's own answers."""
+    answers, results = [], []
+    for k in range(len(question.turns)):
+        prompt_ids = target.encode_chat(conversation_for_turn(question.turns, answers, k))
+        out = method.run(prompt_ids)
+        answers.append(decode_answer(target.tokenizer, out.tokens))
+        results.append(TurnResult(question.question_id, question.category, k, method.name, len(prompt_ids),
+                                  out.tokens, answers[-1], out.wall_s, out.stats))
+    return results
+
+
+def warm_up(methods: list[Method], questions: list[Question], target, n: int) -> None:
+    """n untimed generations per method (first turns of the first questions, round robin): allocator,
+    thread pools and the engine's adaptive draft length settle before anything is measured."""
+    prompts = [target.encode_chat(conversation_for_turn(q.turns, [], 0)) for q in questions[:n]]
+    for i in range(n):
+        for method in methods:
+            method.run(prompts[i % len(prompts)])
+
+
+def run_methods(methods: list[Method], questions: list[Question], target, warmup: int = 2,
+                progress: bool = True) -> list[TurnResult]:
+    """Warm up, then for each question run every method (interleaved), in the given order."""
+    warm_up(methods, questions, target, warmup)
+    results = []
+    for question in tqdm(questions, desc="questions", unit="q", disable=not progress):
+        for method in methods:
+            results += run_question(method, question, target)
+    return results
+
+
+# ---- building the methods ----------------------------------------------------------------------------
+
+def build_methods(target, drafters: Mapping[str, object], config: EvalConfig) -> tuple[list[Method], dict[str, str]]:
+    """baseline, one speculative method per drafter, and with peers="hf" transformers' methods.
+    Returns the methods and {method: reason} for the ones that cannot run."""
+    one = len(drafters) == 1
+    sampling = config.sampling
+    methods = [engine_method(BASELINE, target, None, config.max_new_tokens, sampling)]
+    for spec, drafter in drafters.items():
+        proposer = build_proposer(drafter, target.model, gamma=config.gamma, eos_token_ids=target.eos_token_ids)
+        methods.append(engine_method(method_name("speculative", spec, one), target, proposer,
+                                     config.max_new_tokens, sampling))
+    skipped = {}
+    if config.peers == "hf":
+        methods.append(hf_method("hf_generate", target, config.max_new_tokens, sampling))
+        for spec, drafter in drafters.items():
+            name, reason = method_name("hf_assisted", spec, one), assisted_skip_reason(drafter, target)
+            if reason:
+                skipped[name] = reason
+                log.info("skipping %s: %s", name, reason)
+            else:
+                methods.append(hf_method(name, target, config.max_new_tokens, sampling, assistant_model=drafter.model))
+        methods.append(hf_method("hf_prompt_lookup", target, config.max_new_tokens, sampling,
+                                 generation_options={"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_NUM_TOKENS}))
+    return methods, skipped
+
+
+def method_name(kind: str, spec: str, only_drafter: bool) -> str:
+    return kind if only_drafter else f"{kind}[{spec}]"
+
+
+def as_drafter_map(drafters) -> dict[str, object]:
+    """A single Drafter or {label: Drafter} -> {label: Drafter} (a single one is labelled by its spec)."""
+    if isinstance(drafters, Mapping):
+        return dict(drafters)
+    label = (drafters.manifest.get("config") or {}).get("spec") or drafters.path or drafters.kind
+    return {str(label): drafters}
+
+
+def run_evaluation(target, drafters, questions: list[Question], config: EvalConfig,
+                   progress: bool = True) -> EvalResult:
+    """Evaluate already-loaded objects: target (models.target.Target), drafters (a models.drafters.Drafter
+    or {label: Drafter}) and questions. The CLI wraps this; tests pass tiny models."""
+    drafters = as_drafter_map(drafters)
+    methods, skipped = build_methods(target, drafters, config)
+    return evaluate_methods(methods, skipped, target, drafters, questions, config, progress)
+
+
+def evaluate_methods(methods: list[Method], skipped: dict[str, str], target, drafters: Mapping[str, object],
+                     questions: list[Question], config: EvalConfig, progress: bool = True) -> EvalResult:
+    results = run_methods(methods, questions, target, config.warmup, progress)
+    summary = summarize(results, [m.name for m in methods], greedy=config.sampling.greedy)
+    return EvalResult(describe_run(target, drafters, questions, config), summary, results, skipped)
+
+
+def describe_run(target, drafters: Mapping[str, object], questions: list[Question], config: EvalConfig) -> dict:
+    manifests = {spec: drafter.manifest for spec, drafter in drafters.items()}
+    return {**asdict(config), "questions_evaluated": len(questions),
+            "turns_evaluated": sum(len(q.turns) for q in questions),
+            "target_name": target.name, "target_fingerprint": target.fingerprint,
+            "drafter_manifest": next(iter(manifests.values())) if len(manifests) == 1 else None,
+            "drafter_manifests": manifests, "hf_prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_NUM_TOKENS,
+            "machine": machine_info(target.device)}
+
+
+def machine_info(device) -> dict:
+    device = torch.device(device)
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "platform": platform.platform(),
+            "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(), "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()}
+
+
+# ---- command line ------------------------------------------------------------------------------------
+
+def positive_int(text: str) -> int:
+    value = int_arg(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int_arg(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def int_arg(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def existing_file(text: str) -> str:
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"file not found: {text}")
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = EvalConfig.__dataclass_fields__
+    p = argparse.ArgumentParser(prog="python -m decode.evaluate", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target", default=None, help="target: an HF model directory, a .gguf file, a hub id in the "
+                   "local HF cache, or nothing for the embedded default (SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", action="append", required=True, help="drafter spec: truncated:N, prompt_lookup, "
+                   "a drafter directory, ... (models.drafters); repeat to compare several in one run")
+    p.add_argument("--questions", type=existing_file, required=True,
+                   help="JSONL question file: MT-bench/Spec-Bench {question_id, category, turns} or {prompt}")
+    p.add_argument("--limit", type=positive_int, default=None, help="evaluate the first N questions (default: all)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=d["max_new_tokens"].default, help="per turn")
+    p.add_argument("--temperature", type=non_negative_float, default=d["temperature"].default,
+                   help="0 = greedy (the protocol); > 0 samples (losslessness is then not checked token for token)")
+    p.add_argument("--gamma", type=positive_int, default=d["gamma"].default, help="draft length of draft models")
+    p.add_argument("--peers", choices=PEERS, default=d["peers"].default,
+                   help="hf: also run transformers' generate, assisted generation and prompt lookup")
+    p.add_argument("--warmup", type=non_negative_int, default=d["warmup"].default,
+                   help="untimed generations per method before measuring")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when available)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--seed", type=non_negative_int, default=d["seed"].default, help="sampling seed")
+    p.add_argument("--out", default=None, help="output directory (default: runs/evaluate/<date-time>)")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> EvalConfig:
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = args.out or str(Path("runs") / "evaluate" / datetime.now().strftime("%Y%m%d-%H%M%S"))
+    return EvalConfig(drafters=tuple(args.drafter), questions=args.questions, target=args.target, limit=args.limit,
+                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, gamma=args.gamma,
+                      peers=args.peers, warmup=args.warmup, device=device, seed=args.seed, out=out)
+
+
+def load_inputs(parser: argparse.ArgumentParser, config: EvalConfig):
+    """Questions, target and drafters; a bad one is an argparse error naming its argument (exit 2)."""
+    from models.drafters import load_drafter  # decode may import models; deferred so --help stays fast
+    from models.target import load_target
+
+    try:
+        questions = load_questions(config.questions, config.limit)
+    except (QuestionFileError, OSError) as err:
+        parser.error(f"argument --questions: {err}")
+    try:
+        target = load_target(config.target, device=config.device)
+    except (ValueError, OSError) as err:
+        parser.error(f"argument --target: {err}")
+    if not getattr(target.tokenizer, "chat_template", None):
+        parser.error(f"argument --target: the tokenizer of {target.name!r} has no chat template; "
+                     "the protocol formats every turn as a chat")
+    drafters = {}
+    for spec in config.drafters:
+        try:
+            drafters[spec] = load_drafter(spec, target, device=config.device)
+        except (ValueError, OSError) as err:
+            parser.error(f"argument --drafter: {err}")
+    return questions, target, drafters
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = config_from_args(args)
+    questions, target, drafters = load_inputs(parser, config)
+    try:
+        methods, skipped = build_methods(target, drafters, config)
+    except ValueError as err:  # e.g. a drafter kind without a proposer, or a vocabulary mismatch
+        parser.error(f"argument --drafter: {err}")
+    with logging_redirect_tqdm():
+        result = evaluate_methods(methods, skipped, target, drafters, questions, config)
+    out = write_report(config.out, result.config, result.summary, result.results, result.skipped)
+    sys.stdout.write(format_tables(result.summary) + "\n")
+    log.info("wrote %s", out / "report.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Methods the evaluation runs side by side: our engine (baseline / speculative) and transformers'
+own `generate` peers (plain greedy, assisted generation, prompt lookup), all behind one call:
+prompt ids -> new token ids, the wall time, and the engine's statistics when there are any.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig
+
+from decode.engine import SpeculativeEngine, truncate_at_eos
+from decode.metrics import RequestStats
+from decode.proposers import Proposer
+from decode.sampling import SamplingConfig
+
+# transformers' own default for prompt lookup (its docs suggest 10); our proposer's depth is set apart
+HF_PROMPT_LOOKUP_NUM_TOKENS = 10
+
+
+@dataclass
+class TurnOutput:
+    tokens: list[int]  # new tokens only, ending with EOS if one was emitted
+    wall_s: float  # time.perf_counter around the whole generation, device synchronized
+    stats: RequestStats | None  # the engine's statistics; None for transformers' generate
+
+
+@dataclass
+class Method:
+    name: str
+    run: Callable[[list[int]], TurnOutput]
+    lossless: bool = True  # greedy output must equal the baseline's token for token
+
+
+def engine_method(name: str, target, proposer: Proposer | None, max_new_tokens: int,
+                  sampling: SamplingConfig) -> Method:
+    """Our engine; proposer None is plain autoregressive decoding (the baseline)."""
+    engine = SpeculativeEngine(target.model, proposer, target.eos_token_ids, device=target.device)
+
+    def run(prompt_ids: list[int]) -> TurnOutput:
+        start = synchronized_clock(target.device)
+        generation = engine.generate(prompt_ids, max_new_tokens, sampling)
+        return TurnOutput(generation.tokens, synchronized_clock(target.device) - start, generation.stats)
+
+    return Method(name, run)
+
+
+def hf_method(name: str, target, max_new_tokens: int, sampling: SamplingConfig,
+              generation_options: dict | None = None, assistant_model: torch.nn.Module | None = None) -> Method:
+    """transformers' `model.generate` with a generation config built here (not the model's, whose
+    sampling defaults would otherwise leak in), batch size 1, stopping at any of the target's EOS ids.
+    generation_options: extra GenerationConfig fields (prompt_lookup_num_tokens=...)."""
+    config = hf_generation_config(target, max_new_tokens, sampling, generation_options or {})
+    generate_kwargs = {} if assistant_model is None else {"assistant_model": assistant_model}
+    eos = target.eos_token_ids
+
+    @torch.inference_mode()
+    def run(prompt_ids: list[int]) -> TurnOutput:
+        input_ids = torch.tensor([prompt_ids], device=target.device)  # [1, T]
+        if not sampling.greedy:
+            torch.manual_seed(sampling.seed)
+        start = synchronized_clock(target.device)
+        out = target.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                    generation_config=config, **generate_kwargs)  # [1, T + new]
+        wall = synchronized_clock(target.device) - start
+        return TurnOutput(truncate_at_eos(out[0, len(prompt_ids):].tolist(), eos), wall, None)
+
+    return Method(name, run, lossless=False)  # its own kernels may round differently from our engine
+
+
+def hf_generation_config(target, max_new_tokens: int, sampling: SamplingConfig, extra: dict) -> GenerationConfig:
+    eos = sorted(target.eos_token_ids)
+    pad = getattr(target.tokenizer, "pad_token_id", None)
+    options = dict(max_new_tokens=max_new_tokens, eos_token_id=eos or None,
+                   pad_token_id=pad if pad is not None else (eos[0] if eos else None))
+    if sampling.greedy:
+        options.update(do_sample=False)
+    else:
+        options.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
+                       top_k=sampling.top_k or None)
+    return GenerationConfig(**options, **extra)
+
+
+def assisted_skip_reason(drafter, target) -> str | None:
+    """Why transformers' assisted generation cannot use this drafter (None when it can)."""
+    if drafter.model is None:
+        return f"drafter kind {drafter.kind!r} has no draft model to pass as assistant_model"
+    if drafter.vocab_map is not None:
+        return "the drafter's head covers a reduced vocabulary (vocab_map); assisted generation needs the target's"
+    draft_vocab = drafter.model.get_output_embeddings().weight.shape[0]
+    target_vocab = target.model.get_output_embeddings().weight.shape[0]
+    if draft_vocab != target_vocab:
+        return f"the drafter's vocabulary ({draft_vocab}) differs from the target's ({target_vocab})"
+    return None
+
+
+def synchronized_clock(device: torch.device) -> float:
+    """perf_counter after queued kernels finish, so that CUDA timings are honest."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

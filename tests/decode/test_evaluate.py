@@ -1,0 +1,225 @@
+"""The evaluation command: question files, the multi-turn protocol, the report, and the CLI's errors."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import PreTrainedTokenizerFast
+
+from tests.conftest import SHARED_DATA, make_tiny_llama
+from decode.evaluate import EvalConfig, conversation_for_turn, main, run_evaluation, run_question
+from decode.peers import Method, TurnOutput
+from decode.questions import Question, QuestionFileError, categories, load_questions
+from decode.report import BASELINE, write_report
+from models.drafters import load_drafter
+from models.target import target_from_model
+
+VOCAB = 64
+WORDS = ["<pad>", "<s>", "</s>", "<unk>", "user", "assistant", ":"]  # ids 0..6; pad/bos/eos match make_tiny_llama
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}assistant :{% endif %}")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def make_chat_tokenizer() -> PreTrainedTokenizerFast:
+    """Word-level: the chat roles, then words w7..w63, so every id the tiny model emits decodes to a word
+    that encodes back to the same id (a turn-1 answer survives the round trip into turn 2's prompt)."""
+    vocab = {w: i for i, w in enumerate(WORDS)}
+    vocab.update({f"w{i}": i for i in range(len(WORDS), VOCAB)})
+    backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
+                                        eos_token="</s>", unk_token="<unk>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture
+def chat_target():
+    return target_from_model(make_tiny_llama(vocab_size=VOCAB, layers=2, seed=0), make_chat_tokenizer(), "tiny-chat")
+
+
+def write_lines(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+MT_BENCH_LINES = [
+    json.dumps({"question_id": 81, "category": "writing", "turns": ["w10 w11 w12", "w13 w14"]}),
+    "",
+    json.dumps({"question_id": 82, "category": "math", "turns": ["w20 w21"]}),
+    json.dumps({"question_id": 83, "category": "writing", "turns": ["w30 w31 w32 w33"]}),
+]
+
+
+# ---- question files --------------------------------------------------------------------------------
+
+def test_loads_mt_bench_format_in_file_order(tmp_path):
+    questions = load_questions(write_lines(tmp_path / "q.jsonl", MT_BENCH_LINES))
+    assert [q.question_id for q in questions] == ["81", "82", "83"]
+    assert questions[0] == Question("81", "writing", ("w10 w11 w12", "w13 w14"))
+    assert categories(questions) == ["writing", "math"]
+    assert [q.question_id for q in load_questions(tmp_path / "q.jsonl", limit=2)] == ["81", "82"]
+
+
+def test_loads_prompt_format_as_single_turn_default_category(tmp_path):
+    path = write_lines(tmp_path / "p.jsonl", [json.dumps({"prompt": "w10 w11"}),
+                                              json.dumps({"prompt": "w12", "id": "a", "category": "code"})])
+    first, second = load_questions(path)
+    assert first == Question("1", "default", ("w10 w11",))  # id = line number when the line has none
+    assert second == Question("a", "code", ("w12",))
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "mt_bench" / "question.jsonl").is_file(), reason="shared data not present")
+def test_loads_the_real_mt_bench_file():
+    questions = load_questions(SHARED_DATA / "mt_bench" / "question.jsonl")
+    assert len(questions) == 80 and len(categories(questions)) == 8
+    assert all(len(q.turns) == 2 for q in questions)
+
+
+@pytest.mark.parametrize("bad_line, message", [
+    ("{not json", "invalid JSON"),
+    (json.dumps([1, 2]), "expected a JSON object"),
+    (json.dumps({"question": "w1"}), "needs 'turns'"),
+    (json.dumps({"question_id": 9, "turns": ["w1"]}), "missing 'category'"),
+    (json.dumps({"question_id": 9, "category": "c", "turns": []}), "non-empty list"),
+    (json.dumps({"prompt": ""}), "'prompt' must be a non-empty string"),
+])
+def test_bad_lines_are_errors_naming_file_and_line(tmp_path, bad_line, message):
+    path = write_lines(tmp_path / "q.jsonl", MT_BENCH_LINES[:1] + [""] + [bad_line])
+    with pytest.raises(QuestionFileError, match=message) as err:
+        load_questions(path)
+    assert f"{path}:3:" in str(err.value)
+
+
+def test_missing_empty_and_duplicate_files_are_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        load_questions(tmp_path / "nope.jsonl")
+    with pytest.raises(QuestionFileError, match="no questions"):
+        load_questions(write_lines(tmp_path / "empty.jsonl", [""]))
+    with pytest.raises(QuestionFileError, match="question_id '81' more than once"):
+        load_questions(write_lines(tmp_path / "dup.jsonl", [MT_BENCH_LINES[0], MT_BENCH_LINES[0]]))
+
+
+# ---- the multi-turn protocol -----------------------------------------------------------------------
+
+def test_conversation_for_turn_carries_the_methods_own_answers():
+    turns = ["t1", "t2", "t3"]
+    assert conversation_for_turn(turns, [], 0) == [{"role": "user", "content": "t1"}]
+    assert conversation_for_turn(turns, ["a1", "a2"], 2) == [
+        {"role": "user", "content": "t1"}, {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "t2"}, {"role": "assistant", "content": "a2"},
+        {"role": "user", "content": "t3"}]
+    with pytest.raises(ValueError, match="turn 1 needs"):
+        conversation_for_turn(turns, [], 1)
+
+
+def test_turn_two_is_conditioned_on_this_methods_turn_one_output():
+    seen = []
+    target = SimpleNamespace(encode_chat=lambda messages: seen.append(messages) or [1, 2, 3],
+                             tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: f" said {ids} "))
+    method = Method("fake", lambda prompt: TurnOutput([7, 8, len(seen)], 0.5, None))
+    results = run_question(method, Question("q", "c", ("first", "second")), target)
+    assert seen[1] == [{"role": "user", "content": "first"},
+                       {"role": "assistant", "content": "said [7, 8, 1]"},  # decoded and stripped
+                       {"role": "user", "content": "second"}]
+    assert [r.turn for r in results] == [0, 1] and results[1].tokens == [7, 8, 2]
+
+
+# ---- the evaluation and its report -----------------------------------------------------------------
+
+def test_report_has_the_required_keys_and_baseline_speedup_one(tmp_path, chat_target):
+    questions = load_questions(write_lines(tmp_path / "q.jsonl", MT_BENCH_LINES))
+    drafters = {spec: load_drafter(spec, chat_target) for spec in ("truncated:1", "prompt_lookup")}
+    config = EvalConfig(drafters=tuple(drafters), questions=str(tmp_path / "q.jsonl"), max_new_tokens=12,
+                        warmup=1, peers="hf")
+    result = run_evaluation(chat_target, drafters, questions, config, progress=False)
+    out = write_report(tmp_path / "out", result.config, result.summary, result.results, result.skipped)
+    report = json.loads((out / "report.json").read_text())
+
+    assert {"target_fingerprint", "drafter_manifests", "machine", "max_new_tokens"} <= set(report["config"])
+    assert report["config"]["target_fingerprint"] == chat_target.fingerprint
+    assert {"torch", "threads", "device"} <= set(report["config"]["machine"])
+    methods = report["methods"]
+    assert set(methods) == {BASELINE, "speculative[truncated:1]", "speculative[prompt_lookup]", "hf_generate",
+                            "hf_assisted[truncated:1]", "hf_prompt_lookup"}
+    assert "hf_assisted[prompt_lookup]" in report["skipped"]  # no draft model to assist with
+    fields = {"tokens_per_s", "speedup", "tau", "alpha", "mismatches", "new_tokens", "wall_s",
+              "target_forwards", "acceptance_per_position", "by_category"}
+    for row in methods.values():
+        assert fields <= set(row)
+        assert set(row["by_category"]) == {"writing", "math"}
+        assert row["new_tokens"] == sum(c["new_tokens"] for c in row["by_category"].values())
+    base = methods[BASELINE]
+    assert base["speedup"] == 1.0 and all(c["speedup"] == 1.0 for c in base["by_category"].values())
+    assert base["tau"] == 1.0 and base["mismatches"] == 0
+    # our speculative decoding is lossless: every turn (4 of them) equals the baseline token for token
+    for name in ("speculative[truncated:1]", "speculative[prompt_lookup]"):
+        assert methods[name]["mismatches"] == 0 and methods[name]["tau"] >= 1.0
+    assert methods["hf_generate"]["tau"] is None and methods["hf_generate"]["alpha"] is None
+    assert base["tokens_per_s"] == pytest.approx(base["new_tokens"] / base["wall_s"])
+    assert "| baseline |" in (out / "report.md").read_text()
+    for plot in ("speedup_by_category.png", "acceptance_per_position.png"):
+        assert (out / plot).read_bytes()[:8] == PNG_MAGIC
+    turns = [json.loads(line) for line in (out / "turns.jsonl").read_text().splitlines()]
+    assert len(turns) == 4 * len(methods)  # 2 + 1 + 1 turns per method
+
+
+def test_sampling_run_reports_no_mismatch_count(tmp_path, chat_target):
+    questions = load_questions(write_lines(tmp_path / "q.jsonl", MT_BENCH_LINES[2:3]))
+    config = EvalConfig(drafters=("truncated:1",), questions="q", max_new_tokens=6, warmup=0, temperature=0.8)
+    result = run_evaluation(chat_target, load_drafter("truncated:1", chat_target), questions, config, progress=False)
+    assert set(result.summary) == {BASELINE, "speculative"}
+    assert all(row["mismatches"] is None for row in result.summary.values())
+
+
+# ---- the command line ------------------------------------------------------------------------------
+
+@pytest.fixture
+def target_dir(tmp_path):
+    directory = tmp_path / "tiny-target"
+    make_tiny_llama(vocab_size=VOCAB, layers=2, seed=0).save_pretrained(directory)
+    make_chat_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def test_cli_writes_the_report_and_prints_the_table(tmp_path, target_dir, capsys):
+    questions = write_lines(tmp_path / "q.jsonl", MT_BENCH_LINES)
+    code = main(["--target", str(target_dir), "--drafter", "truncated:1", "--questions", str(questions),
+                 "--limit", "1", "--max-new-tokens", "4", "--warmup", "0", "--out", str(tmp_path / "run")])
+    assert code == 0
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert set(report["methods"]) == {"baseline", "speculative"}
+    assert report["config"]["limit"] == 1 and report["config"]["questions_evaluated"] == 1
+    assert report["config"]["drafter_manifest"]["kind"] == "draft_model"
+    printed = capsys.readouterr().out
+    assert "[writing]" in printed and "[overall]" in printed and "speculative" in printed
+
+
+@pytest.mark.parametrize("args, argument", [
+    (["--drafter", "no_such_drafter"], "--drafter"),
+    (["--drafter", "truncated:9"], "--drafter"),
+    (["--drafter", "truncated:1", "--limit", "0"], "--limit"),
+    (["--drafter", "truncated:1", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--drafter", "truncated:1", "--temperature", "-1"], "--temperature"),
+])
+def test_bad_arguments_exit_2_naming_the_argument(tmp_path, target_dir, capsys, args, argument):
+    questions = write_lines(tmp_path / "q.jsonl", MT_BENCH_LINES)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--target", str(target_dir), "--questions", str(questions), "--out", str(tmp_path / "o")] + args)
+    assert exit_info.value.code == 2
+    assert f"argument {argument}" in capsys.readouterr().err
+
+
+def test_missing_or_broken_question_file_exits_2(tmp_path, target_dir, capsys):
+    for path in (tmp_path / "missing.jsonl", write_lines(tmp_path / "bad.jsonl", ["{oops"])):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--target", str(target_dir), "--drafter", "truncated:1", "--questions", str(path)])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --questions" in err and path.name in err
