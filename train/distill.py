@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> Path | None:
     finished = train(cfg, accelerator, target, drafter, vocab_map, loader, optimizer, scheduler, state,
                      eval_prompts, total)
     out = steps.publish_best(cfg, accelerator, target, vocab_map, state) if finished else None
+    steps.write_summary(cfg, accelerator, drafter, state, finished)
     accelerator.end_training()
     return out
 
@@ -63,7 +64,10 @@ def make_accelerator(cfg: DistillConfig) -> Accelerator:
         precision = "bf16" if torch.cuda.is_available() else "no"
     if cfg.tracker == "wandb":
         os.environ.setdefault("WANDB_MODE", "online" if os.environ.get("WANDB_API_KEY") else "offline")
-    accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, mixed_precision=precision,
+    # cpu=True on a machine without CUDA makes processes started by torchrun (accelerate's
+    # multi-process launcher) form a gloo process group instead of running as independent copies
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
+                              gradient_accumulation_steps=cfg.grad_accum, mixed_precision=precision,
                               log_with=None if cfg.tracker == "none" else cfg.tracker,
                               project_dir=cfg.work_dir,
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True,
@@ -89,6 +93,8 @@ def resume_or_start(cfg: DistillConfig, accelerator: Accelerator) -> TrainState:
 def train(cfg, accelerator, target, drafter, vocab_map, loader, optimizer, scheduler, state, eval_prompts,
           total: int) -> bool:
     """Train to `total` steps; False when stopped early at `stop_at_step` (resume to continue)."""
+    if cfg.eval_every and state.step == 0:  # the starting point, so the gain is visible
+        evaluate(cfg, accelerator, target, drafter, vocab_map, state, eval_prompts)
     bar = tqdm(total=total, initial=state.step, desc="distill", disable=not accelerator.is_local_main_process)
     drafter.train()
     while state.step < total:

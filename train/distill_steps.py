@@ -6,6 +6,7 @@ module wires it to accelerate, the engine and the drafter directory.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
@@ -14,6 +15,7 @@ from itertools import islice
 from pathlib import Path
 
 import torch
+from accelerate.utils import gather_object
 from torch.utils.data import DataLoader
 
 from distill.batching import Batch, collate, with_absent_column
@@ -22,7 +24,9 @@ from distill.onpolicy import sample_draft_responses, target_topk_over_draft_head
 from distill.prompts import exclusion_texts, load_prompt_sources
 from distill.teacher_data import TeacherDataSettings, generate_teacher_data, load_teacher_data
 from distill.vocab import count_response_tokens, coverage, inverse_map, select_draft_vocab
-from models.drafters import apply_lora, load_drafter, save_drafter
+from models.draft_models import apply_lora
+from models.drafters import load_drafter, save_drafter
+from models.fingerprint import weights_fingerprint
 from models.heads import reduce_head
 from models.target import load_target
 from train.acceptance import measure_acceptance
@@ -238,6 +242,22 @@ def publish_best(cfg, accelerator, target, vocab_map, state) -> Path:
         log.info("drafter written to %s (step %d, held-out tau %.3f)", out, state.best_step, state.best_tau)
     accelerator.wait_for_everyone()
     return out
+
+
+def write_summary(cfg, accelerator, drafter, state, finished: bool) -> None:
+    """work_dir/summary.json: the acceptance history, the best step, and a digest of every
+    process's final weights (replicas that disagree are an error: DDP must keep them equal)."""
+    digest = weights_fingerprint(accelerator.unwrap_model(drafter))
+    digests = gather_object([digest]) if accelerator.num_processes > 1 else [digest]
+    if accelerator.is_main_process:
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"processes ended with different drafter weights: {digests}")
+        summary = {"finished": finished, "step": state.step, "best_step": state.best_step,
+                   "best_tau": state.best_tau, "history": state.history,
+                   "num_processes": accelerator.num_processes, "replica_weight_digests": digests}
+        Path(cfg.work_dir).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.work_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
+    accelerator.wait_for_everyone()
 
 
 def plain_model(model):

@@ -114,3 +114,40 @@ def test_literal_accelerate_launch_trains_and_resumes(tiny_target_dir, prompts_f
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-5)
+
+
+def file_digest(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.slow
+def test_peaked_target_is_learned_and_only_the_drafter_changes(tiny_target_dir, prompts_file, tmp_path):
+    """truncated:1 of a peaked target: held-out alpha rises well above its start; the target's files
+    are untouched and the drafter's weights moved away from the copied layer."""
+    before = file_digest(tiny_target_dir / "model.safetensors")
+    res = run_entrypoint(job_args(tiny_target_dir, prompts_file, tmp_path, drafter="truncated:1", epochs=6,
+                                  eval_every=12, lr=1e-2))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert file_digest(tiny_target_dir / "model.safetensors") == before
+    history = json.loads((tmp_path / "drafter.work" / "summary.json").read_text())["history"]
+    assert history[0]["step"] == 0
+    start, best = history[0]["alpha"], max(h["alpha"] for h in history)
+    assert best > start + 0.2, history
+    target = load_file(tiny_target_dir / "model.safetensors")
+    trained = drafter_weights(tmp_path)
+    moved = [k for k in trained if k in target and not torch.allclose(trained[k], target[k])]
+    assert any("layers.0" in k for k in moved)
+
+
+@pytest.mark.slow
+def test_two_cpu_processes_agree_on_the_weights(tiny_target_dir, prompts_file, tmp_path):
+    res = run_entrypoint(job_args(tiny_target_dir, prompts_file, tmp_path),
+                         launcher=[ACCELERATE, "launch", "--config_file",
+                                   str(ROOT / "configs/accelerate/cpu_ddp_2proc.yaml")])
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((tmp_path / "drafter.work" / "summary.json").read_text())
+    assert summary["num_processes"] == 2
+    assert len(set(summary["replica_weight_digests"])) == 1
+    assert (tmp_path / "drafter" / "manifest.json").is_file()
