@@ -155,9 +155,11 @@ def load_causal_lm(source: str, dtype: torch.dtype, **kwargs):
 
 def load_from_hub(hub_id: str, dtype: torch.dtype):
     """From the local HF cache if it is there, else from the hub, with a clear error when unreachable."""
+    from huggingface_hub import snapshot_download
+
     try:
-        model = load_causal_lm(hub_id, dtype, local_files_only=True)
-        return model, AutoTokenizer.from_pretrained(hub_id, local_files_only=True)
+        # from_pretrained(local_files_only=True) still probes the hub for adapter files; this does not
+        return load_local(Path(snapshot_download(hub_id, local_files_only=True)), dtype)
     except OSError:
         log.info("%s is not in the local HF cache; trying the hub", hub_id)
     if not hub_reachable():
