@@ -172,7 +172,8 @@ register_drafter_kind("prompt_lookup", load_prompt_lookup_kind)
 def load_vocab_map(file: Path) -> torch.Tensor:
     vocab_map = load_file(str(file))["vocab_map"]
     if vocab_map.dim() != 1 or vocab_map.dtype != torch.long:
-        raise ValueError(f"{file}: vocab_map must be a 1-D int64 tensor, got {vocab_map.dtype} {tuple(vocab_map.shape)}")
+        raise ValueError(f"{file}: vocab_map must be a 1-D int64 tensor, "
+                         f"got {vocab_map.dtype} {tuple(vocab_map.shape)}")
     return vocab_map
 
 
@@ -240,6 +241,9 @@ def save_drafter(path: str | Path, model: torch.nn.Module | None, target: Target
     path = Path(path).expanduser().absolute()
     if kind == "draft_model" and model is None:
         raise ValueError("save_drafter: kind 'draft_model' needs a model")
+    if model is not None and not hasattr(model, "save_pretrained"):
+        raise TypeError(f"save_drafter: {type(model).__name__} has no save_pretrained (pass the HF model, "
+                        "unwrapped from DDP/accelerate)")
     if vocab_map is not None:
         vocab_map = checked_vocab_map(vocab_map, target)
     manifest = build_manifest(target, kind, config, vocab_map is not None, model is not None, extra)

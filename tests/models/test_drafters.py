@@ -92,7 +92,8 @@ def test_small_drafter_is_seeded_and_copies_embeddings_when_sizes_match(target):
     assert torch.equal(a.get_input_embeddings().weight, target.model.get_input_embeddings().weight)
 
 
-@pytest.mark.parametrize("spec,match", [("small:layers=1", "lacks hidden"), ("small:layers=1,hidden=16,depth=2", "depth"),
+@pytest.mark.parametrize("spec,match", [("small:layers=1", "lacks hidden"),
+                                        ("small:layers=1,hidden=16,depth=2", "depth"),
                                         ("small:layers=1,hidden=15,heads=2", "divide")])
 def test_small_spec_errors_name_the_problem(target, spec, match):
     with pytest.raises(ValueError, match=match):
