@@ -159,3 +159,13 @@ def replace_output_head(model: torch.nn.Module, rows: int) -> None:
                                                 device=head.weight.device, dtype=head.weight.dtype))
     model.config.tie_word_embeddings = False
     model.config.get_text_config().tie_word_embeddings = False
+
+
+def reduce_head(model: torch.nn.Module, vocab_map: torch.Tensor) -> torch.nn.Module:
+    """Keep only the head rows of `vocab_map` ([M] target ids): an untied [M, D] head initialised
+    from the full head's rows (the input embeddings keep the full vocabulary). Changes `model`."""
+    rows = model.get_output_embeddings().weight.detach()[vocab_map.to(model.device)].clone()  # [M, D]
+    replace_output_head(model, rows.shape[0])
+    with torch.no_grad():
+        model.get_output_embeddings().weight.copy_(rows)
+    return model

@@ -24,10 +24,10 @@ from distill.onpolicy import sample_draft_responses, target_topk_over_draft_head
 from distill.prompts import exclusion_texts, load_prompt_sources
 from distill.teacher_data import TeacherDataSettings, generate_teacher_data, load_teacher_data
 from distill.vocab import count_response_tokens, coverage, inverse_map, select_draft_vocab
-from models.draft_models import apply_lora
+from models.draft_models import apply_lora, reduce_head
 from models.drafters import load_drafter, save_drafter
 from models.fingerprint import weights_fingerprint
-from models.heads import reduce_head
+
 from models.target import load_target
 from train.acceptance import measure_acceptance
 

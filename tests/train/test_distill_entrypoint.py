@@ -93,7 +93,6 @@ def test_precedence_default_yaml_cli(tmp_path):
     assert cfg.work_dir == cfg.output_dir + ".work"
 
 
-@pytest.mark.slow
 def test_literal_accelerate_launch_trains_and_resumes(tiny_target_dir, prompts_file, tmp_path):
     """One process, by the documented command; then the same job interrupted and resumed."""
     full = tmp_path / "full"
@@ -122,7 +121,6 @@ def file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.mark.slow
 def test_peaked_target_is_learned_and_only_the_drafter_changes(tiny_target_dir, prompts_file, tmp_path):
     """truncated:1 of a peaked target: held-out alpha rises well above its start; the target's files
     are untouched and the drafter's weights moved away from the copied layer."""
@@ -141,7 +139,6 @@ def test_peaked_target_is_learned_and_only_the_drafter_changes(tiny_target_dir, 
     assert any("layers.0" in k for k in moved)
 
 
-@pytest.mark.slow
 def test_two_cpu_processes_agree_on_the_weights(tiny_target_dir, prompts_file, tmp_path):
     res = run_entrypoint(job_args(tiny_target_dir, prompts_file, tmp_path),
                          launcher=[ACCELERATE, "launch", "--config_file",
