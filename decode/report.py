@@ -174,7 +174,7 @@ def plot_speedup_by_category(summary: dict, path: Path) -> None:
     """Grouped bars: one group per category (and overall), one bar per non-baseline method."""
     methods = [m for m in summary if m != BASELINE]
     sections = section_names(summary)
-    fig = new_figure(max(6.0, 1.1 * len(sections) * max(1, len(methods)) ** 0.5), 4.0)
+    fig = new_figure(max(8.0, 2.0 + 0.35 * len(sections) * max(1, len(methods))), 4.0)
     ax = fig.add_subplot()
     width = 0.8 / max(1, len(methods))
     for i, method in enumerate(methods):
@@ -185,7 +185,7 @@ def plot_speedup_by_category(summary: dict, path: Path) -> None:
     ax.set_xticks(range(len(sections)), sections, rotation=30, ha="right")
     ax.set_ylabel("speedup over baseline (tokens/s)")
     ax.set_title("Speedup per category")
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: bars stay visible
     fig.savefig(path, dpi=100)
 
 
