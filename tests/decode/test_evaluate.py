@@ -11,7 +11,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import PreTrainedTokenizerFast
 
-from tests.conftest import SHARED_DATA, make_tiny_llama
+from tests.conftest import ROOT, SHARED_DATA, make_tiny_llama
 from decode.evaluate import EvalConfig, conversation_for_turn, main, run_evaluation, run_question
 from decode.peers import Method, TurnOutput
 from decode.questions import Question, QuestionFileError, categories, load_questions
@@ -223,3 +223,18 @@ def test_missing_or_broken_question_file_exits_2(tmp_path, target_dir, capsys):
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
         assert "argument --questions" in err and path.name in err
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "mt_bench" / "question.jsonl").is_file(), reason="shared data not present")
+def test_bench_script_command_line_is_one_the_evaluation_accepts():
+    import importlib.util
+
+    from decode.evaluate import build_parser, config_from_args
+
+    spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "scripts" / "bench_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    config = config_from_args(build_parser().parse_args(bench.evaluate_argv(bench.parse_args([]))))
+    assert config.drafters == ("truncated:4", "prompt_lookup")
+    assert config.limit == 8 and config.peers == "hf" and config.target is None
+    assert "bench_decode" in config.out
