@@ -1,0 +1,120 @@
+"""Several drafters, one token tree: every member drafts a chain, the chains merge with shared
+prefixes once, and the target verifies the whole tree in one forward.
+
+Why the multi-draft rule keeps the target's distribution (SpecInfer, Miao et al. 2023, multi-step
+speculative sampling; `decode.sampling.verify_sampling` implements it). At a node v with target
+distribution p, the members whose chains pass through v propose x_1, ..., x_n (in source order),
+each x_i drawn independently from its own q_i. Try them in order: accept x_i with probability
+min(1, r_i(x_i) / q_i(x_i)), where r_1 = p and, on rejection, r_{i+1} = norm(max(r_i - q_i, 0));
+if all are rejected, emit a token drawn from r_{n+1}. Induction from the last draft back:
+  * one draft against r: P(emit y) = min(r, q)(y) + (1 - sum_z min(r, q)(z)) * r'(y) = r(y), with
+    r' = norm(max(r - q, 0)) and sum_z max(r - q, 0)(z) = 1 - sum_z min(r, q)(z) (Leviathan et al.);
+  * so if drafts i+1..n emit exactly r_{i+1} after a rejection of x_i, drafts i..n emit exactly r_i,
+    and all n emit r_1 = p.
+The emitted token is therefore distributed as p, and the next node starts the same argument afresh:
+a member's next draft was sampled after its earlier drafts and nothing before it looked at it, so
+given the accepted path it is still a fresh draw from the member's q.
+
+Why the source order must not depend on the sampled tokens: the induction needs, when x_i is tried,
+x_i ~ q_i independently of everything that decided that x_i is the i-th draft tried. Ordering by
+token (say, the most probable draft first) selects drafts by their values: the first one tried is
+then not a sample of its q, the acceptance min(1, p/q) no longer cancels q, and the output is
+biased (tests/decode/test_ensemble.py shows a chi-square test rejecting exactly that). Members
+therefore keep their index as the source; the verifier sorts by source only.
+
+The same requirement shapes the node cap (`cap_chains`): whether a member's draft at depth d stays
+in the tree may depend on what was decided before it in verification order (shallower drafts of
+every member, and the depth-d drafts of earlier members), never on that draft itself or on deeper
+ones. So drafts are admitted breadth-first, depth by depth and, within a depth, member by member,
+and each admission needs room for one new node even when the draft will turn out to coincide with
+an existing node (it may still share it; it just cannot be admitted *because* it shares). When the
+cap binds, the deepest drafts of the later members are the ones dropped, and the result is always
+a valid tree (a member keeps a prefix of its chain). Greedy decoding is lossless whatever the tree
+(the accepted path is the target's argmax path), so it uses the same rule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decode.proposers import DraftModelProposer, Proposer, build_proposer
+from decode.sampling import SamplingConfig
+from decode.tree import TokenTree
+
+__all__ = ["EnsembleProposer", "cap_chains", "merge_chains", "build_ensemble_proposer"]
+
+Chain = tuple[list[int], list[torch.Tensor | None]]  # drafted tokens and the q each was sampled from
+
+
+class EnsembleProposer(Proposer):
+    """Members draft one after another (each from its own q when sampling: independent draws, as
+    the multi-draft rule needs); their chains merge into one tree of at most `max_tree_nodes` nodes
+    (root included), source = member index."""
+
+    name = "ensemble"
+
+    def __init__(self, members: list[DraftModelProposer], max_tree_nodes: int):
+        if not members:
+            raise ValueError("an ensemble needs at least one member proposer")
+        if max_tree_nodes < 2:
+            raise ValueError(f"max_tree_nodes must be >= 2 (the root and one draft), got {max_tree_nodes}")
+        self.members = list(members)
+        self.max_tree_nodes = max_tree_nodes
+        self.max_depth = max(m.max_depth for m in self.members)
+
+    def begin(self, prompt_ids: list[int], capacity: int) -> None:
+        for member in self.members:
+            member.begin(prompt_ids, capacity)
+
+    def propose(self, seq: list[int], max_depth: int, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> TokenTree:
+        chains = [chain_of(member.propose(seq, max_depth, sampling, generator)) for member in self.members]
+        return merge_chains(seq[-1], chains, self.max_tree_nodes)
+
+
+def chain_of(tree: TokenTree) -> Chain:
+    """A single proposer's chain tree -> (drafts, q per draft)."""
+    if not tree.is_chain():
+        raise ValueError("ensemble members must draft chains (a tree with one branch)")
+    return tree.tokens[1:], [props[0][1] for props in tree.proposals[1:]]
+
+
+def merge_chains(root: int, chains: list[Chain], max_nodes: int) -> TokenTree:
+    """One tree from the members' chains (source = index in `chains`), shared prefixes once, at
+    most `max_nodes` nodes. Nodes are laid out member by member (member 0's chain first and
+    contiguous, so that its accepted path commits without moving KV entries)."""
+    keep = cap_chains([tokens for tokens, _ in chains], max_nodes)
+    tree = TokenTree.root(root)
+    for source, ((tokens, probs), n) in enumerate(zip(chains, keep)):
+        tree.add_chain(tokens[:n], probs[:n], source=source)
+    return tree
+
+
+def cap_chains(chains: list[list[int]], max_nodes: int) -> list[int]:
+    """How many leading drafts of each chain the tree keeps, so that the merged tree has at most
+    `max_nodes` nodes (root included). Admission runs breadth-first (depth, then member) and a
+    draft is admitted only while there is room for one more node, whether or not it would be
+    shared; a member whose draft is refused drafts no deeper. See the module docstring for why."""
+    keep = [0] * len(chains)
+    nodes = {()}  # the distinct prefixes in the tree, () being the root
+    for depth in range(max((len(c) for c in chains), default=0)):
+        for source, chain in enumerate(chains):
+            if keep[source] != depth or depth >= len(chain):
+                continue  # refused (or ended) at a shallower depth
+            if len(nodes) >= max_nodes:
+                continue
+            nodes.add(tuple(chain[: depth + 1]))
+            keep[source] = depth + 1
+    return keep
+
+
+def build_ensemble_proposer(member_drafters: list, target_model: torch.nn.Module, gamma: int = 5,
+                            eos_token_ids: set[int] = frozenset(), max_tree_nodes: int = 16) -> EnsembleProposer:
+    """The proposer of an ensemble whose members are loaded drafters (models.drafters.Drafter of
+    kind draft_model), each checked against the target's vocabulary."""
+    members = []
+    for i, drafter in enumerate(member_drafters):
+        if drafter.kind != "draft_model":
+            raise ValueError(f"ensemble member {i} is of kind {drafter.kind!r}; members must be draft_model drafters")
+        members.append(build_proposer(drafter, target_model, gamma=gamma, eos_token_ids=eos_token_ids))
+    return EnsembleProposer(members, max_tree_nodes)
