@@ -22,7 +22,8 @@ from distill.batching import Batch, collate, with_absent_column
 from distill.losses import TopK, distill_loss
 from distill.onpolicy import sample_draft_responses, target_topk_over_draft_head
 from distill.prompts import exclusion_texts, load_prompt_sources
-from distill.teacher_data import TeacherDataSettings, generate_teacher_data, load_teacher_data
+from distill.teacher_data import (TeacherDataSettings, generate_teacher_data, load_teacher_data, teacher_data_dir,
+                                  teacher_data_key)
 from distill.vocab import count_response_tokens, coverage, inverse_map, select_draft_vocab
 from models.draft_models import apply_lora, reduce_head
 from models.drafters import load_drafter, save_drafter
@@ -46,7 +47,9 @@ def teacher_settings(cfg) -> TeacherDataSettings:
     return TeacherDataSettings(max_new_tokens=cfg.max_new_tokens, greedy=greedy,
                                num_samples=0 if greedy else cfg.samples_per_prompt,
                                temperature=cfg.gen_temperature if not greedy else 1.0, top_p=cfg.gen_top_p,
-                               topk=cfg.topk, batch_size=cfg.gen_batch_size, seed=cfg.seed)
+                               topk=cfg.topk, batch_size=cfg.gen_batch_size, seed=cfg.seed,
+                               # a prompt longer than the training window would be cut to its end anyway
+                               max_prompt_tokens=cfg.max_seq_len)
 
 
 def teacher_records(cfg, target, accelerator) -> list[dict]:
@@ -58,13 +61,16 @@ def teacher_records(cfg, target, accelerator) -> list[dict]:
         prompts = prompts[: cfg.max_prompts]
     if not prompts:
         raise ValueError(f"prompts: the sources {cfg.prompts} gave no prompts (after exclusions)")
-    out_dir = Path(cfg.work_dir) / "teacher"
-    generate_teacher_data(target, prompts, teacher_settings(cfg), out_dir=out_dir,
+    # content-addressed (target fingerprint, prompts, settings): jobs with the same data share it
+    settings = teacher_settings(cfg)
+    out_dir = teacher_data_dir(teacher_data_key(target, prompts, settings))
+    generate_teacher_data(target, prompts, settings, out_dir=out_dir,
                           process_index=accelerator.process_index, num_processes=accelerator.num_processes)
     accelerator.wait_for_everyone()
     records = [dict(r) for r in load_teacher_data(out_dir)]
     tokens = sum(len(r["response_ids"]) for r in records)
-    log.info("teacher data: %d prompts, %d responses, %d response tokens", len(prompts), len(records), tokens)
+    log.info("teacher data %s: %d prompts, %d responses, %d response tokens", out_dir, len(prompts), len(records),
+             tokens)
     return records
 
 
