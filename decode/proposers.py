@@ -134,7 +134,12 @@ def build_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: set[int
         check_vocab(drafter.model, target_model, drafter.vocab_map)
         return DraftModelProposer(drafter.model, gamma, drafter.vocab_map, eos_token_ids,
                                   target_vocab=vocab_size(target_model))
-    raise ValueError(f"no proposer for drafter kind {drafter.kind!r} (known: draft_model, prompt_lookup)")
+    if drafter.kind == "ensemble":
+        from decode.ensemble import build_ensemble_proposer  # ensemble builds on this module
+
+        return build_ensemble_proposer(drafter.members, target_model, gamma, eos_token_ids,
+                                       drafter.manifest.get("max_tree_nodes", 16))
+    raise ValueError(f"no proposer for drafter kind {drafter.kind!r} (known: draft_model, prompt_lookup, ensemble)")
 
 
 def vocab_size(model: torch.nn.Module) -> int:

@@ -58,6 +58,7 @@ class Drafter:
     vocab_map: torch.Tensor | None  # LongTensor [V_draft] -> target token id, when the head is reduced
     manifest: dict  # manifest.json contents, or a synthesized one for built-in specs
     path: str | None
+    members: list["Drafter"] | None = None  # kind ensemble: the member drafters, in source order
 
 
 DrafterLoader = Callable[[Path, dict, Target, str], Drafter]
@@ -165,7 +166,23 @@ def load_prompt_lookup_kind(path: Path, manifest: dict, target: Target, device: 
     return Drafter("prompt_lookup", None, None, manifest, str(path))
 
 
+def load_ensemble_kind(path: Path, manifest: dict, target: Target, device: str) -> Drafter:
+    """An ensemble directory: `members` lists member drafter directories (relative paths), each a
+    complete drafter directory of its own, checked against the same target."""
+    names = manifest.get("members")
+    if not isinstance(names, list) or not names:
+        raise ValueError(f"{path / MANIFEST}: an ensemble needs a non-empty list `members`")
+    members = []
+    for name in names:
+        member_path = (path / name).resolve()
+        if not (member_path / MANIFEST).is_file():
+            raise FileNotFoundError(f"{path / MANIFEST}: member {name!r} has no {MANIFEST} at {member_path}")
+        members.append(load_drafter_dir(member_path, target, device, allow_target_mismatch=False))
+    return Drafter("ensemble", None, None, manifest, str(path), members=members)
+
+
 register_drafter_kind("draft_model", load_draft_model_kind)
+register_drafter_kind("ensemble", load_ensemble_kind)
 register_drafter_kind("prompt_lookup", load_prompt_lookup_kind)
 
 

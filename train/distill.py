@@ -28,6 +28,7 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import DataLoaderConfiguration, set_seed  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
+from train.colbt import train_colbt  # noqa: E402
 from train.checkpoints import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from train.config import load_config  # noqa: E402
 from train.distill_config import DistillConfig  # noqa: E402
@@ -42,6 +43,11 @@ def main(argv: list[str] | None = None) -> Path | None:
     set_seed(cfg.seed)
     target = steps.load_target_for(cfg, accelerator)
     records = steps.teacher_records(cfg, target, accelerator)
+    if cfg.method == "colbt":  # several drafters, boost-tuned in sequence, saved as one ensemble
+        eval_prompts = steps.eval_prompt_ids(cfg, target) if accelerator.is_main_process else []
+        out = train_colbt(cfg, accelerator, target, records, eval_prompts)
+        accelerator.end_training()
+        return out
     drafter, vocab_map = steps.build_drafter(cfg, target, records)
     loader = steps.make_loader(cfg, records, target, vocab_map)
     total = steps.total_steps(cfg, len(loader), accelerator.num_processes)

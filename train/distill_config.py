@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from train.config import ConfigError, check_choice
 
-METHODS = ("seqkd", "kd")
+METHODS = ("seqkd", "kd", "colbt")
 LOSSES = ("ce", "fkl", "rkl", "jsd", "tvd")
 TRACKERS = ("none", "wandb")
 
@@ -39,6 +39,16 @@ class DistillConfig:
     gen_top_p: float = _f(1.0, "teacher nucleus sampling")
     gen_batch_size: int = _f(16, "prompts per batched target generation")
     topk: int = _f(0, "store the target's top-k log-probs per response token (needed by kd); 0 = none")
+
+    # colbt: collective boost-tuning of several drafters (train/colbt.py)
+    colbt_members: list[str] = _f(["truncated:2", "truncated:3", "small:layers=2,hidden=256"],
+                                  "colbt: the member drafters, trained in this order (specs as in `drafter`)")
+    colbt_rule: str = _f("top1", "colbt: a member covers a target token when it is its argmax (top1) or in its top-m (topm)")
+    colbt_m: int = _f(4, "colbt: m of the topm coverage rule")
+    colbt_strength: float = _f(1.0, "colbt: boosting strength; 0 trains every member independently (no boosting)")
+    colbt_scheme: str = _f("linear", "colbt: weight = 1 + strength * missed_by_all (linear) or exp(strength * misses) (exp)")
+    colbt_holdout: int = _f(8, "colbt: prompts whose teacher records are held out to measure coverage")
+    max_tree_nodes: int = _f(16, "colbt: cap on the merged token tree's nodes (root included) when the ensemble decodes")
 
     # loss
     loss: str = _f("ce", f"loss, one of {LOSSES}; seqkd uses ce on the target's tokens")
@@ -100,5 +110,12 @@ class DistillConfig:
             raise ConfigError("prompts: at least one prompt source is needed")
         if self.samples_per_prompt > 1 and self.gen_temperature == 0:
             raise ConfigError("samples_per_prompt: several samples per prompt need gen_temperature > 0")
+        if self.method == "colbt":
+            from train.colbt import check_colbt_config  # the checks live beside the method
+
+            try:
+                check_colbt_config(self)
+            except ValueError as err:
+                raise ConfigError(str(err)) from err
         if not self.work_dir:
             self.work_dir = self.output_dir.rstrip("/") + ".work"

@@ -148,3 +148,27 @@ def test_two_cpu_processes_agree_on_the_weights(tiny_target_dir, prompts_file, t
     assert summary["num_processes"] == 2
     assert len(set(summary["replica_weight_digests"])) == 1
     assert (tmp_path / "drafter" / "manifest.json").is_file()
+
+
+def test_colbt_ensemble_trains_loads_and_decodes_losslessly(tiny_target_dir, prompts_file, tmp_path):
+    """method colbt through the entrypoint: an ensemble directory whose members load on their own,
+    and whose merged-tree decoding is the target's greedy output."""
+    from decode.engine import SpeculativeEngine
+    from decode.proposers import build_proposer
+    from models.drafters import load_drafter
+    from models.target import load_target
+
+    res = run_entrypoint(job_args(tiny_target_dir, prompts_file, tmp_path, method="colbt", epochs=1,
+                                  colbt_holdout=4, max_tree_nodes=8)
+                         + ["--colbt_members", "truncated:1", "small:layers=1,hidden=32"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    target = load_target(str(tiny_target_dir))
+    ensemble = load_drafter(str(tmp_path / "drafter"), target)
+    assert ensemble.kind == "ensemble" and len(ensemble.members) == 2
+    member = load_drafter(str(tmp_path / "drafter" / ensemble.manifest["members"][1]), target)
+    assert member.kind == "draft_model"
+    prompt = target.encode_chat([{"role": "user", "content": "w1 w2 w3"}])
+    ref = target.model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    engine = SpeculativeEngine(target.model, build_proposer(ensemble, target.model, gamma=3), adaptive=False)
+    assert engine.generate(prompt, 20).tokens == ref
