@@ -33,8 +33,12 @@ test-all: venv
 test-gpu: venv
 	$(PY) -m pytest -q -m gpu
 
+# the quickstart: self-prompted Seq-KD of a truncated drafter on the embedded default, then its speedup
 demo: venv
-	$(PY) -m decode.evaluate --drafter truncated:4 --questions $(QUESTIONS) --limit 4 --max-new-tokens 64 --out runs/demo
+	$(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
+		train/distill.py --config configs/distill/quickstart.yaml
+	$(PY) -m decode.evaluate --drafter runs/quickstart/drafter --questions $(QUESTIONS) --limit 4 \
+		--max-new-tokens 96 --out runs/quickstart/eval
 
 bench: venv
 	$(PY) scripts/bench_decode.py
