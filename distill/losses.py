@@ -133,8 +133,11 @@ def jsd(draft_logits: torch.Tensor, target: TargetDist, mask: torch.Tensor | Non
     elif beta == 1.0:
         per_token = kl_per_token(draft_logp, target_logp)
     else:
-        # log M computed in log space: M = beta * p + (1 - beta) * q
-        mix_logp = torch.logaddexp(target_logp + math.log(beta), draft_logp + math.log1p(-beta))
+        # log M computed in log space: M = beta * p + (1 - beta) * q. Outcomes with no mass on either side
+        # (-inf on both, e.g. an empty tail or an id outside a reduced head) would give logaddexp a NaN
+        # gradient; a floor of -1e4 is still exactly 0 probability in fp32, with finite gradients.
+        mix_logp = torch.logaddexp(target_logp.clamp(min=-1e4) + math.log(beta),
+                                   draft_logp.clamp(min=-1e4) + math.log1p(-beta))
         gkd = beta * kl_per_token(target_logp, mix_logp) + (1 - beta) * kl_per_token(draft_logp, mix_logp)
         per_token = gkd / (beta * (1 - beta))
     return reduce_tokens(per_token, mask, reduction, normalizer)

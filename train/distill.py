@@ -110,7 +110,8 @@ def train(cfg, accelerator, target, drafter, vocab_map, loader, optimizer, sched
                                       scheduler, state)
             state.step += 1
             bar.update(1)
-            after_step(cfg, accelerator, target, drafter, vocab_map, state, loss, eval_prompts, bar)
+            lr = scheduler.get_last_lr()[0]
+            after_step(cfg, accelerator, target, drafter, vocab_map, state, loss, lr, eval_prompts, bar)
             if state.step == cfg.stop_at_step:
                 save_checkpoint(accelerator, state, cfg.work_dir)
                 log.info("stopped at step %d as asked; continue with --resume", state.step)
@@ -125,9 +126,8 @@ def train(cfg, accelerator, target, drafter, vocab_map, loader, optimizer, sched
     return True
 
 
-def after_step(cfg, accelerator, target, drafter, vocab_map, state, loss, eval_prompts, bar) -> None:
+def after_step(cfg, accelerator, target, drafter, vocab_map, state, loss, lr, eval_prompts, bar) -> None:
     if state.step % cfg.log_every == 0:
-        lr = steps.current_lr(drafter, accelerator)
         bar.set_postfix(loss=f"{loss:.4f}")
         log.info("step %d loss %.4f lr %.2e", state.step, loss, lr)
         accelerator.log({"train/loss": loss, "train/lr": lr}, step=state.step)

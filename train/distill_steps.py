@@ -215,10 +215,6 @@ def first_loss_position(batch: Batch) -> torch.Tensor:
     return batch.loss_mask.float().argmax(-1) + 1
 
 
-def current_lr(drafter, accelerator) -> float:
-    return accelerator._optimizers[0].param_groups[0]["lr"] if accelerator._optimizers else 0.0
-
-
 # ---- measuring and saving -------------------------------------------------------------------------------
 
 def measure(cfg, target, model, vocab_map, prompt_ids) -> dict:

@@ -221,3 +221,16 @@ def test_bad_arguments_are_named():
         distill_loss("fkl", draft, target=draft, reduction="avg")
     with pytest.raises(ValueError, match="mask shape"):
         distill_loss("fkl", draft, target=draft, mask=torch.ones(1, 3, dtype=torch.bool))
+
+
+def test_outcomes_without_mass_on_either_side_keep_gradients_finite():
+    """A top-k slot with -inf on both sides (an id outside a reduced head) must not poison the gradient."""
+    from distill.losses import TopK, distill_loss
+
+    logits = torch.randn(1, 2, 5, requires_grad=True)
+    with_absent = torch.cat([logits, torch.full((1, 2, 1), float("-inf"))], -1)
+    target = TopK(torch.tensor([[[0, 5], [1, 2]]]), torch.tensor([[[-0.1, float("-inf")], [-0.5, -1.2]]]))
+    for kind in ("fkl", "rkl", "jsd", "tvd"):
+        logits.grad = None
+        distill_loss(kind, with_absent, target=target, beta=0.5).backward()
+        assert torch.isfinite(logits.grad).all(), kind

@@ -172,3 +172,17 @@ def test_colbt_ensemble_trains_loads_and_decodes_losslessly(tiny_target_dir, pro
                                 eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     engine = SpeculativeEngine(target.model, build_proposer(ensemble, target.model, gamma=3), adaptive=False)
     assert engine.generate(prompt, 20).tokens == ref
+
+
+@pytest.mark.parametrize("extra", [
+    {"method": "kd", "loss": "fkl", "topk": 8},
+    {"method": "kd", "loss": "jsd", "jsd_beta": 0.5, "topk": 8},
+    {"method": "kd", "loss": "rkl", "on_policy_lambda": 0.5, "topk": 8},
+    {"method": "kd", "loss": "fkl", "topk": 8, "draft_vocab": 40},
+], ids=["fkl_topk", "jsd_topk", "rkl_half_on_policy", "fkl_topk_reduced_vocab"])
+def test_token_level_kd_learns_the_peaked_target(tiny_target_dir, prompts_file, tmp_path, extra):
+    res = run_entrypoint(job_args(tiny_target_dir, prompts_file, tmp_path, drafter="truncated:1", epochs=8,
+                                  eval_every=12, lr=1e-2, **extra))
+    assert res.returncode == 0, res.stderr[-3000:]
+    history = json.loads((tmp_path / "drafter.work" / "summary.json").read_text())["history"]
+    assert max(h["alpha"] for h in history) > history[0]["alpha"] + 0.1, history
