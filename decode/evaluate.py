@@ -25,8 +25,8 @@ import transformers
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from decode.peers import (HF_PROMPT_LOOKUP_NUM_TOKENS, Method, assisted_skip_reason, engine_method,
-                          hf_method)
+from decode.peers import (HF_PROMPT_LOOKUP_NUM_TOKENS, Method, assistant_model_of, assisted_skip_reason,
+                          engine_method, hf_method)
 from decode.proposers import build_proposer
 from decode.questions import Question, QuestionFileError, load_questions
 from decode.report import BASELINE, TurnResult, format_tables, summarize, write_report
@@ -147,7 +147,8 @@ def build_methods(target, drafters: Mapping[str, object], config: EvalConfig) ->
                 skipped[name] = reason
                 log.info("skipping %s: %s", name, reason)
             else:
-                methods.append(hf_method(name, target, config.max_new_tokens, sampling, assistant_model=drafter.model))
+                methods.append(hf_method(name, target, config.max_new_tokens, sampling,
+                                         assistant_model=assistant_model_of(drafter, target)))
         methods.append(hf_method("hf_prompt_lookup", target, config.max_new_tokens, sampling,
                                  generation_options={"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_NUM_TOKENS}))
     return methods, skipped

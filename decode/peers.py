@@ -16,6 +16,7 @@ from decode.engine import SpeculativeEngine, truncate_at_eos
 from decode.metrics import RequestStats
 from decode.proposers import Proposer
 from decode.sampling import SamplingConfig
+from models.draft_models import full_vocab_view
 
 # transformers' own default for prompt lookup (its docs suggest 10); our proposer's depth is set apart
 HF_PROMPT_LOOKUP_NUM_TOKENS = 10
@@ -89,12 +90,21 @@ def assisted_skip_reason(drafter, target) -> str | None:
     if drafter.model is None:
         return f"drafter kind {drafter.kind!r} has no draft model to pass as assistant_model"
     if drafter.vocab_map is not None:
-        return "the drafter's head covers a reduced vocabulary (vocab_map); assisted generation needs the target's"
+        return None  # runs through a full-vocabulary view of the same weights (assistant_model_of)
     draft_vocab = drafter.model.get_output_embeddings().weight.shape[0]
     target_vocab = target.model.get_output_embeddings().weight.shape[0]
     if draft_vocab != target_vocab:
         return f"the drafter's vocabulary ({draft_vocab}) differs from the target's ({target_vocab})"
     return None
+
+
+def assistant_model_of(drafter, target) -> torch.nn.Module:
+    """The drafter as transformers' assisted generation needs it: over the target's full vocabulary.
+    A reduced head is wrapped (same weights, -inf logits outside its vocab_map), so both engines
+    run the very same drafter."""
+    if drafter.vocab_map is None:
+        return drafter.model
+    return full_vocab_view(drafter.model, drafter.vocab_map, target.model.get_output_embeddings().weight.shape[0])
 
 
 def synchronized_clock(device: torch.device) -> float:

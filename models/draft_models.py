@@ -169,3 +169,27 @@ def reduce_head(model: torch.nn.Module, vocab_map: torch.Tensor) -> torch.nn.Mod
     with torch.no_grad():
         model.get_output_embeddings().weight.copy_(rows)
     return model
+
+
+class ScatterHead(torch.nn.Module):
+    """A reduced [M, D] head that answers over the full vocabulary: its logits at `vocab_map`'s ids,
+    -inf elsewhere. Lets code that expects the target's vocabulary (transformers' assisted
+    generation) run a reduced-head drafter unchanged."""
+
+    def __init__(self, reduced: torch.nn.Linear, vocab_map: torch.Tensor, vocab_size: int):
+        super().__init__()
+        self.reduced = reduced
+        self.register_buffer("vocab_map", vocab_map.clone(), persistent=False)
+        self.vocab_size = vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.reduced(hidden)  # [..., M]
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))  # [..., V]
+        return full.index_copy_(-1, self.vocab_map.to(logits.device), logits)
+
+
+def full_vocab_view(model: torch.nn.Module, vocab_map: torch.Tensor, vocab_size: int) -> torch.nn.Module:
+    """A copy of a reduced-head drafter whose head scatters into the full vocabulary (see ScatterHead)."""
+    view = copy.deepcopy(model)
+    view.set_output_embeddings(ScatterHead(view.get_output_embeddings(), vocab_map, vocab_size))
+    return view

@@ -274,3 +274,20 @@ def test_lora_is_merged_on_save(target, tmp_path):
     assert not any("lora" in name for name, _ in loaded.model.named_parameters())
     torch.testing.assert_close(logits(loaded.model), logits(draft), rtol=1e-5, atol=1e-5)
     assert any("lora_A" in name for name, _ in draft.named_parameters())  # the caller's model kept its adapters
+
+
+def test_full_vocab_view_of_a_reduced_head_scores_only_its_tokens():
+    from models.draft_models import full_vocab_view, reduce_head
+    from tests.conftest import make_tiny_llama
+
+    model = make_tiny_llama(seed=2)
+    vocab_map = torch.tensor([2, 5, 9, 40])
+    full_logits = model(torch.tensor([[1, 2, 3]])).logits
+    reduce_head(model, vocab_map)
+    view = full_vocab_view(model, vocab_map, 64)
+    logits = view(torch.tensor([[1, 2, 3]])).logits  # [1, 3, 64]
+    torch.testing.assert_close(logits[..., vocab_map], full_logits[..., vocab_map])
+    outside = torch.ones(64, dtype=torch.bool)
+    outside[vocab_map] = False
+    assert torch.isinf(logits[..., outside]).all()
+    assert model.get_output_embeddings().weight.shape == (4, 32)  # the original is untouched
