@@ -13,7 +13,7 @@ With `colbt_strength: 0` every weight is 1 and each member trains exactly as it 
 baseline that makes the effect of boosting measurable.
 
 Config fields read here (besides the Seq-KD ones of train.distill_config): colbt_members, colbt_rule,
-colbt_m, colbt_strength, colbt_scheme, colbt_holdout, max_tree_nodes (see COLBT_FIELDS).
+colbt_m, colbt_strength, colbt_scheme, colbt_holdout, max_tree_nodes (see train.distill_config).
 """
 
 from __future__ import annotations
@@ -43,17 +43,6 @@ from train.checkpoints import TrainState
 
 log = logging.getLogger("specdistill.colbt")
 
-# name -> (default, help): the fields train.distill_config.DistillConfig needs for method colbt
-COLBT_FIELDS = {
-    "colbt_members": (["truncated:2", "truncated:3", "small:layers=2,hidden=256"],
-                      "colbt: the member drafters, trained in this order (drafter specs as in `drafter`)"),
-    "colbt_rule": ("top1", "colbt: a member covers a target token when it is its argmax (top1) or in its top-m (topm)"),
-    "colbt_m": (4, "colbt: m of the topm coverage rule"),
-    "colbt_strength": (1.0, "colbt: boosting strength; 0 trains every member independently (no boosting)"),
-    "colbt_scheme": ("linear", "colbt: weight = 1 + strength * missed_by_all (linear) or exp(strength * misses) (exp)"),
-    "colbt_holdout": (8, "colbt: prompts whose teacher records are held out to measure coverage"),
-    "max_tree_nodes": (16, "colbt: cap on the merged token tree's nodes (root included) when the ensemble decodes"),
-}
 MEMBER_DIR = "member-{}"
 
 

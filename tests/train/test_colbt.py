@@ -20,7 +20,7 @@ from models.drafters import load_drafter
 from models.target import target_from_model
 from tests.conftest import make_tiny_llama
 from tests.distill.conftest import VOCAB_SIZE, make_tiny_tokenizer
-from train.colbt import COLBT_FIELDS, check_colbt_config, split_held_out, train_colbt, with_boost_weights
+from train.colbt import check_colbt_config, split_held_out, train_colbt, with_boost_weights
 from train.distill_config import DistillConfig
 
 MEMBERS = ["truncated:1", "small:layers=1,hidden=32,seed=1", "truncated:2"]
@@ -54,9 +54,8 @@ def accelerator():
 
 
 def colbt_config(tmp_path, **overrides):
-    """DistillConfig's fields and the colbt ones (COLBT_FIELDS) as one namespace."""
+    """DistillConfig's fields (the colbt ones included) as a namespace."""
     fields = {f.name: getattr(DistillConfig(), f.name) for f in dataclasses.fields(DistillConfig)}
-    fields.update({name: default for name, (default, _) in COLBT_FIELDS.items()})
     fields.update(colbt_members=MEMBERS, colbt_strength=2.0, colbt_holdout=3, max_tree_nodes=8,
                   output_dir=str(tmp_path / "ensemble"), batch_size=4, epochs=3, max_seq_len=48, lr=1e-2,
                   warmup_steps=2, log_every=5, eval_max_new_tokens=12, eval_gamma=3, seed=0)
@@ -166,7 +165,7 @@ def test_the_job_config_names_only_known_fields(tmp_path):
     from tests.conftest import ROOT
 
     values = yaml.safe_load((ROOT / "configs/distill/smollm2_colbt.yaml").read_text())
-    known = {f.name for f in dataclasses.fields(DistillConfig)} | set(COLBT_FIELDS)
+    known = {f.name for f in dataclasses.fields(DistillConfig)}
     assert set(values) <= known, set(values) - known
     assert values["method"] == "colbt" and len(values["colbt_members"]) == 3
-    check_colbt_config(colbt_config(tmp_path, **{k: v for k, v in values.items() if k in COLBT_FIELDS}))
+    check_colbt_config(colbt_config(tmp_path, **{k: v for k, v in values.items() if k.startswith("colbt")}))
