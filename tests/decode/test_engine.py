@@ -130,3 +130,18 @@ def test_mismatched_vocabulary_is_refused(tiny_target):
     unknown = SimpleNamespace(kind="crystal_ball", model=None, vocab_map=None)
     with pytest.raises(ValueError, match="crystal_ball"):
         build_proposer(unknown, tiny_target)
+
+
+def test_gemv_friendly_head_changes_layout_not_values(tiny_target):
+    from decode.proposers import use_gemv_friendly_head
+
+    drafter = make_tiny_llama(seed=4, layers=1)
+    ids = torch.tensor([PROMPT])
+    before = drafter(ids).logits
+    use_gemv_friendly_head(drafter)
+    weight = drafter.get_output_embeddings().weight
+    assert weight.t().is_contiguous() and not weight.is_contiguous()
+    torch.testing.assert_close(drafter(ids).logits, before, rtol=1e-5, atol=1e-5)
+    proposer = build_proposer(SimpleNamespace(kind="draft_model", model=drafter, vocab_map=None), tiny_target, 4)
+    gen = SpeculativeEngine(tiny_target, proposer).generate(PROMPT, 30)
+    assert gen.tokens == target_greedy(tiny_target, PROMPT, 30)
