@@ -6,7 +6,9 @@ accepted; it costs k drafter steps plus a target forward over k + 1 nodes. The c
 estimates a_j, the drafter's cost per token and the target's cost per tree size from the steps it
 has seen, and picks the k in [0, max_depth] that maximises E(k) / cost(k). k = 0 is plain decoding:
 a drafter that is almost never right should not slow the target down. While k = 0 wins it still
-drafts one token every `probe_every` steps, so that a drafter that starts agreeing is noticed.
+drafts one token every `probe_every` steps, so that a drafter that starts agreeing is noticed; each
+probe that is rejected doubles the interval (up to `max_probe_every`), an accepted one resets it, so a
+useless drafter costs about 1% of the steps instead of one in eight.
 
 This only changes how much is drafted, never what is emitted: the output stays lossless.
 """
@@ -20,14 +22,18 @@ from dataclasses import dataclass, field
 class DraftLengthController:
     max_depth: int
     probe_every: int = 8
+    max_probe_every: int = 64
     decay: float = 0.9  # EMA weight of the past; recent steps count most
     accept: list[float] = field(default_factory=list)  # a_j estimates, prior 0.5
     draft_cost: float | None = None  # seconds per drafted token
     verify_cost: dict[int, float] = field(default_factory=dict)  # tree size -> seconds
     steps_without_draft: int = 0
+    probe_interval: int = 0  # current interval between probes (starts at probe_every)
+    probing: bool = False
 
     def __post_init__(self):
         self.accept = [0.5] * self.max_depth
+        self.probe_interval = self.probe_every
 
     def choose(self, limit: int) -> int:
         """The draft depth for the next step, at most `limit` (tokens left before max_new_tokens)."""
@@ -37,10 +43,12 @@ class DraftLengthController:
         if self.draft_cost is None or not self.verify_cost:
             return limit  # nothing measured yet: draft fully once to learn the costs
         best = max(range(limit + 1), key=self.throughput)
+        self.probing = False
         if best == 0:
             self.steps_without_draft += 1
-            if self.steps_without_draft >= self.probe_every:
+            if self.steps_without_draft >= self.probe_interval:
                 self.steps_without_draft = 0
+                self.probing = True
                 return 1
         return best
 
@@ -69,6 +77,9 @@ class DraftLengthController:
 
     def observe(self, depth: int, n_accepted: int, tree_nodes: int, draft_s: float, verify_s: float) -> None:
         """Learn from one verification step."""
+        if self.probing:  # back off while probes keep failing; start over when one succeeds
+            failed = n_accepted == 0
+            self.probe_interval = min(2 * self.probe_interval, self.max_probe_every) if failed else self.probe_every
         for j in range(min(depth, n_accepted + 1)):  # positions that were reached
             self.accept[j] = self._ema(self.accept[j], float(j < n_accepted))
         if depth > 0:

@@ -21,8 +21,22 @@ def test_good_cheap_drafter_drafts_full_depth():
 
 def test_useless_drafter_mostly_does_not_draft_but_probes():
     ctl = trained(accept_prob=0.0, draft_s=0.015, verify_1=0.05, per_node=0.004)
-    depths = [ctl.choose(100) for _ in range(16)]
-    assert depths.count(0) >= 14 and 1 in depths  # plain decoding, with an occasional probe
+    depths = []
+    for _ in range(300):
+        depth = ctl.choose(100)
+        depths.append(depth)
+        ctl.observe(depth, 0, depth + 1, 0.015 * depth, 0.05 + 0.004 * depth)
+    assert 1 in depths and set(depths) <= {0, 1}  # plain decoding, with an occasional probe
+    assert depths.count(1) <= 300 / 32  # failed probes back off to one in 64 steps
+    assert ctl.probe_interval == ctl.max_probe_every
+
+
+def test_an_accepted_probe_resets_the_interval():
+    ctl = trained(accept_prob=0.0, draft_s=0.015, verify_1=0.05, per_node=0.004)
+    ctl.probe_interval = 64
+    ctl.probing = True
+    ctl.observe(1, 1, 2, 0.015, 0.054)
+    assert ctl.probe_interval == ctl.probe_every
 
 
 def test_limit_caps_depth():
