@@ -19,6 +19,7 @@ if __name__ == "__main__":
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
     sys.path.insert(0, os.path.dirname(_here))
 
+import importlib.util  # noqa: E402
 import logging  # noqa: E402
 from dataclasses import asdict  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -30,7 +31,7 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from train.colbt import train_colbt  # noqa: E402
 from train.checkpoints import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
-from train.config import load_config  # noqa: E402
+from train.config import ConfigError, load_config  # noqa: E402
 from train.distill_config import DistillConfig  # noqa: E402
 from train import distill_steps as steps  # noqa: E402
 
@@ -69,6 +70,8 @@ def make_accelerator(cfg: DistillConfig) -> Accelerator:
     if precision == "auto":
         precision = "bf16" if torch.cuda.is_available() else "no"
     if cfg.tracker == "wandb":
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError("tracker: wandb is not installed; pip install '.[track]' or set tracker: none")
         os.environ.setdefault("WANDB_MODE", "online" if os.environ.get("WANDB_API_KEY") else "offline")
     # cpu=True on a machine without CUDA makes processes started by torchrun (accelerate's
     # multi-process launcher) form a gloo process group instead of running as independent copies

@@ -186,3 +186,13 @@ def test_token_level_kd_learns_the_peaked_target(tiny_target_dir, prompts_file, 
     assert res.returncode == 0, res.stderr[-3000:]
     history = json.loads((tmp_path / "drafter.work" / "summary.json").read_text())["history"]
     assert max(h["alpha"] for h in history) > history[0]["alpha"] + 0.1, history
+
+
+def test_missing_tracker_package_is_a_clear_error(tiny_target_dir, prompts_file, tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    res = run_entrypoint(job_args(tiny_target_dir, prompts_file, tmp_path, tracker="wandb"))
+    assert res.returncode != 0 and "tracker: wandb is not installed" in res.stderr
+    assert not (tmp_path / "drafter").exists()
