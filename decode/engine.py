@@ -30,8 +30,7 @@ class Generation:
 
 class SpeculativeEngine:
     def __init__(self, target_model: torch.nn.Module, proposer: Proposer | None = None,
-                 eos_token_ids: set[int] | frozenset = frozenset(), device: str | torch.device | None = None,
-                 static_shapes: bool = False, max_tree_nodes: int = 64, adaptive: bool = True):
+                 eos_token_ids: set[int] | frozenset = frozenset(), static_shapes: bool = False, max_tree_nodes: int = 64, adaptive: bool = True):
         """adaptive: in greedy mode, choose each step's draft depth by measured cost and
         acceptance (decode.adaptive). Sampling always drafts the proposer's full depth, so that a
         seed reproduces its output (timings must not steer which random draws are made)."""
@@ -50,11 +49,14 @@ class SpeculativeEngine:
         stats = RequestStats()
         generator = make_generator(sampling, self.target.device)
         start = time.perf_counter()
-        out = [self.prefill(list(prompt_ids), max_new_tokens, sampling, generator)]
+        seq = list(prompt_ids)  # prompt + emitted tokens, grown in place
+        emitted = [self.prefill(seq, max_new_tokens, sampling, generator)]
+        seq += emitted
         stats.target_forwards = 1
-        while not self.finished(out, max_new_tokens):
-            out += self.step(list(prompt_ids) + out, max_new_tokens - len(out), sampling, generator, stats)
-        out = truncate_at_eos(out, self.eos_token_ids)[:max_new_tokens]
+        while not self.finished(emitted, len(seq) - len(prompt_ids), max_new_tokens):
+            emitted = self.step(seq, max_new_tokens - (len(seq) - len(prompt_ids)), sampling, generator, stats)
+            seq += emitted
+        out = truncate_at_eos(seq[len(prompt_ids):], self.eos_token_ids)[:max_new_tokens]
         stats.new_tokens = len(out)
         stats.total_time_s = time.perf_counter() - start
         return Generation(out, stats)
@@ -101,8 +103,9 @@ class SpeculativeEngine:
                              f"more than max_tree_nodes={self.max_tree_nodes}")
         return tree
 
-    def finished(self, out: list[int], max_new_tokens: int) -> bool:
-        return len(out) >= max_new_tokens or any(t in self.eos_token_ids for t in out)
+    def finished(self, emitted: list[int], n_out: int, max_new_tokens: int) -> bool:
+        """Done when max_new_tokens are out or the last step emitted an EOS (earlier steps had none)."""
+        return n_out >= max_new_tokens or any(t in self.eos_token_ids for t in emitted)
 
 
 def verify(tree: TokenTree, logits: torch.Tensor, sampling: SamplingConfig,

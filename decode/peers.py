@@ -39,7 +39,7 @@ class Method:
 def engine_method(name: str, target, proposer: Proposer | None, max_new_tokens: int,
                   sampling: SamplingConfig) -> Method:
     """Our engine; proposer None is plain autoregressive decoding (the baseline)."""
-    engine = SpeculativeEngine(target.model, proposer, target.eos_token_ids, device=target.device)
+    engine = SpeculativeEngine(target.model, proposer, target.eos_token_ids)
 
     def run(prompt_ids: list[int]) -> TurnOutput:
         start = synchronized_clock(target.device)

@@ -34,6 +34,7 @@ from decode.metrics import aggregate_stats
 from decode.proposers import DraftModelProposer
 from distill.boosting import (boost_weights, collate_weighted, coverage_report, teacher_forced_coverage,
                               weighted_token_ce)
+from distill.generation import pad_token_id
 from distill.vocab import inverse_map
 from models.cache import make_temp_sibling, publish_dir
 from models.drafters import MANIFEST, build_manifest, save_drafter
@@ -144,8 +145,7 @@ def coverage_of(cfg, model, vocab_map, records: list[dict], target) -> list[list
 
 
 def pad_id_of(target) -> int:
-    pad = getattr(target.tokenizer, "pad_token_id", None)
-    return 0 if pad is None else pad
+    return pad_token_id(target.tokenizer, target.eos_token_ids)
 
 
 # ---- training one member ---------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from accelerate.utils import gather_object
 from torch.utils.data import DataLoader
 
 from distill.batching import Batch, collate, with_absent_column
+from distill.generation import pad_token_id
 from distill.losses import TopK, distill_loss
 from distill.onpolicy import sample_draft_responses, target_topk_over_draft_head
 from distill.prompts import exclusion_texts, load_prompt_sources
@@ -96,7 +97,7 @@ def build_drafter(cfg, target, records: list[dict]) -> tuple[torch.nn.Module, to
 
 
 def make_loader(cfg, records: list[dict], target, vocab_map) -> DataLoader:
-    pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    pad_id = pad_token_id(target.tokenizer, target.eos_token_ids)
     v_target = target.model.get_output_embeddings().weight.shape[0]
     t2d = None if vocab_map is None else inverse_map(vocab_map, v_target)
     # shuffled by accelerate's seedable sampler (seed + epoch): the same order on resume
@@ -192,7 +193,7 @@ def on_policy_batch(cfg, accelerator, target, drafter, vocab_map, batch: Batch, 
     """Replace the batch's responses by the drafter's own samples, scored live by the target."""
     prompts = [ids[: int(start)].tolist() for ids, start in zip(batch.input_ids, first_loss_position(batch))]
     model = accelerator.unwrap_model(drafter)
-    pad_id = 0
+    pad_id = pad_token_id(target.tokenizer, target.eos_token_ids)
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     responses = sample_draft_responses(model, prompts, cfg.max_new_tokens, 1.0, target.eos_token_ids, pad_id,
                                        vocab_map, gen)
