@@ -199,15 +199,11 @@ def on_policy_batch(cfg, accelerator, target, drafter, vocab_map, batch: Batch, 
                                        vocab_map, gen)
     records = [{"prompt_ids": p, "response_ids": r or [next(iter(target.eos_token_ids))]}
                for p, r in zip(prompts, responses)]
-    fresh = collate(records, pad_id, cfg.max_seq_len).to(accelerator.device)
+    t2d = None if vocab_map is None else inverse_map(vocab_map, target.vocab_size)  # labels in draft indices
+    fresh = collate(records, pad_id, cfg.max_seq_len, t2d).to(accelerator.device)
     target_logits = target.model(input_ids=fresh.input_ids, attention_mask=fresh.attention_mask).logits
-    live = target_topk_over_draft_head(target_logits, vocab_map)
+    live = target_topk_over_draft_head(target_logits, vocab_map)  # already over the draft head's indices
     fresh.topk_ids, fresh.topk_logprobs = live.ids, live.logprobs
-    if vocab_map is not None:  # labels in draft indices (only used by ce, kept consistent)
-        v_target = target_logits.shape[-1]
-        t2d = inverse_map(vocab_map, v_target).to(fresh.labels.device)
-        fresh.loss_mask &= t2d[fresh.labels] >= 0
-        fresh.labels = t2d[fresh.labels].clamp_min(0)
     return fresh
 
 
