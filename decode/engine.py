@@ -8,6 +8,7 @@ root alone, and the loop is plain autoregressive decoding: the baseline runs thr
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +45,10 @@ class SpeculativeEngine:
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int,
-                 sampling: SamplingConfig = SamplingConfig()) -> Generation:
+                 sampling: SamplingConfig = SamplingConfig(),
+                 on_emit: Callable[[list[int]], bool | None] | None = None) -> Generation:
+        """on_emit(new_tokens) is called after every step with the tokens it emitted (for
+        streaming); returning True stops generation there (a stop sequence was produced)."""
         check_request(prompt_ids, max_new_tokens)
         stats = RequestStats()
         generator = make_generator(sampling, self.target.device)
@@ -53,13 +57,23 @@ class SpeculativeEngine:
         emitted = [self.prefill(seq, max_new_tokens, sampling, generator)]
         seq += emitted
         stats.target_forwards = 1
-        while not self.finished(emitted, len(seq) - len(prompt_ids), max_new_tokens):
-            emitted = self.step(seq, max_new_tokens - (len(seq) - len(prompt_ids)), sampling, generator, stats)
+        stop = self.notify(on_emit, emitted, 0, max_new_tokens)
+        while not stop and not self.finished(emitted, len(seq) - len(prompt_ids), max_new_tokens):
+            n_out = len(seq) - len(prompt_ids)
+            emitted = self.step(seq, max_new_tokens - n_out, sampling, generator, stats)
             seq += emitted
+            stop = self.notify(on_emit, emitted, n_out, max_new_tokens)
         out = truncate_at_eos(seq[len(prompt_ids):], self.eos_token_ids)[:max_new_tokens]
         stats.new_tokens = len(out)
         stats.total_time_s = time.perf_counter() - start
         return Generation(out, stats)
+
+    def notify(self, on_emit, emitted: list[int], n_before: int, max_new_tokens: int) -> bool:
+        """Hand a step's visible tokens (cut at EOS and at max_new_tokens) to on_emit."""
+        if on_emit is None:
+            return False
+        visible = truncate_at_eos(emitted, self.eos_token_ids)[:max_new_tokens - n_before]
+        return bool(on_emit(visible))
 
     def prefill(self, prompt: list[int], max_new_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> int:
