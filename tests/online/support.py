@@ -58,3 +58,28 @@ def greedy_reference(target: Target, prompt_ids: list[int], max_new_tokens: int)
         if token in target.eos_token_ids:
             break
     return out
+
+
+def save_target_dir(path: Path, seed: int = 0, peak: float = 4.0) -> Path:
+    """The tiny target as an HF directory, loadable by models.target.load_target (and by a subprocess)."""
+    model = make_tiny_llama(vocab_size=VOCAB, hidden_size=32, layers=2, seed=seed, peak=peak)
+    model.save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+def served_record(target: Target, request_id: str, prompt_ids: list[int], max_tokens: int = 12,
+                  version: str = "v000000") -> dict:
+    """A log record as the server writes it, with the target's real greedy output."""
+    from decode.request_log import SCHEMA_VERSION
+
+    out = greedy_reference(target, prompt_ids, max_tokens)
+    return {"schema": SCHEMA_VERSION, "id": request_id, "time": 0.0, "endpoint": "completions", "model": "tiny",
+            "prompt": prompt_ids, "prompt_ids": prompt_ids, "output_ids": out,
+            "sampling": {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, "max_tokens": max_tokens},
+            "stats": {"drafted": 10, "accepted": 3}, "drafter_version": version,
+            "target_fingerprint": target.fingerprint, "tokenizer_fingerprint": target.tokenizer_fingerprint}
+
+
+def prompt_for(i: int) -> list[int]:
+    return [8 + (i * 7) % 50, 8 + (i * 13) % 50, 8 + (i * 3) % 50, 9]

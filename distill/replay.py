@@ -1,0 +1,85 @@
+"""A bounded replay buffer of served requests, scored by the target, that favours what the drafter gets wrong.
+
+An entry is one logged request: its prompt and output token ids and the target's top-k distribution at
+every output position (computed by the daemon, since logs carry tokens, not logits). Entries are drawn
+with probability proportional to their priority, 1 + the number of output positions where the drafter's
+greedy token is not the target's (refreshed after every update): requests the drafter already handles
+are drawn rarely, not never. When full, the oldest entry goes first, so the buffer tracks live traffic.
+
+A fixed fraction of requests (chosen by a hash of their id, so the choice survives restarts) is held out:
+they are never trained on and the newest of them are the window a candidate drafter is judged on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Entry:
+    id: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    topk_ids: list[list[int]]         # [R][K] target ids, most likely first
+    topk_logprobs: list[list[float]]  # [R][K]
+    max_new_tokens: int = 0           # the request's max_tokens (0 = unknown: the output length + 1)
+    priority: float = 1.0
+
+    def record(self) -> dict:
+        """The distill.batching record form."""
+        return {"prompt_ids": self.prompt_ids, "response_ids": self.response_ids, "topk_ids": self.topk_ids,
+                "topk_logprobs": self.topk_logprobs}
+
+
+def is_held_out(request_id: str, every: int) -> bool:
+    """Every `every`-th request by a hash of its id (stable across restarts); every <= 0 holds none out."""
+    if every <= 0:
+        return False
+    return int(hashlib.sha1(request_id.encode()).hexdigest()[:8], 16) % every == 0
+
+
+@dataclass
+class ReplayBuffer:
+    capacity: int                      # training entries kept
+    holdout_capacity: int              # newest held-out entries kept
+    train: "OrderedDict[str, Entry]" = field(default_factory=OrderedDict)
+    holdout: deque = field(default_factory=deque)
+
+    def __post_init__(self):
+        if self.capacity < 1 or self.holdout_capacity < 0:
+            raise ValueError(f"replay capacity must be >= 1 and holdout capacity >= 0, got {self.capacity}, "
+                             f"{self.holdout_capacity}")
+
+    def add(self, entry: Entry, held_out: bool) -> list[str]:
+        """Insert; return the ids evicted to stay within capacity."""
+        evicted = []
+        if held_out:
+            self.holdout.append(entry)
+            while len(self.holdout) > self.holdout_capacity:
+                evicted.append(self.holdout.popleft().id)
+        else:
+            self.train[entry.id] = entry
+            while len(self.train) > self.capacity:
+                evicted.append(self.train.popitem(last=False)[0])
+        return evicted
+
+    def __len__(self) -> int:
+        return len(self.train)
+
+    def ids(self) -> set[str]:
+        return set(self.train) | {e.id for e in self.holdout}
+
+    def sample(self, n: int, rng: random.Random) -> list[Entry]:
+        """n training entries drawn with replacement, P(entry) proportional to its priority."""
+        if not self.train:
+            return []
+        entries = list(self.train.values())
+        return rng.choices(entries, weights=[e.priority for e in entries], k=n)
+
+
+def mismatch_priority(drafter_tokens: list[int], target_tokens: list[int]) -> float:
+    """1 + positions where the drafter's greedy token is not the target's."""
+    return 1.0 + sum(int(d != t) for d, t in zip(drafter_tokens, target_tokens))

@@ -1,0 +1,199 @@
+"""The online daemon: every request used exactly once across restarts and crashes, bad lines to the dead
+letters with their reason, candidates published only when acceptance does not fall."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from decode.request_log import RequestLogWriter, segment_name
+from models.drafter_store import current_version, list_versions
+from models.target import load_target
+from tests.conftest import ROOT
+from tests.online.support import prompt_for, save_target_dir, save_tiny_drafter, served_record
+from train.config import ConfigError
+from train.online import OnlineDaemon
+from train.online_config import OnlineConfig
+from train.online_state import DEAD, METRICS, STATE, USED
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("online")
+    target_dir = save_target_dir(root / "target")
+    target = load_target(str(target_dir))
+    drafter = save_tiny_drafter(root / "drafter", target, seed=1)
+    records = [served_record(target, f"req-{i:03d}", prompt_for(i)) for i in range(40)]
+    return {"root": root, "target_dir": target_dir, "target": target, "drafter": drafter, "records": records}
+
+
+def config(env, tmp_path, **kw) -> OnlineConfig:
+    base = dict(target=str(env["target_dir"]), log_dir=str(tmp_path / "logs"), store=str(tmp_path / "store"),
+                init_drafter=str(env["drafter"]), work_dir=str(tmp_path / "work"), read_batch=5,
+                update_every_requests=1000, min_buffer=4, topk=8, steps_per_update=4, batch_size=4,
+                max_seq_len=64, holdout_every=5, poll_seconds=0.05, device="cpu")
+    base.update(kw)
+    return OnlineConfig(**base)
+
+
+def write_log(tmp_path, records, max_bytes=4096):
+    writer = RequestLogWriter(tmp_path / "logs", max_bytes=max_bytes)
+    for r in records:
+        writer.append(r)
+    writer.close()
+
+
+def used_ids(work):
+    return [json.loads(x)["id"] for x in (work / USED).read_text().splitlines()]
+
+
+def drain(daemon):
+    from decode.request_log import read_lines
+    while lines := read_lines(daemon.cfg.log_dir, daemon.state.position, daemon.cfg.read_batch):
+        daemon.ingest(lines)
+
+
+def test_offsets_survive_a_restart(env, tmp_path):
+    write_log(tmp_path, env["records"][:20])
+    cfg = config(env, tmp_path)
+    first = OnlineDaemon(cfg)
+    drain(first)
+    position = first.state.position
+    write_log(tmp_path, env["records"][20:])
+    second = OnlineDaemon(cfg)
+    assert second.state.position == position and second.state.counters.ingested == 20
+    drain(second)
+    ids = used_ids(tmp_path / "work")
+    assert sorted(ids) == sorted(r["id"] for r in env["records"]) and len(ids) == 40
+    assert len(second.state.buffer) + len(second.state.buffer.holdout) == 40
+
+
+@pytest.mark.parametrize("crash_at", ["after_chunk", "after_journal", "before_state_rename"])
+def test_a_crash_inside_a_commit_neither_loses_nor_repeats_a_request(env, tmp_path, monkeypatch, crash_at):
+    write_log(tmp_path, env["records"][:15])
+    cfg = config(env, tmp_path)
+    daemon = OnlineDaemon(cfg)
+    from decode.request_log import read_lines
+    daemon.ingest(read_lines(cfg.log_dir, daemon.state.position, 5))  # one clean commit first
+
+    import train.online_state as st
+
+    class Crash(Exception):
+        pass
+
+    def boom(*a, **k):
+        raise Crash
+
+    if crash_at == "after_chunk":
+        real = st.write_chunk
+        monkeypatch.setattr(st, "write_chunk", lambda *a, **k: (real(*a, **k), boom()))
+    elif crash_at == "after_journal":
+        monkeypatch.setattr(st.OnlineState, "commit", boom)
+    else:
+        monkeypatch.setattr(st.os, "replace", boom)
+    with pytest.raises(Crash):
+        daemon.ingest(read_lines(cfg.log_dir, daemon.state.position, 5))
+    monkeypatch.undo()
+    restarted = OnlineDaemon(cfg)
+    assert restarted.state.counters.ingested == 5
+    drain(restarted)
+    ids = used_ids(tmp_path / "work")
+    assert sorted(ids) == sorted(r["id"] for r in env["records"][:15])
+
+
+def test_each_kind_of_bad_line_goes_to_the_dead_letters_and_good_lines_around_it_are_used(env, tmp_path):
+    good = env["records"][:6]
+    foreign = dict(env["records"][6], id="foreign", tokenizer_fingerprint="0" * 64)
+    missing = {k: v for k, v in env["records"][7].items() if k not in ("output_ids", "stats")}
+    wrong_type = dict(env["records"][8], id="wrongtype", prompt_ids="w1 w2")
+    bad_ids = dict(env["records"][9], id="badids", output_ids=[1, 10**6])
+    oversized = dict(env["records"][10], id="huge", prompt="w9 " * 3000)
+    (tmp_path / "logs").mkdir()
+    lines = [json.dumps(good[0]), "this is not json", json.dumps(good[1]), json.dumps(foreign), json.dumps(missing),
+             json.dumps(good[2]), json.dumps(wrong_type), json.dumps(bad_ids), json.dumps(oversized),
+             json.dumps(good[3]), json.dumps(good[3]), "[1, 2]", json.dumps(good[4])]
+    seg0 = "\n".join(lines) + "\n" + json.dumps(good[5])[:40]  # the segment ends in a cut line
+    (tmp_path / "logs" / segment_name(0)).write_text(seg0)
+    (tmp_path / "logs" / segment_name(1)).write_text(json.dumps(good[5]) + "\n")
+    daemon = OnlineDaemon(config(env, tmp_path, max_line_bytes=5000))
+    drain(daemon)
+    letters = [json.loads(x) for x in (tmp_path / "work" / DEAD).read_text().splitlines()]
+    reasons = [x["reason"].split(":")[0] for x in letters]
+    assert reasons == ["not JSON", "foreign", "missing fields", "wrong types", "output_ids", "oversized",
+                       "duplicate", "not a JSON object", "truncated"]
+    assert "output_ids, stats" in letters[2]["reason"]
+    assert sorted(used_ids(tmp_path / "work")) == sorted(r["id"] for r in good)
+
+
+def test_sigkill_at_random_points_then_restart_uses_every_request_exactly_once(env, tmp_path):
+    write_log(tmp_path, env["records"], max_bytes=3000)  # several segments: rotation is crossed too
+    cfg_path = tmp_path / "online.yaml"
+    cfg = config(env, tmp_path, read_batch=3, update_every_requests=6, steps_per_update=25,
+                 stop_when_idle_seconds=1.0)
+    cfg_path.write_text("\n".join(f"{k}: {json.dumps(v)}" for k, v in vars(cfg).items()) + "\n")
+    cmd = [sys.executable, str(ROOT / "train" / "online.py"), "--config", str(cfg_path)]
+    env_vars = {**os.environ, "PYTHONPATH": str(ROOT)}
+    rng = random.Random(0)
+    kills = 0
+    for _ in range(5):
+        proc = subprocess.Popen(cmd, env=env_vars, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(rng.uniform(1.0, 9.0))  # start-up takes seconds: some kills land in it, most in the work
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            kills += 1
+        proc.wait()
+    print(f"kills: {kills}")
+    assert kills >= 1, "the daemon finished before it could be killed: give it more work"
+    final = subprocess.run(cmd, env=env_vars, capture_output=True, text=True, timeout=300)
+    assert final.returncode == 0, final.stderr[-2000:]
+    ids = used_ids(tmp_path / "work")
+    assert sorted(ids) == sorted(r["id"] for r in env["records"]), f"after {kills} kills"
+    state = json.loads((tmp_path / "work" / STATE).read_text())
+    assert state["counters"]["ingested"] == 40 and state["counters"]["updates"] >= 1
+    assert current_version(tmp_path / "store") in list_versions(tmp_path / "store")
+
+
+def test_an_update_publishes_a_better_candidate_and_rolls_back_a_worse_one(env, tmp_path, monkeypatch):
+    write_log(tmp_path, env["records"])
+    cfg = config(env, tmp_path, steps_per_update=30, lr=3e-3, batch_size=8)
+    daemon = OnlineDaemon(cfg)
+    drain(daemon)
+    daemon.update()
+    events = [json.loads(x) for x in (tmp_path / "work" / METRICS).read_text().splitlines()]
+    first = [e for e in events if e["event"] == "update"][-1]
+    assert first["published"], first["reason"]
+    assert first["heldout_alpha_candidate"] >= first["heldout_alpha_served"]
+    assert current_version(tmp_path / "store") == "v000001"
+
+    import torch
+
+    import train.online as online
+
+    def sabotage(model, *a, **k):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_()
+        return 0.0
+
+    monkeypatch.setattr(online, "train_candidate", sabotage)
+    daemon.state.counters.since_update = 1
+    daemon.update()
+    last = [json.loads(x) for x in (tmp_path / "work" / METRICS).read_text().splitlines()][-1]
+    assert not last["published"] and "held-out alpha" in last["reason"]
+    assert current_version(tmp_path / "store") == "v000001" and daemon.state.counters.rollbacks == 1
+
+
+def test_config_errors_name_the_field(env, tmp_path):
+    with pytest.raises(ConfigError, match="store"):
+        OnlineConfig(log_dir="x", work_dir="y")
+    with pytest.raises(ConfigError, match="loss"):
+        config(env, tmp_path, loss="ce")
+    with pytest.raises(ConfigError, match="init_drafter"):
+        OnlineDaemon(config(env, tmp_path, init_drafter=""))

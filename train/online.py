@@ -1,0 +1,283 @@
+"""Online distillation: tail a server's request log and keep aligning the drafter to live traffic.
+
+    accelerate launch train/online.py --config configs/online/smollm2_gsm8k.yaml
+    python train/online.py --config ... [--key value ...]
+
+The loop (after Online Speculative Decoding, Liu et al. 2023):
+  1. read new log lines from the committed position (decode.request_log), send unusable ones to the
+     dead letters with the reason, score the good ones with the target (top-k per output position) and
+     commit them into the replay buffer together with the new position (train.online_state);
+  2. every `update_every_requests` new requests (or `update_every_seconds`), train a copy of the served
+     drafter on priority-sampled buffer batches (KD weighted toward the positions it gets wrong, plus an
+     optional general-domain rehearsal), judge it against the served drafter on the newest held-out
+     requests (and the general guard), and publish it as a new store version only if acceptance did not
+     fall; otherwise keep the served one and record why (a rollback);
+  3. record the server's live alpha and the held-out alpha to WORK/metrics.jsonl (and wandb).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+if __name__ == "__main__" and sys.path and Path(sys.path[0]).name == "train":
+    sys.path[0] = str(Path(sys.path[0]).parent)  # run as a script: import the project, not train/ siblings
+
+import torch  # noqa: E402
+
+from decode.request_log import BadRecord, LogLine, parse_record, position_after, read_lines  # noqa: E402
+from distill.generation import pad_token_id  # noqa: E402
+from distill.replay import Entry, ReplayBuffer, is_held_out  # noqa: E402
+from distill.teacher_data import load_teacher_data  # noqa: E402
+from distill.vocab import inverse_map  # noqa: E402
+from models.drafter_store import current_path, current_version, init_store, is_store, publish_version  # noqa: E402
+from models.drafters import load_drafter  # noqa: E402
+from models.target import load_target  # noqa: E402
+from train.config import ConfigError, load_config  # noqa: E402
+from train.online_config import OnlineConfig  # noqa: E402
+from train.online_learn import acceptance, score_requests, train_candidate  # noqa: E402
+from train.online_state import METRICS, OnlineState  # noqa: E402
+
+log = logging.getLogger("specdistill.online")
+
+
+class OnlineDaemon:
+    def __init__(self, cfg: OnlineConfig, accelerator=None):
+        self.cfg = cfg
+        self.accelerator = accelerator
+        device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.target = load_target(cfg.target, device=device)
+        self.pad_id = pad_token_id(self.target.tokenizer, self.target.eos_token_ids)
+        prepare_store(cfg)
+        self.state = OnlineState(cfg.work_dir, ReplayBuffer(cfg.buffer_requests, cfg.holdout_window))
+        self.version, self.model, self.vocab_map = self.load_served()
+        self.t2d = None if self.vocab_map is None else inverse_map(self.vocab_map.cpu(), self.target.vocab_size)
+        self.anchors, self.guard = load_anchors(cfg)
+        self.rng = random.Random(cfg.seed * 1_000_003 + self.state.counters.updates)
+        log.info("online daemon: store %s at %s, %d requests in the buffer, %d held out, position %s",
+                 cfg.store, self.version, len(self.state.buffer), len(self.state.buffer.holdout),
+                 self.state.position)
+
+    # ---- the loop -----------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        idle_since = time.monotonic()
+        while True:
+            lines = read_lines(self.cfg.log_dir, self.state.position, self.cfg.read_batch)
+            if lines:
+                self.ingest(lines)
+                idle_since = time.monotonic()
+            if self.update_due():
+                self.update()
+            if self.should_stop(time.monotonic() - idle_since):
+                return
+            if not lines:
+                time.sleep(self.cfg.poll_seconds)
+
+    def update_due(self, final: bool = False) -> bool:
+        c = self.state.counters
+        if c.since_update == 0 or len(self.state.buffer) < self.cfg.min_buffer:
+            return False
+        by_time = self.cfg.update_every_seconds > 0 and time.time() - c.last_update_time >= self.cfg.update_every_seconds
+        return final or by_time or c.since_update >= self.cfg.update_every_requests
+
+    def should_stop(self, idle_s: float) -> bool:
+        cfg, c = self.cfg, self.state.counters
+        if cfg.stop_after_requests and c.ingested >= cfg.stop_after_requests and c.since_update == 0:
+            return True
+        if cfg.stop_when_idle_seconds and idle_s >= cfg.stop_when_idle_seconds:
+            if self.update_due(final=True):
+                self.update()
+            return True
+        return False
+
+    # ---- ingesting --------------------------------------------------------------------------------------
+
+    def ingest(self, lines: list[LogLine]) -> None:
+        good, dead = self.parse(lines)
+        entries = score_requests(self.target, good, self.cfg.topk, self.pad_id) if good else []
+        scored = acceptance(self.model, self.vocab_map, entries, self.pad_id, self.cfg.max_seq_len, self.cfg.gamma)
+        for entry in entries:
+            entry.priority = scored["priorities"][entry.id]
+        self.state.ingest([(e, is_held_out(e.id, self.cfg.holdout_every)) for e in entries], dead,
+                          position_after(lines, self.state.position))
+        if good:
+            self.record("ingest", live_window(good))
+
+    def parse(self, lines: list[LogLine]) -> tuple[list[dict], list[dict]]:
+        good, dead, ids = [], [], set()
+        for line in lines:
+            try:
+                rec = parse_record(line, self.target.tokenizer_fingerprint, self.target.vocab_size,
+                                   self.cfg.max_line_bytes)
+                if rec["id"] in self.state.seen or rec["id"] in ids:
+                    raise BadRecord(f"duplicate: request id {rec['id']} was already used")
+                if not rec["output_ids"]:
+                    raise BadRecord("output_ids is empty: nothing to learn from")
+            except BadRecord as e:
+                dead.append(dead_letter(line, str(e)))
+                continue
+            ids.add(rec["id"])
+            good.append(rec)
+        return good, dead
+
+    # ---- updating ---------------------------------------------------------------------------------------
+
+    def update(self) -> None:
+        cfg, state = self.cfg, self.state
+        self.follow_store()
+        holdout = list(state.buffer.holdout)
+        served = self.judge(self.model, holdout)
+        candidate = copy.deepcopy(self.model).requires_grad_(True)
+        loss = train_candidate(candidate, self.t2d, state.buffer, self.anchors, cfg, self.pad_id, self.rng)
+        candidate.requires_grad_(False)
+        trial = self.judge(candidate, holdout)
+        ok, reason = decide(served, trial, cfg)
+        event = {"loss": loss, "served_version": self.version, "heldout_alpha_served": served["alpha"],
+                 "heldout_alpha_candidate": trial["alpha"], "general_alpha_served": served.get("general_alpha"),
+                 "general_alpha_candidate": trial.get("general_alpha"), "holdout_requests": len(holdout),
+                 "published": ok, "reason": reason}
+        if ok:
+            self.version = publish_version(cfg.store, candidate, self.target, config=asdict(cfg),
+                                           vocab_map=self.vocab_map,
+                                           extra={"parent": self.version, "heldout_alpha": trial["alpha"],
+                                                  "general_alpha": trial.get("general_alpha"),
+                                                  "requests_ingested": state.counters.ingested})
+            self.model = candidate
+            state.counters.published += 1
+            log.info("published %s: held-out alpha %.3f -> %.3f", self.version, served["alpha"] or 0,
+                     trial["alpha"] or 0)
+        else:
+            state.counters.rollbacks += 1
+            log.info("kept %s: %s", self.version, reason)
+        event["version"] = self.version
+        self.refresh_priorities()
+        state.counters.since_update = 0
+        state.counters.updates += 1
+        state.counters.last_update_time = time.time()
+        self.record("update", event)
+        state.commit()
+
+    def judge(self, model, holdout: list[Entry]) -> dict:
+        cfg = self.cfg
+        out = acceptance(model, self.vocab_map, holdout, self.pad_id, cfg.max_seq_len, cfg.gamma)
+        out.pop("priorities")
+        if self.guard:
+            general = acceptance(model, self.vocab_map, self.guard, self.pad_id, cfg.max_seq_len, cfg.gamma)
+            out["general_alpha"] = general["alpha"]
+        return out
+
+    def refresh_priorities(self) -> None:
+        entries = list(self.state.buffer.train.values())
+        scored = acceptance(self.model, self.vocab_map, entries, self.pad_id, self.cfg.max_seq_len, self.cfg.gamma)
+        for entry in entries:
+            entry.priority = scored["priorities"][entry.id]
+        self.state.set_priorities(scored["priorities"])
+
+    def follow_store(self) -> None:
+        """Someone else (an operator's rollback) may have moved `current`: train from what is served."""
+        if current_version(self.cfg.store) != self.version:
+            self.version, self.model, self.vocab_map = self.load_served()
+
+    def load_served(self):
+        drafter = load_drafter(str(current_path(self.cfg.store)), self.target, device=str(self.target.device))
+        if drafter.kind != "draft_model" or drafter.model is None:
+            raise ConfigError(f"the online daemon trains drafters of kind draft_model; the store's current "
+                              f"version is a {drafter.kind!r} drafter, which has no weights to train")
+        return current_version(self.cfg.store), drafter.model.eval(), drafter.vocab_map
+
+    # ---- metrics ----------------------------------------------------------------------------------------
+
+    def record(self, event: str, fields: dict) -> None:
+        c = self.state.counters
+        row = {"event": event, "time": time.time(), "requests_ingested": c.ingested, "dead_letters": c.dead_letters,
+               "published": c.published, "rollbacks": c.rollbacks, **fields}
+        self.state.journal(METRICS, row)
+        if self.accelerator is not None and self.cfg.tracker != "none":
+            numbers = {f"{event}/{k}": v for k, v in row.items() if isinstance(v, (int, float)) and v is not None}
+            self.accelerator.log(numbers, step=c.ingested)
+
+
+def decide(served: dict, trial: dict, cfg: OnlineConfig) -> tuple[bool, str]:
+    """Publish only a candidate whose held-out acceptance did not fall (and whose general acceptance
+    did not fall more than allowed). Returns (publish?, why)."""
+    if served["alpha"] is None or trial["alpha"] is None:
+        return False, "no held-out requests to judge the candidate on yet"
+    if trial["alpha"] < served["alpha"] + cfg.min_gain:
+        return False, f"held-out alpha {trial['alpha']:.4f} < served {served['alpha']:.4f} + min_gain {cfg.min_gain}"
+    g_served, g_trial = served.get("general_alpha"), trial.get("general_alpha")
+    if g_served is not None and g_trial is not None and g_trial < g_served - cfg.max_general_drop:
+        return False, (f"general alpha {g_trial:.4f} fell more than {cfg.max_general_drop} below the served "
+                       f"{g_served:.4f}")
+    return True, f"held-out alpha {served['alpha']:.4f} -> {trial['alpha']:.4f}"
+
+
+def live_window(records: list[dict]) -> dict:
+    """The server's own acceptance on these requests, as it logged them."""
+    drafted = sum(int(r["stats"].get("drafted", 0)) for r in records)
+    accepted = sum(int(r["stats"].get("accepted", 0)) for r in records)
+    versions = sorted({r["drafter_version"] for r in records})
+    return {"live_alpha": accepted / drafted if drafted else None, "live_requests": len(records),
+            "live_versions": versions}
+
+
+def dead_letter(line: LogLine, reason: str, keep_bytes: int = 2000) -> dict:
+    return {"time": time.time(), "segment": line.segment, "offset": line.offset, "reason": reason,
+            "bytes": len(line.raw), "line": line.raw[:keep_bytes].decode("utf-8", errors="replace")}
+
+
+def prepare_store(cfg: OnlineConfig) -> None:
+    if is_store(cfg.store) and (Path(cfg.store) / "current").is_symlink():
+        return
+    if not cfg.init_drafter:
+        raise ConfigError(f"store: {cfg.store} has no current version; set init_drafter to a drafter directory")
+    init_store(cfg.store, cfg.init_drafter)
+
+
+def load_anchors(cfg: OnlineConfig) -> tuple[list[dict], list[Entry]]:
+    """General-domain target generations: most are rehearsed, the last `anchor_guard` judge forgetting.
+    The guard's target tokens are the greedy generations themselves (top-1 = the token)."""
+    if not cfg.anchor_data:
+        return [], []
+    data = load_teacher_data(cfg.anchor_data)
+    rows = [{"prompt_ids": list(r["prompt_ids"]), "response_ids": list(r["response_ids"])} for r in data
+            if len(r["response_ids"]) > 1]
+    random.Random(cfg.seed).shuffle(rows)
+    guard_rows, rehearse = rows[:cfg.anchor_guard], rows[cfg.anchor_guard:]
+    guard = [Entry(f"anchor-{i}", r["prompt_ids"], r["response_ids"], [[t] for t in r["response_ids"]],
+                   [[0.0] for _ in r["response_ids"]]) for i, r in enumerate(guard_rows)]
+    return rehearse, guard
+
+
+def make_accelerator(cfg: OnlineConfig):
+    from accelerate import Accelerator
+
+    if cfg.tracker == "wandb":
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError("tracker: wandb is not installed; pip install '.[track]' or set tracker: none")
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), log_with=None if cfg.tracker == "none" else cfg.tracker)
+    if accelerator.num_processes > 1:
+        raise ConfigError(f"the online daemon tails one log as one process; launched with "
+                          f"{accelerator.num_processes} (use --num_processes 1)")
+    if cfg.tracker != "none":
+        accelerator.init_trackers("specdistill-online", config=asdict(cfg))
+    return accelerator
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = load_config(OnlineConfig, argv, description=__doc__.split("\n\n")[0])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    accelerator = make_accelerator(cfg)
+    OnlineDaemon(cfg, accelerator).run()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

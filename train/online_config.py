@@ -1,0 +1,85 @@
+"""The configuration of `train/online.py`: one typed dataclass, every field with help text."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from train.config import ConfigError, check_choice
+from train.online_learn import KD_LOSSES
+
+TRACKERS = ("none", "wandb")
+
+
+def _f(default, help_text: str):
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help_text})
+    return field(default=default, metadata={"help": help_text})
+
+
+@dataclass
+class OnlineConfig:
+    """Online distillation: tail a server's request log and keep aligning the drafter to live traffic."""
+
+    target: str = _f("smollm2-135m", "the target the server verifies with (the embedded default, a dir, a .gguf)")
+    log_dir: str = _f("", "the server's --log-dir (request log segments)")
+    store: str = _f("", "the drafter store the server follows (--drafter STORE); versions are published here")
+    init_drafter: str = _f("", "drafter directory that becomes version 0 when the store is empty")
+    work_dir: str = _f("", "state, replay buffer, dead letters and metrics (must survive restarts)")
+
+    # when to update
+    update_every_requests: int = _f(50, "run an update after this many newly ingested requests")
+    update_every_seconds: float = _f(0.0, "also update after this many seconds with new requests; 0 = off")
+    min_buffer: int = _f(16, "training requests needed before the first update")
+    poll_seconds: float = _f(1.0, "sleep between reads when the log has nothing new")
+    read_batch: int = _f(32, "log lines read, scored and committed together")
+    stop_after_requests: int = _f(0, "exit once this many requests are ingested and updated on; 0 = run forever")
+    stop_when_idle_seconds: float = _f(0.0, "exit after the log has been idle this long (a final update runs "
+                                            "first); 0 = never")
+
+    # the buffer
+    buffer_requests: int = _f(2000, "training requests kept (oldest evicted first)")
+    holdout_every: int = _f(8, "hold out every N-th request (by id hash) for judging candidates; never trained on")
+    holdout_window: int = _f(48, "newest held-out requests a candidate is judged on")
+    topk: int = _f(16, "target top-k stored per position")
+    max_line_bytes: int = _f(4_000_000, "log lines longer than this go to the dead letters")
+
+    # the update
+    loss: str = _f("fkl", f"KD divergence on the target's top-k, one of {KD_LOSSES}")
+    mix_weight: float = _f(0.5, "for loss: mix, the forward-KL weight (reverse KL gets 1 - this)")
+    right_weight: float = _f(0.25, "loss weight of positions the drafter already gets right (wrong ones weigh 1)")
+    lr: float = _f(2e-4, "AdamW learning rate of each update")
+    steps_per_update: int = _f(30, "optimizer steps per update")
+    batch_size: int = _f(8, "requests per step")
+    max_seq_len: int = _f(384, "prompt + output tokens per training row (prompt cut from the left)")
+    anchor_data: str = _f("", "teacher-data directory of general-domain target generations (distill.teacher_data) "
+                              "rehearsed in every step and used as the general-domain guard; empty = none")
+    anchor_weight: float = _f(0.5, "weight of the anchor cross-entropy in each step")
+    anchor_batch_size: int = _f(4, "anchor rows per step")
+    anchor_guard: int = _f(48, "anchor records held out as the general-domain guard (never rehearsed)")
+    max_general_drop: float = _f(0.01, "reject a candidate whose alpha on the general guard falls more than this")
+    min_gain: float = _f(0.0, "publish only if the candidate's held-out alpha beats the served one by this")
+    gamma: int = _f(5, "draft depth at which acceptance is measured")
+
+    tracker: str = _f("none", f"experiment tracker, one of {TRACKERS}")
+    seed: int = _f(0, "training randomness")
+    device: str = _f("", "cpu or cuda; empty = cuda when available")
+
+    def __post_init__(self):
+        for name in ("log_dir", "store", "work_dir"):
+            if not getattr(self, name):
+                raise ConfigError(f"{name}: required (see configs/online/README or --help)")
+        check_choice("loss", self.loss, KD_LOSSES)
+        check_choice("tracker", self.tracker, TRACKERS)
+        positive = ("update_every_requests", "read_batch", "buffer_requests", "topk", "steps_per_update",
+                    "batch_size", "max_seq_len", "gamma", "min_buffer", "max_line_bytes")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.mix_weight <= 1.0:
+            raise ConfigError(f"mix_weight: must be in [0, 1], got {self.mix_weight}")
+        if not 0.0 <= self.right_weight <= 1.0:
+            raise ConfigError(f"right_weight: must be in [0, 1], got {self.right_weight}")
+        if self.lr <= 0:
+            raise ConfigError(f"lr: must be > 0, got {self.lr}")
+        if self.holdout_every == 1:
+            raise ConfigError("holdout_every: 1 would hold out every request and train on none")

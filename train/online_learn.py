@@ -1,0 +1,157 @@
+"""What the online daemon computes: the target's view of logged requests, the drafter's acceptance on
+them, and KD updates that weight the positions the drafter gets wrong.
+
+Held-out acceptance is the engine's greedy acceptance at a fixed draft depth, computed exactly from one
+teacher-forced drafter forward instead of a generation: under greedy verification a chain drafter's
+j-th draft after the bonus token is accepted iff it and all earlier drafts equal the target's tokens,
+and while they do, the drafter has seen exactly the target's tokens. So with match[t] = (drafter's
+greedy token at output position t == the target's greedy token there), the engine accepts, at each
+step, the run of matches from its position, capped at the depth; the step then emits one more token
+(the bonus). `simulate_chain_acceptance` replays that loop (tests check it against the engine). It
+costs a drafter forward per request, no target forward, which is what lets the daemon judge every
+candidate while the server keeps the CPU busy. Exact for greedy-served requests whose drafter drafts
+no EOS; for sampled requests it measures agreement with the target's greedy choice along the sampled path.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from distill.batching import collate, with_absent_column
+from distill.losses import TopK, distill_loss
+from distill.replay import Entry, mismatch_priority
+from distill.teacher_data import teacher_forced_topk
+
+KD_LOSSES = ("fkl", "rkl", "mix")
+
+
+# ---- the target's distributions --------------------------------------------------------------------------
+
+def score_requests(target, records: list[dict], k: int, pad_id: int, batch_size: int = 8) -> list[Entry]:
+    """Entries with the target's top-k at every output position (one teacher-forced target forward)."""
+    entries = []
+    for start in range(0, len(records), batch_size):
+        batch = records[start:start + batch_size]
+        topk = teacher_forced_topk(target.model, [r["prompt_ids"] for r in batch], [r["output_ids"] for r in batch],
+                                   k, pad_id)
+        for rec, (ids, logprobs) in zip(batch, topk):
+            max_new = rec.get("sampling", {}).get("max_tokens", 0)
+            entries.append(Entry(rec["id"], list(rec["prompt_ids"]), list(rec["output_ids"]), ids, logprobs,
+                                 max_new if isinstance(max_new, int) else 0))
+    return entries
+
+
+# ---- the drafter's greedy tokens, teacher-forced ----------------------------------------------------------
+
+@torch.no_grad()
+def drafter_greedy_tokens(model, vocab_map: torch.Tensor | None, entries: list[Entry], pad_id: int,
+                          max_len: int, batch_size: int = 8) -> list[list[int]]:
+    """Per entry, the drafter's greedy target-vocabulary token at each response position."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    out = []
+    for start in range(0, len(entries), batch_size):
+        chunk = entries[start:start + batch_size]
+        batch = collate([{"prompt_ids": e.prompt_ids, "response_ids": e.response_ids} for e in chunk], pad_id,
+                        max_len).to(device)
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [B, T, V_d]
+        tokens = logits.argmax(-1)  # [B, T]
+        if vocab_map is not None:
+            tokens = vocab_map.to(device)[tokens]
+        for row in range(len(chunk)):
+            out.append(tokens[row][batch.loss_mask[row]].tolist())
+    model.train(was_training)
+    return out
+
+
+def target_greedy_tokens(entry: Entry) -> list[int]:
+    return [ids[0] for ids in entry.topk_ids]
+
+
+def simulate_chain_acceptance(match: list[bool], max_new_tokens: int, gamma: int) -> tuple[int, int]:
+    """(drafted, accepted) of the engine's greedy loop at fixed depth over an output of len(match) tokens."""
+    n_out, pos = len(match), 1  # the prefill forward emits the first token
+    drafted = accepted = 0
+    while pos < n_out:
+        depth = min(gamma, max_new_tokens - pos - 1)
+        run = 0
+        while run < depth and pos + run < n_out and match[pos + run]:
+            run += 1
+        drafted += max(depth, 0)
+        accepted += run
+        pos += run + 1
+    return drafted, accepted
+
+
+def acceptance(model, vocab_map, entries: list[Entry], pad_id: int, max_len: int, gamma: int) -> dict:
+    """alpha (accepted / drafted) and first-position acceptance over entries, plus per-entry priorities."""
+    drafts = drafter_greedy_tokens(model, vocab_map, entries, pad_id, max_len)
+    drafted = accepted = first_hits = first_n = 0
+    priorities = {}
+    for entry, mine in zip(entries, drafts):
+        truth = target_greedy_tokens(entry)[:len(mine)]
+        match = [d == t for d, t in zip(mine, truth)]
+        limit = entry.max_new_tokens or len(match) + 1
+        d, a = simulate_chain_acceptance(match, limit, gamma)
+        drafted, accepted = drafted + d, accepted + a
+        first_hits, first_n = first_hits + sum(match[1:]), first_n + max(len(match) - 1, 0)
+        priorities[entry.id] = mismatch_priority(mine, truth)
+    return {"alpha": accepted / drafted if drafted else None, "drafted": drafted, "accepted": accepted,
+            "token_match": first_hits / first_n if first_n else None, "requests": len(entries),
+            "priorities": priorities}
+
+
+# ---- the update -----------------------------------------------------------------------------------
+
+def kd_step_loss(model, batch, loss: str, mix_weight: float, right_weight: float) -> torch.Tensor:
+    """Position-weighted KD on a batch with the target's top-k: positions the drafter gets wrong weigh 1,
+    the others `right_weight` (they still count, so what it does well is not forgotten)."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [B, T, V_d]
+    if int(batch.topk_ids.max()) >= logits.shape[-1]:
+        logits = with_absent_column(logits)
+    target = TopK(batch.topk_ids, batch.topk_logprobs)
+    with torch.no_grad():
+        wrong = logits.argmax(-1) != batch.topk_ids[..., 0]  # [B, T]
+    weights = torch.where(wrong, 1.0, right_weight) * batch.loss_mask  # [B, T]
+    per_token = 0.0
+    if loss in ("fkl", "mix"):
+        w = 1.0 if loss == "fkl" else mix_weight
+        per_token = per_token + w * distill_loss("fkl", logits, target=target, mask=batch.loss_mask, reduction="none")
+    if loss in ("rkl", "mix"):
+        w = 1.0 if loss == "rkl" else 1.0 - mix_weight
+        per_token = per_token + w * distill_loss("rkl", logits, target=target, mask=batch.loss_mask, reduction="none")
+    return (per_token * weights).sum() / weights.sum().clamp_min(1e-6)
+
+
+def anchor_loss(model, batch) -> torch.Tensor:
+    """Cross-entropy on general-domain target generations: a rehearsal term against forgetting."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    return distill_loss("ce", logits, labels=batch.labels, mask=batch.loss_mask)
+
+
+def train_candidate(model, vocab_map_inverse, buffer, anchors: list[dict], cfg, pad_id: int,
+                    rng: random.Random) -> float:
+    """cfg.steps_per_update AdamW steps on priority-sampled buffer batches (+ anchor rehearsal)."""
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                                  weight_decay=0.0)
+    device = next(model.parameters()).device
+    total = 0.0
+    for _ in range(cfg.steps_per_update):
+        records = [e.record() for e in buffer.sample(cfg.batch_size, rng)]
+        batch = collate(records, pad_id, cfg.max_seq_len, vocab_map_inverse).to(device)
+        loss = kd_step_loss(model, batch, cfg.loss, cfg.mix_weight, cfg.right_weight)
+        if anchors and cfg.anchor_weight > 0:
+            picked = rng.sample(anchors, min(cfg.anchor_batch_size, len(anchors)))
+            anchor = collate(picked, pad_id, cfg.max_seq_len, vocab_map_inverse).to(device)
+            loss = loss + cfg.anchor_weight * anchor_loss(model, anchor)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        total += float(loss.detach())
+    model.eval()
+    return total / max(cfg.steps_per_update, 1)
