@@ -51,6 +51,8 @@ class OnlineDaemon:
         self.cfg = cfg
         self.accelerator = accelerator
         device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
         self.target = load_target(cfg.target, device=device)
         self.pad_id = pad_token_id(self.target.tokenizer, self.target.eos_token_ids)
         prepare_store(cfg)
@@ -88,9 +90,8 @@ class OnlineDaemon:
 
     def should_stop(self, idle_s: float) -> bool:
         cfg, c = self.cfg, self.state.counters
-        if cfg.stop_after_requests and c.ingested >= cfg.stop_after_requests and c.since_update == 0:
-            return True
-        if cfg.stop_when_idle_seconds and idle_s >= cfg.stop_when_idle_seconds:
+        done = cfg.stop_after_requests and c.ingested >= cfg.stop_after_requests
+        if done or (cfg.stop_when_idle_seconds and idle_s >= cfg.stop_when_idle_seconds):
             if self.update_due(final=True):
                 self.update()
             return True
@@ -133,6 +134,9 @@ class OnlineDaemon:
         self.follow_store()
         holdout = list(state.buffer.holdout)
         served = self.judge(self.model, holdout)
+        if state.counters.general_reference is None:
+            state.counters.general_reference = served.get("general_alpha")
+        served["general_reference"] = state.counters.general_reference
         candidate = copy.deepcopy(self.model).requires_grad_(True)
         loss = train_candidate(candidate, self.t2d, state.buffer, self.anchors, cfg, self.pad_id, self.rng)
         candidate.requires_grad_(False)
@@ -140,7 +144,8 @@ class OnlineDaemon:
         ok, reason = decide(served, trial, cfg)
         event = {"loss": loss, "served_version": self.version, "heldout_alpha_served": served["alpha"],
                  "heldout_alpha_candidate": trial["alpha"], "general_alpha_served": served.get("general_alpha"),
-                 "general_alpha_candidate": trial.get("general_alpha"), "holdout_requests": len(holdout),
+                 "general_alpha_candidate": trial.get("general_alpha"),
+                 "general_alpha_reference": served["general_reference"], "holdout_requests": len(holdout),
                  "published": ok, "reason": reason}
         if ok:
             self.version = publish_version(cfg.store, candidate, self.target, config=asdict(cfg),
@@ -210,10 +215,10 @@ def decide(served: dict, trial: dict, cfg: OnlineConfig) -> tuple[bool, str]:
         return False, "no held-out requests to judge the candidate on yet"
     if trial["alpha"] < served["alpha"] + cfg.min_gain:
         return False, f"held-out alpha {trial['alpha']:.4f} < served {served['alpha']:.4f} + min_gain {cfg.min_gain}"
-    g_served, g_trial = served.get("general_alpha"), trial.get("general_alpha")
-    if g_served is not None and g_trial is not None and g_trial < g_served - cfg.max_general_drop:
-        return False, (f"general alpha {g_trial:.4f} fell more than {cfg.max_general_drop} below the served "
-                       f"{g_served:.4f}")
+    g_ref, g_trial = served.get("general_reference"), trial.get("general_alpha")
+    if g_ref is not None and g_trial is not None and g_trial < g_ref - cfg.max_general_drop:
+        return False, (f"general alpha {g_trial:.4f} fell more than {cfg.max_general_drop} below the first "
+                       f"version's {g_ref:.4f}")
     return True, f"held-out alpha {served['alpha']:.4f} -> {trial['alpha']:.4f}"
 
 

@@ -56,13 +56,15 @@ class OnlineConfig:
     anchor_weight: float = _f(0.5, "weight of the anchor cross-entropy in each step")
     anchor_batch_size: int = _f(4, "anchor rows per step")
     anchor_guard: int = _f(48, "anchor records held out as the general-domain guard (never rehearsed)")
-    max_general_drop: float = _f(0.01, "reject a candidate whose alpha on the general guard falls more than this")
+    max_general_drop: float = _f(0.01, "reject a candidate whose alpha on the general guard is more than this below "
+                                       "the first served version's (a bound on the total drift, not per update)")
     min_gain: float = _f(0.0, "publish only if the candidate's held-out alpha beats the served one by this")
     gamma: int = _f(5, "draft depth at which acceptance is measured")
 
     tracker: str = _f("none", f"experiment tracker, one of {TRACKERS}")
     seed: int = _f(0, "training randomness")
     device: str = _f("", "cpu or cuda; empty = cuda when available")
+    threads: int = _f(0, "CPU threads for torch; 0 = torch's default (leave cores to a server on the same machine)")
 
     def __post_init__(self):
         for name in ("log_dir", "store", "work_dir"):

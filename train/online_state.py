@@ -42,6 +42,7 @@ class Counters:
     published: int = 0
     rollbacks: int = 0
     last_update_time: float = 0.0
+    general_reference: float | None = None  # the general guard's alpha with the first served version
 
 
 @dataclass

@@ -1,0 +1,291 @@
+"""Online distillation, end to end: a server, the daemon beside it, and a shifted-domain stream of clients.
+
+    python scripts/online_demo.py --requests 500 --out runs/online_demo \
+        [--drafter runs/smollm2_seqkd/drafter] [--anchor-data TEACHER_DATA_DIR] [--stream gsm8k.jsonl]
+
+1. the drafter (trained on general prompts by train/distill.py) becomes version 0 of a drafter store;
+2. its acceptance is measured with the engine on held-out GSM8K questions (the shifted domain) and on
+   MT-bench first turns (general prompts);
+3. `python -m decode.serve` serves the store and `train/online.py` tails its log, both as subprocesses;
+4. N GSM8K questions (disjoint from the held-out ones and from the drafter's training prompts) go through
+   /v1/chat/completions, greedy, one client at a time, as a client would send them;
+5. once the daemon has used every request, the served version is measured again on the same held-out
+   sets; every logged response is checked against the target's own greedy choice (one teacher-forced
+   forward per request: a greedy output is the target's iff every token is the argmax after its prefix);
+6. DIR/metrics.json and DIR/acceptance.png (scripts/plot_online.py) are written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+
+from decode.questions import load_questions  # noqa: E402
+from decode.request_log import list_segments, segment_name  # noqa: E402
+from models.drafter_store import current_version, init_store, version_path  # noqa: E402
+from models.drafters import load_drafter  # noqa: E402
+from models.target import load_target  # noqa: E402
+from train.acceptance import measure_acceptance  # noqa: E402
+
+log = logging.getLogger("specdistill.online_demo")
+SHARED = ROOT.parent / "shared" / "data"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=500)
+    p.add_argument("--out", required=True, help="output directory (must not hold an earlier run)")
+    p.add_argument("--target", default=None, help="default: the embedded smollm2-135m")
+    p.add_argument("--drafter", default="runs/smollm2_seqkd/drafter", help="the general-domain drafter")
+    p.add_argument("--anchor-data", default="", help="teacher-data directory rehearsed by the daemon (optional)")
+    p.add_argument("--stream", default=str(SHARED / "gsm8k" / "train.jsonl"), help="JSONL of shifted-domain "
+                   "questions (a `question` field, or the formats distill.prompts reads)")
+    p.add_argument("--stream-offset", type=int, default=1000, help="first stream question used")
+    p.add_argument("--heldout", type=int, default=24, help="held-out shifted-domain questions (from index 500)")
+    p.add_argument("--general", type=int, default=16, help="MT-bench first turns for the general alpha")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--window", type=int, default=50, help="requests per window of the live-alpha curve")
+    p.add_argument("--config", default=str(ROOT / "configs" / "online" / "smollm2_gsm8k.yaml"))
+    p.add_argument("--gamma", type=int, default=5)
+    p.add_argument("--port", type=int, default=0, help="0 = a free port")
+    p.add_argument("--daemon-set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="daemon config overrides, e.g. update_every_requests=25")
+    return p.parse_args(argv)
+
+
+# ---- prompts ---------------------------------------------------------------------------------------
+
+def read_questions(path: str, start: int, count: int) -> list[str]:
+    out = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if i < start or not line.strip():
+                continue
+            rec = json.loads(line)
+            out.append(rec.get("question") or rec.get("prompt") or rec["turns"][0])
+            if len(out) == count:
+                break
+    if len(out) < count:
+        raise SystemExit(f"{path} has only {len(out)} questions from index {start}; asked for {count}")
+    return out
+
+
+def general_prompts(target, n: int) -> list[list[int]]:
+    questions = load_questions(str(SHARED / "mt_bench" / "question.jsonl"))[:n]
+    return [target.encode_chat([{"role": "user", "content": q.turns[0]}]) for q in questions]
+
+
+def chat_ids(target, questions: list[str]) -> list[list[int]]:
+    return [target.encode_chat([{"role": "user", "content": q}]) for q in questions]
+
+
+# ---- measuring ---------------------------------------------------------------------------------------
+
+def engine_alpha(target, drafter_dir: Path, prompts: list[list[int]], max_tokens: int, gamma: int) -> dict:
+    drafter = load_drafter(str(drafter_dir), target)
+    stats = measure_acceptance(target, drafter.model, drafter.vocab_map, prompts, max_tokens, gamma)
+    return {"alpha": stats["alpha"], "tau": stats["tau"], "acceptance_per_position": stats["acceptance_per_position"]}
+
+
+@torch.inference_mode()
+def greedy_mismatches(target, records: list[dict], tie_tolerance: float = 1e-4) -> dict:
+    """Responses that are not the target's greedy output: a token that is not the argmax after its prefix.
+    A token within `tie_tolerance` of the argmax logit is a numerical tie, counted apart."""
+    mismatches, ties = [], 0
+    for rec in records:
+        seq = rec["prompt_ids"] + rec["output_ids"]
+        logits = target.model(torch.tensor([seq], device=target.device)).logits[0].float()  # [T, V]
+        rows = logits[len(rec["prompt_ids"]) - 1: len(seq) - 1]  # [R, V] predicting each output token
+        out = torch.tensor(rec["output_ids"], device=rows.device)
+        chosen, best = rows.gather(1, out[:, None])[:, 0], rows.max(-1).values
+        gap = best - chosen  # 0 where the output token is the argmax
+        if bool((gap > tie_tolerance).any()):
+            mismatches.append(rec["id"])
+        elif bool((gap > 0).any()):
+            ties += 1
+    return {"mismatches": len(mismatches), "mismatched_ids": mismatches[:20], "numerical_ties": ties}
+
+
+def read_log(log_dir: Path) -> list[dict]:
+    out = []
+    for n in list_segments(log_dir):
+        out += [json.loads(x) for x in (log_dir / segment_name(n)).read_text().splitlines() if x.strip()]
+    return out
+
+
+def live_windows(records: list[dict], size: int) -> list[dict]:
+    windows = []
+    for start in range(0, len(records), size):
+        chunk = records[start:start + size]
+        drafted = sum(r["stats"]["drafted"] for r in chunk)
+        accepted = sum(r["stats"]["accepted"] for r in chunk)
+        windows.append({"requests": [start, start + len(chunk)], "alpha": accepted / drafted if drafted else None,
+                        "tau": sum(r["stats"]["new_tokens"] for r in chunk) / sum(r["stats"]["target_forwards"]
+                                                                                   for r in chunk),
+                        "versions": sorted({r["drafter_version"] for r in chunk})})
+    return windows
+
+
+# ---- processes -------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, store: Path, logs: Path, port: int, out: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "decode.serve", "--drafter", str(store), "--log-dir", str(logs), "--port", str(port),
+           "--model-name", "specdistill", "--gamma", str(args.gamma), "--no-adaptive", "--max-tokens-limit", "1024"]
+    if args.target:
+        cmd += ["--target", args.target]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=open(out / "server.log", "w"), stderr=subprocess.STDOUT)
+
+
+def start_daemon(args, store: Path, logs: Path, work: Path, out: Path) -> subprocess.Popen:
+    cmd = [sys.executable, str(ROOT / "train" / "online.py"), "--config", args.config, "--log_dir", str(logs),
+           "--store", str(store), "--work_dir", str(work), "--init_drafter", str(Path(args.drafter).absolute()),
+           "--stop_after_requests", str(args.requests), "--gamma", str(args.gamma)]
+    if args.target:
+        cmd += ["--target", args.target]
+    if args.anchor_data:
+        cmd += ["--anchor_data", str(Path(args.anchor_data).expanduser())]
+    for item in args.daemon_set:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise SystemExit(f"--daemon-set {item!r}: expected KEY=VALUE")
+        cmd += [f"--{key}", value]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=open(out / "daemon.log", "w"), stderr=subprocess.STDOUT)
+
+
+def wait_healthy(client: httpx.Client, server: subprocess.Popen, timeout_s: float = 300) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if server.poll() is not None:
+            raise SystemExit("the server exited during start-up; see server.log")
+        try:
+            if client.get("/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    raise SystemExit("the server did not become healthy in time; see server.log")
+
+
+def replay_stream(client: httpx.Client, questions: list[str], max_tokens: int) -> list[dict]:
+    answers = []
+    for i, q in enumerate(questions):
+        r = client.post("/v1/chat/completions", json={"model": "specdistill", "max_tokens": max_tokens,
+                                                      "temperature": 0, "messages": [{"role": "user", "content": q}]})
+        if r.status_code != 200:
+            raise SystemExit(f"request {i} failed with {r.status_code}: {r.text[:300]}")
+        answers.append(r.json()["speculative"])
+        if (i + 1) % 25 == 0:
+            log.info("%d/%d requests served (version %s)", i + 1, len(questions), answers[-1]["drafter_version"])
+    return answers
+
+
+def wait_for(proc: subprocess.Popen, name: str, timeout_s: float) -> None:
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise SystemExit(f"the {name} did not finish in {timeout_s:.0f} s") from None
+    if rc != 0:
+        raise SystemExit(f"the {name} exited with {rc}; see its log")
+
+
+def read_daemon_metrics(work: Path) -> list[dict]:
+    path = work / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+# ---- main --------------------------------------------------------------------------------------------
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    out = Path(args.out).absolute()
+    if out.exists() and any(out.iterdir()):
+        raise SystemExit(f"{out} holds an earlier run; choose another --out or delete it")
+    out.mkdir(parents=True, exist_ok=True)
+    store, logs, work = out / "store", out / "logs", out / "daemon"
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    stream = read_questions(args.stream, args.stream_offset, args.requests)
+    heldout_q = read_questions(args.stream, 500, args.heldout)
+    init_store(store, args.drafter)
+    target = load_target(args.target)
+    heldout, general = chat_ids(target, heldout_q), general_prompts(target, args.general)
+    t0 = time.time()
+    before = {"heldout": engine_alpha(target, version_path(store, "v000000"), heldout, args.max_tokens, args.gamma),
+              "general": engine_alpha(target, version_path(store, "v000000"), general, args.max_tokens, args.gamma)}
+    log.info("before: held-out alpha %.3f, general alpha %.3f (%.0f s)", before["heldout"]["alpha"],
+             before["general"]["alpha"], time.time() - t0)
+
+    port = args.port or free_port()
+    server = start_server(args, store, logs, port, out)
+    daemon = None
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
+            wait_healthy(client, server)
+            daemon = start_daemon(args, store, logs, work, out)
+            t1 = time.time()
+            answers = replay_stream(client, stream, args.max_tokens)
+            serve_s = time.time() - t1
+        wait_for(daemon, "daemon", timeout_s=1800)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        if daemon is not None and daemon.poll() is None:
+            daemon.kill()
+
+    final = current_version(store)
+    after = {"heldout": engine_alpha(target, version_path(store, final), heldout, args.max_tokens, args.gamma),
+             "general": engine_alpha(target, version_path(store, final), general, args.max_tokens, args.gamma)}
+    records = read_log(logs)
+    check = greedy_mismatches(target, records)
+    updates = [e for e in read_daemon_metrics(work) if e["event"] == "update"]
+    metrics = {
+        "requests": len(answers), "logged": len(records), "max_tokens": args.max_tokens, "gamma": args.gamma,
+        "windows": live_windows(records, args.window),
+        "alpha_first_window": before["heldout"]["alpha"], "alpha_last_window": after["heldout"]["alpha"],
+        "general_alpha_before": before["general"]["alpha"], "general_alpha_after": after["general"]["alpha"],
+        "heldout_before": before["heldout"], "heldout_after": after["heldout"],
+        "general_before": before["general"], "general_after": after["general"],
+        "mismatches": check["mismatches"], "mismatch_check": check,
+        "versions_published": sum(1 for e in updates if e["published"]),
+        "rollbacks": sum(1 for e in updates if not e["published"]),
+        "final_version": final, "daemon_updates": updates,
+        "serve_seconds": serve_s, "anchor_data": args.anchor_data or None,
+        "definitions": {
+            "alpha_first_window": "engine alpha (greedy, fixed gamma) on held-out shifted-domain questions with the "
+                                  "version that served the first window (v000000)",
+            "alpha_last_window": "the same with the version serving at the end of the stream",
+            "windows": "the server's live alpha per window of requests, from its request log",
+        },
+    }
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    from scripts.plot_online import plot
+
+    plot(metrics, out / "acceptance.png")
+    log.info("held-out alpha %.3f -> %.3f; general %.3f -> %.3f; %d mismatches; %d published, %d rollbacks",
+             metrics["alpha_first_window"], metrics["alpha_last_window"], metrics["general_alpha_before"],
+             metrics["general_alpha_after"], metrics["mismatches"], metrics["versions_published"], metrics["rollbacks"])
+    return metrics
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Plot online distillation: the server's live alpha per window of requests, the daemon's held-out alpha
+at each update, and the demo's held-out alpha before and after.
+
+    python scripts/plot_online.py runs/online_demo/metrics.json [--out runs/online_demo/acceptance.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def plot(metrics: dict, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    windows = metrics["windows"]
+    xs = [w["requests"][1] for w in windows]
+    ax.plot(xs, [w["alpha"] for w in windows], marker="o", label="live alpha (server log, per window)")
+    updates = metrics.get("daemon_updates", [])
+    if updates:
+        ux = [u["requests_ingested"] for u in updates]
+        ax.plot(ux, [u["heldout_alpha_candidate"] for u in updates], "x--", label="daemon: candidate held-out alpha")
+        ax.plot(ux, [u["heldout_alpha_served"] for u in updates], ".:", label="daemon: served held-out alpha")
+        for u in updates:
+            if not u["published"]:
+                ax.axvline(u["requests_ingested"], color="red", alpha=0.2)
+    n = metrics["requests"]
+    ax.scatter([0, n], [metrics["alpha_first_window"], metrics["alpha_last_window"]], color="black", zorder=3,
+               label="held-out shifted domain (engine): first / last")
+    ax.scatter([0, n], [metrics["general_alpha_before"], metrics["general_alpha_after"]], color="gray",
+               marker="s", zorder=3, label="general prompts (MT-bench, engine): before / after")
+    ax.set_xlabel("requests served")
+    ax.set_ylabel("alpha (accepted / drafted)")
+    ax.set_title(f"online distillation: {metrics['versions_published']} versions published, "
+                 f"{metrics['rollbacks']} rollbacks, {metrics['mismatches']} mismatches")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("metrics", help="metrics.json written by scripts/online_demo.py")
+    p.add_argument("--out", default=None, help="PNG path (default: acceptance.png beside metrics.json)")
+    args = p.parse_args(argv)
+    path = Path(args.metrics)
+    out = Path(args.out) if args.out else path.with_name("acceptance.png")
+    print(plot(json.loads(path.read_text()), out))
+
+
+if __name__ == "__main__":
+    main()
