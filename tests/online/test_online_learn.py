@@ -1,0 +1,90 @@
+"""The daemon's held-out acceptance equals the engine's, and its KD update moves the drafter toward the target."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from decode.engine import SpeculativeEngine
+from decode.proposers import DraftModelProposer
+from distill.replay import Entry, ReplayBuffer, is_held_out, mismatch_priority
+from tests.conftest import make_tiny_llama
+from tests.online.support import VOCAB, make_target, prompt_for
+from train.online_config import OnlineConfig
+from train.online_learn import acceptance, score_requests, simulate_chain_acceptance, train_candidate
+
+
+@pytest.fixture(scope="module")
+def target():
+    target = make_target()
+    target.eos_token_ids.clear()  # no EOS: outputs run to max_new_tokens, where the simulation is exact
+    return target
+
+
+def half_right_drafter(target, noise: float = 1.0):
+    """The target with a noisy head: it agrees with the target often, not always."""
+    drafter = copy.deepcopy(target.model)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        head = drafter.get_output_embeddings().weight
+        head.add_(noise * head.std() * torch.randn(head.shape, generator=gen))
+    return drafter
+
+
+def generate(target, drafter, prompts, max_new, gamma):
+    engine = SpeculativeEngine(target.model, DraftModelProposer(drafter, gamma=gamma), set(), adaptive=False)
+    return [engine.generate(p, max_new) for p in prompts]
+
+
+@pytest.mark.parametrize("gamma,max_new", [(1, 9), (3, 17), (5, 24)])
+def test_simulated_acceptance_equals_the_engines(target, gamma, max_new):
+    drafter = half_right_drafter(target)
+    prompts = [prompt_for(i) for i in range(6)]
+    gens = generate(target, drafter, prompts, max_new, gamma)
+    records = [{"id": str(i), "prompt_ids": p, "output_ids": g.tokens, "sampling": {"max_tokens": max_new}}
+               for i, (p, g) in enumerate(zip(prompts, gens))]
+    entries = score_requests(target, records, k=4, pad_id=0)
+    got = acceptance(drafter, None, entries, pad_id=0, max_len=128, gamma=gamma)
+    assert got["drafted"] == sum(g.stats.drafted for g in gens)
+    assert got["accepted"] == sum(g.stats.accepted for g in gens)
+    assert 0 < got["accepted"] < got["drafted"], "the case must exercise both outcomes"
+
+
+def test_simulation_counts_a_full_run_and_stops_at_the_limit():
+    assert simulate_chain_acceptance([True] * 11, max_new_tokens=11, gamma=4) == (8, 8)  # 1 + (4+1) + (4+1) = 11
+    assert simulate_chain_acceptance([True] + [False] * 4, max_new_tokens=5, gamma=2) == (5, 0)
+
+
+def test_an_update_raises_held_out_acceptance_and_never_touches_the_target(target):
+    before_target = {k: v.clone() for k, v in target.model.state_dict().items()}
+    drafter = make_tiny_llama(vocab_size=VOCAB, hidden_size=32, layers=1, seed=3)
+    prompts = [prompt_for(i) for i in range(48)]
+    gens = generate(target, drafter, prompts, 12, 3)
+    records = [{"id": f"r{i}", "prompt_ids": p, "output_ids": g.tokens} for i, (p, g) in enumerate(zip(prompts, gens))]
+    entries = score_requests(target, records, k=8, pad_id=0)
+    buffer = ReplayBuffer(capacity=100, holdout_capacity=100)
+    for e in entries:
+        buffer.add(e, held_out=is_held_out(e.id, 4))
+    holdout = list(buffer.holdout)
+    assert 4 <= len(holdout) <= 24
+    cfg = OnlineConfig(log_dir="x", store="y", work_dir="z", steps_per_update=60, lr=3e-3, batch_size=8, max_seq_len=64)
+    base = acceptance(drafter, None, holdout, 0, 64, 3)["alpha"]
+    train_candidate(drafter.requires_grad_(True), None, buffer, [], cfg, 0, random.Random(0))
+    after = acceptance(drafter, None, holdout, 0, 64, 3)["alpha"]
+    assert after > base + 0.1
+    for k, v in target.model.state_dict().items():
+        assert torch.equal(v, before_target[k]), k
+
+
+def test_replay_buffer_evicts_oldest_and_samples_by_priority():
+    buf = ReplayBuffer(capacity=3, holdout_capacity=1)
+    entries = [Entry(f"e{i}", [1], [2], [[2]], [[0.0]], priority=p) for i, p in enumerate([1, 1, 1, 50])]
+    evicted = [x for e in entries for x in buf.add(e, held_out=False)]
+    assert evicted == ["e0"] and list(buf.train) == ["e1", "e2", "e3"]
+    draws = [e.id for e in buf.sample(1000, random.Random(0))]
+    assert draws.count("e3") > 900
+    assert mismatch_priority([1, 2, 3], [1, 0, 0]) == 3.0
+    assert is_held_out("abc", 0) is False and [is_held_out(f"id{i}", 5) for i in range(200)].count(True) in range(20, 60)
