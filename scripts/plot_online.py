@@ -1,7 +1,8 @@
 """Plot online distillation: the server's live alpha per window of requests, the daemon's held-out alpha
-at each update, and the demo's held-out alpha before and after.
+at each update, and (for the demo) the held-out alpha before and after.
 
-    python scripts/plot_online.py runs/online_demo/metrics.json [--out runs/online_demo/acceptance.png]
+    python scripts/plot_online.py runs/online_demo/metrics.json [--out PNG]     # the demo's summary
+    python scripts/plot_online.py WORK/metrics.jsonl [--out PNG]                # a running daemon's journal
 """
 
 from __future__ import annotations
@@ -29,15 +30,24 @@ def plot(metrics: dict, out: Path) -> Path:
         for u in updates:
             if not u["published"]:
                 ax.axvline(u["requests_ingested"], color="red", alpha=0.2)
+    if "alpha_first_window" not in metrics:  # a daemon journal: no demo measurements around it
+        return finish(fig, ax, out, f"online distillation: {sum(u['published'] for u in updates)} published, "
+                                    f"{sum(not u['published'] for u in updates)} rollbacks")
     n = metrics["requests"]
     ax.scatter([0, n], [metrics["alpha_first_window"], metrics["alpha_last_window"]], color="black", zorder=3,
                label="held-out shifted domain (engine): first / last")
     ax.scatter([0, n], [metrics["general_alpha_before"], metrics["general_alpha_after"]], color="gray",
                marker="s", zorder=3, label="general prompts (MT-bench, engine): before / after")
+    return finish(fig, ax, out, f"online distillation: {metrics['versions_published']} versions published, "
+                                f"{metrics['rollbacks']} rollbacks, {metrics['mismatches']} mismatches")
+
+
+def finish(fig, ax, out: Path, title: str) -> Path:
+    import matplotlib.pyplot as plt
+
     ax.set_xlabel("requests served")
     ax.set_ylabel("alpha (accepted / drafted)")
-    ax.set_title(f"online distillation: {metrics['versions_published']} versions published, "
-                 f"{metrics['rollbacks']} rollbacks, {metrics['mismatches']} mismatches")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
@@ -47,6 +57,14 @@ def plot(metrics: dict, out: Path) -> Path:
     return out
 
 
+def from_daemon_journal(path: Path) -> dict:
+    """WORK/metrics.jsonl -> the fields `plot` reads: live alpha per ingested batch, the updates."""
+    events = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    windows = [{"requests": [0, e["requests_ingested"]], "alpha": e["live_alpha"]} for e in events
+               if e["event"] == "ingest" and e.get("live_alpha") is not None]
+    return {"windows": windows, "daemon_updates": [e for e in events if e["event"] == "update"]}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("metrics", help="metrics.json written by scripts/online_demo.py")
@@ -54,7 +72,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     path = Path(args.metrics)
     out = Path(args.out) if args.out else path.with_name("acceptance.png")
-    print(plot(json.loads(path.read_text()), out))
+    metrics = from_daemon_journal(path) if path.suffix == ".jsonl" else json.loads(path.read_text())
+    print(plot(metrics, out))
 
 
 if __name__ == "__main__":

@@ -285,4 +285,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ConfigError as err:  # a bad config is the user's to fix: say what, without a traceback
+        print(f"train/online.py: config error: {err}", file=sys.stderr)
+        sys.exit(2)

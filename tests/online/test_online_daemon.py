@@ -197,3 +197,16 @@ def test_config_errors_name_the_field(env, tmp_path):
         config(env, tmp_path, loss="ce")
     with pytest.raises(ConfigError, match="init_drafter"):
         OnlineDaemon(config(env, tmp_path, init_drafter=""))
+
+
+def test_plot_reads_a_daemon_journal(env, tmp_path):
+    from scripts.plot_online import from_daemon_journal, plot
+
+    write_log(tmp_path, env["records"][:24])
+    daemon = OnlineDaemon(config(env, tmp_path))
+    drain(daemon)
+    daemon.update()
+    metrics = from_daemon_journal(tmp_path / "work" / METRICS)
+    assert len(metrics["daemon_updates"]) == 1 and metrics["windows"]
+    png = plot(metrics, tmp_path / "a.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
