@@ -76,7 +76,7 @@ class OnlineDaemon:
                 idle_since = time.monotonic()
             if self.update_due():
                 self.update()
-            if self.should_stop(time.monotonic() - idle_since):
+            if self.should_stop(time.monotonic() - idle_since if not lines else 0.0):
                 return
             if not lines:
                 time.sleep(self.cfg.poll_seconds)
@@ -89,6 +89,7 @@ class OnlineDaemon:
         return final or by_time or c.since_update >= self.cfg.update_every_requests
 
     def should_stop(self, idle_s: float) -> bool:
+        """idle_s: how long the log has had nothing new, 0 while the last read found lines."""
         cfg, c = self.cfg, self.state.counters
         done = cfg.stop_after_requests and c.ingested >= cfg.stop_after_requests
         if done or (cfg.stop_when_idle_seconds and idle_s >= cfg.stop_when_idle_seconds):
