@@ -208,8 +208,9 @@ def paired_log_probs(draft_logits: torch.Tensor, target: TargetDist,
         raise ValueError(f"distillation temperature must be > 0, got {temperature}")
     if isinstance(target, TopK):
         draft_logp = F.log_softmax(draft_logits.float(), dim=-1)        # [B, T, V]
-        draft_cat = collapse_to_topk(draft_logp.gather(-1, target.ids.long()))      # [B, T, K+1]
-        target_cat = collapse_to_topk(target.logprobs.float())                      # [B, T, K+1]
+        draft_cat = draft_topk_and_tail(draft_logp, target.ids.long())   # [B, T, K+1]
+        target_cat = collapse_to_topk(target.logprobs.float())           # [B, T, K+1]
+        target_cat = bound_empty_target_tail(target_cat, draft_cat)
         return temper(draft_cat, temperature), temper(target_cat, temperature)
     if target.shape != draft_logits.shape:
         raise ValueError(f"target logits {tuple(target.shape)} and draft logits {tuple(draft_logits.shape)} "
@@ -223,6 +224,29 @@ def collapse_to_topk(topk_logp: torch.Tensor) -> torch.Tensor:
     """Append the tail bucket log(1 - sum_k p_k) to K log-probs: [..., K] -> [..., K+1]."""
     covered = torch.logsumexp(topk_logp, dim=-1, keepdim=True)           # [B, T, 1], <= 0 up to rounding
     return torch.cat([topk_logp, log1mexp(covered)], dim=-1)
+
+
+def draft_topk_and_tail(draft_logp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[B, T, V] draft log-probs -> [B, T, K+1]: the K target ids, then the exact log-mass of every other id.
+
+    The draft's full distribution is at hand, so its tail is summed over the ids outside the top-k (in log
+    space) rather than taken as 1 - sum: a confident draft keeps a tiny but finite tail, where 1 - sum would
+    round to an empty bucket and give the divergence an infinite (floored to 3e38) term wherever the
+    target's tail has mass. The tail is -inf only when the draft truly puts nothing there (K = V)."""
+    picked = draft_logp.gather(-1, ids)                                                   # [B, T, K]
+    tail = draft_logp.scatter(-1, ids, float("-inf")).logsumexp(-1, keepdim=True)       # [B, T, 1]
+    return torch.cat([picked, tail], dim=-1)
+
+
+def bound_empty_target_tail(target_cat: torch.Tensor, draft_cat: torch.Tensor) -> torch.Tensor:
+    """A stored top-k that covers more than 1 - TAIL_EPS has an empty tail bucket (its true mass is below
+    TAIL_EPS but unknown). Where the draft has tail mass, give the target the largest tail it can have,
+    TAIL_EPS: the tail term stays finite (it is then an estimate, off by at most what TAIL_EPS of mass can
+    contribute) instead of the floored 3e38 that would swamp every other token of the batch. With K = V the
+    draft's tail is empty as well and nothing changes (the collapsed divergence is still the exact full one)."""
+    empty = torch.isneginf(target_cat[..., -1:]) & torch.isfinite(draft_cat[..., -1:])
+    bounded = torch.where(empty, torch.full_like(target_cat[..., -1:], math.log(TAIL_EPS)), target_cat[..., -1:])
+    return torch.cat([target_cat[..., :-1], bounded], dim=-1)
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:

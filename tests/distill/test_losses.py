@@ -205,6 +205,31 @@ def test_topk_gradients_are_finite_when_the_tail_is_empty():
         assert torch.isfinite(value) and torch.isfinite(draft.grad).all()
 
 
+@pytest.mark.parametrize("kind", DIVERGENCES)
+def test_a_confident_draft_against_a_target_with_tail_mass_stays_bounded(kind):
+    """The draft puts all but ~1e-13 of its mass on the target's top-2 while the target keeps 2% outside:
+    1 - sum would round the draft's tail to an empty bucket and give a ~1e36 loss (seen in online training).
+    The exact tail keeps it finite and still below the full divergence."""
+    target = torch.tensor([[[4.0, 3.0, 0.1, 0.0, -0.2, -0.5]]])            # ~2% outside the top-2
+    draft = torch.tensor([[[20.0, 19.0, -10.0, -10.0, -10.0, -10.0]]], requires_grad=True)
+    full = distill_loss(kind, draft, target=target, beta=0.3)
+    topk = distill_loss(kind, draft, target=full_topk(target, 2), beta=0.3)
+    topk.backward()
+    assert torch.isfinite(topk) and torch.isfinite(draft.grad).all()
+    assert 0.0 < topk.item() <= full.item() + 1e-5
+
+
+@pytest.mark.parametrize("kind", DIVERGENCES)
+def test_a_target_tail_below_eps_with_draft_tail_mass_stays_bounded(kind):
+    """The reverse case: the target's stored top-k covers all but <1e-6 (an empty tail bucket) while the
+    draft spreads mass outside it. Reverse KL and JSD would take log(0) of the target's tail."""
+    target = torch.tensor([[[20.0, 19.0, -10.0, -10.0, -10.0, -10.0]]])
+    draft = torch.tensor([[[1.0, 0.5, 0.3, 0.2, 0.1, 0.0]]], requires_grad=True)
+    value = distill_loss(kind, draft, target=full_topk(target, 2), beta=0.3)
+    value.backward()
+    assert torch.isfinite(value) and value.item() < 100 and torch.isfinite(draft.grad).all()
+
+
 # ---- errors -----------------------------------------------------------------------------------------
 
 def test_bad_arguments_are_named():
