@@ -39,6 +39,8 @@ class SpeculativeEngine:
         self.proposer = proposer
         self.eos_token_ids = set(eos_token_ids)
         self.max_tree_nodes = max_tree_nodes
+        # a self-drafting proposer (decode.self_draft) reads the target's hidden states after each forward
+        self.self_drafting = bool(getattr(proposer, "self_drafting", False))
         self.controller = None
         if proposer is not None and adaptive:
             self.controller = DraftLengthController(max_depth=proposer.max_depth)
@@ -82,8 +84,10 @@ class SpeculativeEngine:
         self.target.start(capacity)
         if self.proposer is not None:
             self.proposer.begin(prompt, capacity)
-        _, logits = self.target.forward(prompt, logits_rows=slice(-1, None))  # [1, V]
+        hidden, logits = self.target.forward(prompt, logits_rows=slice(-1, None))  # [T, D], [1, V]
         self.target.cache.advance(len(prompt))  # the first emitted token becomes the first root
+        if self.self_drafting:
+            self.proposer.observe_prefill(hidden[-1])  # the state the first emitted token comes from
         return pick_token(logits[0], sampling, generator)
 
     def step(self, seq: list[int], remaining: int, sampling: SamplingConfig,
@@ -95,9 +99,11 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         tree = self.draft(seq, depth, sampling, generator)
         t1 = time.perf_counter()
-        _, logits = self.target.forward(tree.tokens, tree.depths, tree.ancestor_mask())  # [N, V]
+        hidden, logits = self.target.forward(tree.tokens, tree.depths, tree.ancestor_mask())  # [N, D], [N, V]
         verdict = verify(tree, logits, sampling, generator)
         self.target.cache.commit_path(verdict.path)
+        if self.self_drafting:  # Medusa: the next proposals come from this forward's hidden states
+            self.proposer.observe_verification(hidden, verdict)
         sync(self.target.device)
         t2 = time.perf_counter()
         stats.draft_time_s += t1 - t0

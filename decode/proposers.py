@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+import models.medusa  # noqa: F401  (registers the drafter kind "medusa" with models.drafters)
 from decode.runner import ModelRunner
 from decode.sampling import SamplingConfig, logits_to_probs, sample
 from decode.tree import TokenTree
@@ -142,7 +143,19 @@ def build_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: set[int
             use_gemv_friendly_head(member.model)
         return build_ensemble_proposer(drafter.members, target_model, gamma, eos_token_ids,
                                        drafter.manifest.get("max_tree_nodes", 16))
-    raise ValueError(f"no proposer for drafter kind {drafter.kind!r} (known: draft_model, prompt_lookup, ensemble)")
+    if drafter.kind == "medusa":
+        from decode.self_draft import MedusaProposer  # self_draft builds on this module
+
+        check_medusa_vocab(drafter.model, target_model)
+        return MedusaProposer(drafter.model, tree=(drafter.manifest.get("extra") or {}).get("tree"))
+    raise ValueError(f"no proposer for drafter kind {drafter.kind!r} "
+                     "(known: draft_model, prompt_lookup, ensemble, medusa)")
+
+
+def check_medusa_vocab(heads, target_model) -> None:
+    v_heads, v_target = heads.config["vocab_size"], vocab_size(target_model)
+    if v_heads != v_target:
+        raise ValueError(f"Medusa heads predict {v_heads} tokens but the target's vocabulary has {v_target}")
 
 
 def use_gemv_friendly_head(model: torch.nn.Module) -> None:

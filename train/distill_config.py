@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from train.config import ConfigError, check_choice
 
-METHODS = ("seqkd", "kd", "colbt")
+METHODS = ("seqkd", "kd", "colbt", "medusa")
 LOSSES = ("ce", "fkl", "rkl", "jsd", "tvd")
 TRACKERS = ("none", "wandb")
 
@@ -49,6 +49,15 @@ class DistillConfig:
     colbt_scheme: str = _f("linear", "colbt: weight = 1 + strength * missed_by_all (linear) or exp(strength * misses) (exp)")
     colbt_holdout: int = _f(8, "colbt: prompts whose teacher records are held out to measure coverage")
     max_tree_nodes: int = _f(16, "colbt: cap on the merged token tree's nodes (root included) when the ensemble decodes")
+
+    # medusa: K heads on the frozen target's hidden state (train/medusa.py)
+    medusa_heads: int = _f(4, "medusa: number of heads; head k predicts the token k+1 positions ahead")
+    medusa_layers: int = _f(1, "medusa: residual blocks per head")
+    medusa_decay: float = _f(0.8, "medusa: head k's loss weight is decay**(k-1)")
+    medusa_kl_weight: float = _f(1.0, "medusa: weight of KL(target || head) beside the CE on the target's tokens")
+    medusa_tree_nodes: int = _f(24, "medusa: draft nodes of the calibrated sparse tree (root excluded)")
+    medusa_topk: int = _f(8, "medusa: ranks per head measured in calibration (the tree's widest branching)")
+    medusa_calibration: int = _f(16, "medusa: prompts held out to measure per-head top-k accuracy")
 
     # loss
     loss: str = _f("ce", f"loss, one of {LOSSES}; seqkd uses ce on the target's tokens")
@@ -117,5 +126,22 @@ class DistillConfig:
                 check_colbt_config(self)
             except ValueError as err:
                 raise ConfigError(str(err)) from err
+        if self.method == "medusa":
+            self.check_medusa()
         if not self.work_dir:
             self.work_dir = self.output_dir.rstrip("/") + ".work"
+
+    def check_medusa(self) -> None:
+        for name in ("medusa_heads", "medusa_tree_nodes", "medusa_topk", "medusa_calibration"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.medusa_layers < 0:
+            raise ConfigError(f"medusa_layers: must be >= 0, got {self.medusa_layers}")
+        if not 0 < self.medusa_decay <= 1:
+            raise ConfigError(f"medusa_decay: must be in (0, 1], got {self.medusa_decay}")
+        if self.medusa_kl_weight < 0:
+            raise ConfigError(f"medusa_kl_weight: must be >= 0, got {self.medusa_kl_weight}")
+        if self.loss != "ce":
+            raise ConfigError(f"loss: medusa trains with ce + medusa_kl_weight * KL, got {self.loss!r}")
+        if self.lora_r:
+            raise ConfigError("lora_r: Medusa-2 (LoRA on the target) is not implemented; set lora_r: 0")

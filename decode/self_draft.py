@@ -1,0 +1,136 @@
+"""Self-drafting proposers: Medusa heads read the target's own hidden states.
+
+No extra target forward per step. The engine's verification forward returns the hidden state of
+every tree node; after verification it calls `observe_verification(hidden [N, D], verdict)` (and
+after prefill `observe_prefill(hidden_last [D])`) on a proposer whose `self_drafting` is True.
+
+Offsets. Let t be the last accepted node. The target's head on h_t gives the bonus token (t + 1),
+which the engine emits and which becomes the next tree's root. Medusa head k on h_t predicts token
+t + k + 1, i.e. the token at depth k below that root. So head 1 proposes the root's children, head 2
+their children, and so on; none of them sees the root token itself (Medusa's design).
+
+The tree is sparse: a list of rank paths (r_1, ..., r_d), a node meaning "head 1's r_1-th choice,
+then head 2's r_2-th choice, ...", chosen offline by `choose_tree` from per-head top-k accuracies
+measured on calibration data (greedy expansion maximising expected accepted length under a node
+budget, as in Medusa's tree search) and stored in the drafter's manifest.
+
+Sampling. Every draft is a deterministic function of the context (top-k of the heads on the
+target's hidden state), so each node is proposed with q = one-hot (proposal None): the existing
+multi-draft rule (decode.sampling.verify_sampling) then emits exactly the target's distribution.
+Proposing the top-k tokens with q = the head's softmax would be biased: they are not samples of q.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from decode.proposers import Proposer
+from decode.sampling import SamplingConfig, Verdict
+from decode.tree import TokenTree
+
+__all__ = ["MedusaProposer", "choose_tree", "check_tree", "tree_from_ranks"]
+
+RankPath = tuple[int, ...]
+
+
+class MedusaProposer(Proposer):
+    name = "medusa"
+    self_drafting = True
+
+    def __init__(self, heads: torch.nn.Module, tree: list[list[int]] | None = None):
+        self.heads = heads
+        self.tree = check_tree(tree if tree is not None else default_chain(heads.num_heads), heads.num_heads)
+        self.max_depth = max(len(path) for path in self.tree)
+        self.max_rank = max(max(path) for path in self.tree) + 1
+        self.topk: torch.Tensor | None = None  # [K, max_rank] the heads' choices after the last accepted node
+
+    def begin(self, prompt_ids: list[int], capacity: int) -> None:
+        self.topk = None
+
+    def observe_prefill(self, hidden_last: torch.Tensor) -> None:
+        self.topk = self.head_choices(hidden_last)
+
+    def observe_verification(self, hidden: torch.Tensor, verdict: Verdict) -> None:
+        self.topk = self.head_choices(hidden[verdict.path[-1]])  # the last accepted node's state
+
+    def head_choices(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.heads(hidden.to(next(self.heads.parameters()).dtype))  # [K, V]
+        return logits.topk(self.max_rank, dim=-1).indices.cpu()  # [K, max_rank]
+
+    def propose(self, seq: list[int], max_depth: int, sampling: SamplingConfig, generator) -> TokenTree:
+        if self.topk is None:
+            raise RuntimeError("MedusaProposer.propose before observe_prefill: the engine must feed it hidden states")
+        return tree_from_ranks(seq[-1], self.tree, self.topk, max_depth)
+
+
+def tree_from_ranks(root: int, paths: list[list[int]], topk: torch.Tensor, max_depth: int) -> TokenTree:
+    """The token tree of rank paths (sorted by depth, every prefix present), cut at max_depth."""
+    tree = TokenTree.root(root)
+    node_of: dict[RankPath, int] = {(): 0}
+    choices = topk.tolist()
+    for path in paths:
+        if len(path) > max_depth:
+            continue
+        depth = len(path)
+        token = choices[depth - 1][path[-1]]
+        # no dedupe: sibling ranks are distinct tokens of one head, so children never coincide
+        node_of[tuple(path)] = tree.add(token, node_of[tuple(path[:-1])], None, dedupe=False)
+    return tree
+
+
+def default_chain(num_heads: int) -> list[list[int]]:
+    """Each head's top choice: a chain of num_heads drafts (used when no calibrated tree is stored)."""
+    return [[0] * d for d in range(1, num_heads + 1)]
+
+
+def check_tree(paths, num_heads: int) -> list[list[int]]:
+    """Rank paths, sorted by depth; every prefix present, no deeper than the number of heads."""
+    paths = [list(map(int, p)) for p in paths]
+    if not paths:
+        raise ValueError("a Medusa tree needs at least one node besides the root")
+    seen = {()}
+    for path in sorted(paths, key=len):
+        if not path or len(path) > num_heads or min(path) < 0:
+            raise ValueError(f"tree path {path}: needs depth 1..{num_heads} (heads) and ranks >= 0")
+        if tuple(path[:-1]) not in seen:
+            raise ValueError(f"tree path {path}: its parent {path[:-1]} is not in the tree")
+        if tuple(path) in seen:
+            raise ValueError(f"tree path {path} appears twice")
+        seen.add(tuple(path))
+    return sorted(paths, key=len)
+
+
+def choose_tree(accuracy: list[list[float]], budget: int) -> list[list[int]]:
+    """The `budget` nodes (root excluded) that maximise the expected accepted length.
+
+    accuracy[k][r] = P(head k+1's r-th choice is the target's token), measured teacher-forced. A node's
+    acceptance probability is the product of its path's accuracies (heads treated as independent),
+    and the expected accepted length is the sum over nodes. Expanding greedily the frontier node of
+    highest probability is optimal for this objective: a child is never more likely than its parent,
+    nor rank r + 1 more than rank r when accuracies decrease with rank."""
+    heads, ranks = len(accuracy), len(accuracy[0])
+    frontier = [(-path_probability((0,), accuracy), (0,))]
+    chosen: list[list[int]] = []
+    while frontier and len(chosen) < budget:
+        _, path = heapq.heappop(frontier)
+        chosen.append(list(path))
+        # each node enters the frontier once: from its previous sibling, or (rank 0) from its parent
+        successors = [path[:-1] + (path[-1] + 1,)] if path[-1] + 1 < ranks else []
+        if len(path) < heads:
+            successors.append(path + (0,))
+        for nxt in successors:
+            heapq.heappush(frontier, (-path_probability(nxt, accuracy), nxt))
+    return chosen
+
+
+def path_probability(path, accuracy: list[list[float]]) -> float:
+    p = 1.0
+    for depth, rank in enumerate(path):
+        p *= accuracy[depth][rank]
+    return p
+
+
+def expected_accept_length(paths: list[list[int]], accuracy: list[list[float]]) -> float:
+    return sum(path_probability(path, accuracy) for path in paths)

@@ -1,0 +1,167 @@
+"""Medusa-1 training (method `medusa`): K heads on the frozen target's last hidden state.
+
+    train_medusa(cfg, accelerator, target, records) -> the drafter directory (kind "medusa")
+
+Reads top to bottom: hold out some prompts' records for calibration; run the frozen target once over
+every record to get its last hidden states (the heads' only input; cached in work_dir, the target
+never changes); train the heads on the target's own tokens: head k at position t predicts token
+t + k + 1 with cross-entropy on the target's token plus KL(target || head) to the target's own
+distribution at t + k (the one that produced that token), weighted per head by decay**(k-1); measure
+per-head top-k accuracies on the calibration records, choose the sparse tree that maximises the
+expected accepted length (decode.self_draft.choose_tree), and save heads + tree as a drafter directory.
+
+Medusa-2 (LoRA on the target trained jointly) is not implemented.
+Config fields read here: medusa_heads, medusa_layers, medusa_decay, medusa_kl_weight,
+medusa_tree_nodes, medusa_topk, medusa_calibration (see train.distill_config).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from decode.self_draft import choose_tree, expected_accept_length
+from distill.batching import collate
+from distill.generation import pad_token_id
+from distill.losses import cross_entropy_loss, forward_kl
+from models.drafters import save_drafter
+from models.medusa import MedusaHeads
+from train import distill_steps as steps
+from train.colbt import config_dict, split_held_out
+
+log = logging.getLogger("specdistill.medusa")
+
+Example = tuple[torch.Tensor, torch.Tensor]  # hidden [R, D] at the positions predicting the response, labels [R]
+
+
+def train_medusa(cfg, accelerator, target, records: list[dict]) -> Path:
+    train_records, calibration = split_held_out(records, cfg.medusa_calibration, cfg.seed)
+    train_set = target_hidden_states(cfg, target, train_records, "train")
+    calib_set = target_hidden_states(cfg, target, calibration, "calibration")
+    heads = MedusaHeads.from_target(target.model, cfg.medusa_heads, cfg.medusa_layers).float().train()
+    heads.requires_grad_(True)
+    total = cfg.max_steps or cfg.epochs * -(-len(train_set) // (cfg.batch_size * accelerator.num_processes))
+    optimizer, scheduler = steps.make_optimizer(cfg, heads, total)
+    heads, optimizer, scheduler = accelerator.prepare(heads, optimizer, scheduler)
+    losses = train_heads(cfg, accelerator, target, heads, train_set, optimizer, scheduler, total)
+    heads = accelerator.unwrap_model(heads).eval()
+    accuracy = topk_accuracy(heads, calib_set, cfg.medusa_topk)
+    tree = choose_tree(accuracy, cfg.medusa_tree_nodes)
+    log.info("calibrated tree: %d nodes, expected accepted drafts %.2f per step; top-1 accuracy per head %s",
+             len(tree), expected_accept_length(tree, accuracy), [round(a[0], 3) for a in accuracy])
+    out = Path(cfg.output_dir)
+    if accelerator.is_main_process:
+        save_drafter(out, heads.to(target.dtype), target, "medusa", config={**heads.config, **config_dict(cfg)},
+                     extra={"tree": tree, "topk_accuracy": accuracy, "loss_history": losses,
+                            "expected_accept_length": expected_accept_length(tree, accuracy),
+                            "calibration_records": len(calibration)})
+    accelerator.wait_for_everyone()
+    return out
+
+
+# ---- data: the target's hidden states ------------------------------------------------------------------
+
+@torch.no_grad()
+def target_hidden_states(cfg, target, records: list[dict], name: str) -> list[Example]:
+    """(hidden [R, D], response [R]) per record: the target's final-norm hidden state at each position
+    whose next token is a response token. Cached in work_dir (the target is frozen)."""
+    cache = Path(cfg.work_dir) / f"medusa_hidden_{name}.pt"
+    key = (target.fingerprint, len(records), sum(len(r["response_ids"]) for r in records), cfg.max_seq_len)
+    if cache.is_file():
+        saved = torch.load(cache, weights_only=False)
+        if saved.get("key") == key:
+            return saved["examples"]
+    pad_id = pad_token_id(target.tokenizer, target.eos_token_ids)
+    examples = []
+    for start in tqdm(range(0, len(records), cfg.gen_batch_size), desc=f"target hidden ({name})"):
+        batch = collate(records[start:start + cfg.gen_batch_size], pad_id, cfg.max_seq_len).to(target.device)
+        hidden = target.model.get_decoder()(input_ids=batch.input_ids,
+                                            attention_mask=batch.attention_mask).last_hidden_state  # [B, T, D]
+        for row in range(hidden.shape[0]):
+            mask = batch.loss_mask[row]
+            examples.append((hidden[row][mask].float().cpu(), batch.labels[row][mask].cpu()))
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"key": key, "examples": examples}, cache)
+    return examples
+
+
+# ---- the loss ------------------------------------------------------------------------------------------
+
+def medusa_loss(heads, target_head: torch.nn.Module, examples: list[Example], decay: float,
+                kl_weight: float) -> torch.Tensor:
+    """sum_k decay**(k-1) * (CE + kl_weight * KL(target || head k)), each a mean over positions.
+
+    Head k at row i of an example predicts label i + k; the target's distribution for that token is
+    its head at row i + k (rows are consecutive positions)."""
+    device = next(heads.parameters()).device
+    total = torch.zeros((), device=device)
+    for k, head in enumerate(heads.heads, start=1):
+        pairs = [(h, y) for h, y in examples if h.shape[0] > k]
+        if not pairs:
+            continue
+        source = torch.cat([h[:-k] for h, _ in pairs]).to(device)  # [N, D]
+        labels = torch.cat([y[k:] for _, y in pairs]).to(device)  # [N]
+        logits = head(source)  # [N, V]
+        loss = cross_entropy_loss(logits, labels)
+        if kl_weight:
+            with torch.no_grad():
+                target_logits = target_head(torch.cat([h[k:] for h, _ in pairs]).to(device)).float()  # [N, V]
+            loss = loss + kl_weight * forward_kl(logits, target_logits)
+        total = total + decay ** (k - 1) * loss
+    return total
+
+
+def train_heads(cfg, accelerator, target, heads, examples: list[Example], optimizer, scheduler, total: int) -> list:
+    """`total` optimizer steps over shuffled batches of examples (this process's shard)."""
+    rng = random.Random(cfg.seed)
+    shard = examples[accelerator.process_index::accelerator.num_processes]
+    target_head = target.model.get_output_embeddings()
+    order: list[int] = []
+    history = []
+    for step in tqdm(range(total), desc="medusa", disable=not accelerator.is_local_main_process):
+        if len(order) < cfg.batch_size:
+            order += rng.sample(range(len(shard)), len(shard))
+        batch = [shard[i] for i in order[:cfg.batch_size]]
+        del order[:cfg.batch_size]
+        module = accelerator.unwrap_model(heads)
+        loss = medusa_loss(module, target_head, batch, cfg.medusa_decay, cfg.medusa_kl_weight)
+        accelerator.backward(loss)
+        average_gradients(accelerator, module)
+        accelerator.clip_grad_norm_(heads.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        if (step + 1) % cfg.log_every == 0 or step + 1 == total:
+            log.info("step %d loss %.4f lr %.2e", step + 1, loss.item(), scheduler.get_last_lr()[0])
+            history.append({"step": step + 1, "loss": loss.item()})
+    return history
+
+
+def average_gradients(accelerator, module) -> None:
+    """The loss calls the heads' submodules directly (not the DDP wrapper's forward), so DDP's hooks
+    do not sync them: average the gradients across processes here."""
+    if accelerator.num_processes == 1:
+        return
+    for p in module.parameters():
+        if p.grad is not None:
+            p.grad = accelerator.reduce(p.grad, "mean")
+
+
+# ---- calibration ---------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def topk_accuracy(heads, examples: list[Example], k_ranks: int) -> list[list[float]]:
+    """accuracy[k][r]: how often head k+1's r-th choice is the target's token (teacher-forced)."""
+    device = next(heads.parameters()).device
+    accuracy = []
+    for k, head in enumerate(heads.heads, start=1):
+        pairs = [(h, y) for h, y in examples if h.shape[0] > k]
+        source = torch.cat([h[:-k] for h, _ in pairs]).to(device)  # [N, D]
+        labels = torch.cat([y[k:] for _, y in pairs]).to(device)  # [N]
+        ranks = head(source.to(head.proj.weight.dtype)).topk(k_ranks, dim=-1).indices  # [N, ranks]
+        accuracy.append((ranks == labels[:, None]).float().mean(0).tolist())
+    return accuracy
