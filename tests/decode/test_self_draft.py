@@ -143,3 +143,22 @@ def exact_marginals(target, prompt, vocab):
     p2 = p1 @ p2_given
     p3 = torch.einsum("a,ab,abc->c", p1, p2_given, p3_given)
     return p2, p3
+
+
+def test_sampling_follows_the_targets_distribution():
+    vocab = 12
+    target = make_tiny_llama(seed=4, vocab_size=vocab, peak=2.0)
+    heads = MedusaHeads.from_target(target, num_heads=2)  # identity: plausible but shifted drafts
+    proposer = MedusaProposer(heads, [[0], [1], [2], [0, 0], [1, 0]])
+    engine = SpeculativeEngine(target, proposer, adaptive=False)
+    prompt = [1, 5, 7]
+    second, third, accepted = [], [], 0
+    for seed in range(800):
+        gen = engine.generate(prompt, 3, SamplingConfig(temperature=1.0, seed=seed))
+        second.append(gen.tokens[1])
+        third.append(gen.tokens[2])
+        accepted += gen.stats.accepted
+    p2, p3 = exact_marginals(target, prompt, vocab)
+    assert accepted > 150  # the drafts were really used, not all rejected
+    assert chi2_pvalue(second, p2) > 1e-3
+    assert chi2_pvalue(third, p3) > 1e-3
