@@ -41,6 +41,9 @@ class SpeculativeEngine:
         self.max_tree_nodes = max_tree_nodes
         # a self-drafting proposer (decode.self_draft) reads the target's hidden states after each forward
         self.self_drafting = bool(getattr(proposer, "self_drafting", False))
+        # a lookahead proposer (decode.lookahead) adds rows fed by embedding to every target forward
+        # and reads the next proposals from them: `prefill_rows`, `verification_rows`, `observe_rows`
+        self.lookahead = hasattr(proposer, "verification_rows")
         self.controller = None
         if proposer is not None and adaptive:
             self.controller = DraftLengthController(max_depth=proposer.max_depth)
@@ -80,14 +83,19 @@ class SpeculativeEngine:
     def prefill(self, prompt: list[int], max_new_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> int:
         """Run the prompt through the target and emit the first new token."""
-        capacity = len(prompt) + max_new_tokens + self.max_tree_nodes + 1
+        n = len(prompt)
+        extra_rows = self.proposer.max_extra_rows if self.lookahead else 0
+        capacity = n + max_new_tokens + self.max_tree_nodes + 1 + extra_rows
         self.target.start(capacity)
         if self.proposer is not None:
             self.proposer.begin(prompt, capacity)
-        hidden, logits = self.target.forward(prompt, logits_rows=slice(-1, None))  # [T, D], [1, V]
-        self.target.cache.advance(len(prompt))  # the first emitted token becomes the first root
+        extra = self.proposer.prefill_rows(n) if self.lookahead else None
+        hidden, logits = self.target.forward(prompt, logits_rows=slice(n - 1, n), extra=extra)  # [T(+L), D], [1, V]
+        self.target.cache.advance(n)  # the first emitted token becomes the first root; extra rows stay uncommitted
         if self.self_drafting:
-            self.proposer.observe_prefill(hidden[-1])  # the state the first emitted token comes from
+            self.proposer.observe_prefill(hidden[n - 1])  # the state the first emitted token comes from
+        if extra is not None:
+            self.proposer.observe_rows(hidden[n:], n - 1)
         return pick_token(logits[0], sampling, generator)
 
     def step(self, seq: list[int], remaining: int, sampling: SamplingConfig,
@@ -99,11 +107,16 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         tree = self.draft(seq, depth, sampling, generator)
         t1 = time.perf_counter()
-        hidden, logits = self.target.forward(tree.tokens, tree.depths, tree.ancestor_mask())  # [N, D], [N, V]
+        n = len(tree)
+        extra = self.proposer.verification_rows(tree) if self.lookahead else None
+        hidden, logits = self.target.forward(tree.tokens, tree.depths, tree.ancestor_mask(),
+                                             logits_rows=slice(0, n), extra=extra)  # [N(+L), D], [N, V]
         verdict = verify(tree, logits, sampling, generator)
-        self.target.cache.commit_path(verdict.path)
+        self.target.cache.commit_path(verdict.path)  # tree nodes only: extra rows lie past them, uncommitted
         if self.self_drafting:  # Medusa: the next proposals come from this forward's hidden states
-            self.proposer.observe_verification(hidden, verdict)
+            self.proposer.observe_verification(hidden[:n], verdict)
+        if extra is not None:  # [LA]: the next proposals come from the rows under the last accepted node
+            self.proposer.observe_rows(hidden[n:], verdict.path[-1])
         sync(self.target.device)
         t2 = time.perf_counter()
         stats.draft_time_s += t1 - t0

@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 import torch
 
 import models.medusa  # noqa: F401  (registers the drafter kind "medusa" with models.drafters)
+import models.lookahead  # noqa: F401  (registers the drafter kind "lookahead")
 from decode.runner import ModelRunner
 from decode.sampling import SamplingConfig, logits_to_probs, sample
 from decode.tree import TokenTree
@@ -148,8 +149,13 @@ def build_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: set[int
 
         check_medusa_vocab(drafter.model, target_model)
         return MedusaProposer(drafter.model, tree=(drafter.manifest.get("extra") or {}).get("tree"))
+    if drafter.kind == "lookahead":
+        from decode.lookahead import LookaheadProposer  # lookahead builds on this module
+
+        return LookaheadProposer(drafter.model, target_model,
+                                 chains=int((drafter.manifest.get("extra") or {}).get("chains", 2)))
     raise ValueError(f"no proposer for drafter kind {drafter.kind!r} "
-                     "(known: draft_model, prompt_lookup, ensemble, medusa)")
+                     "(known: draft_model, prompt_lookup, ensemble, medusa, lookahead)")
 
 
 def check_medusa_vocab(heads, target_model) -> None:

@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from decode.kv_cache import SpecCache
 from decode.tree import attention_bias
+
+
+@dataclass
+class ExtraRows:
+    """Rows fed by embedding rather than token id, after a forward's N token rows: [LA] lookahead
+    positions (decode.lookahead). Each attends to the committed prefix and to the rows `mask` allows;
+    no token row ever attends to an extra row, so the token rows' outputs are what they would be
+    without them, and the extra rows' KV, written past the token rows, is never committed."""
+
+    embeds: torch.Tensor  # [L, D] input embeddings
+    depths: list[int]  # [L] position offset from the prefix end, as for tree nodes
+    mask: torch.Tensor  # [L, N + L] bool: the token rows and extra rows each extra row attends to
 
 
 class ModelRunner:
@@ -38,29 +52,51 @@ class ModelRunner:
         depths: list[int] | None = None,
         ancestors: torch.Tensor | None = None,
         logits_rows: slice | None = None,
+        extra: ExtraRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write `tokens` after the committed prefix and return (hidden [N, D], logits [n_rows, V]).
+        """Write `tokens` (and `extra` rows after them) after the committed prefix and return
+        (hidden [N + L, D], logits [n_rows, V]).
 
         depths: position offset of each node from the prefix end (a chain: 0..N-1).
         ancestors: [N, N] bool tree mask (a chain: lower triangular).
         logits_rows: which rows get the head (default all).
+        extra: L rows given as embeddings (see ExtraRows); none by default.
         """
         n = len(tokens)
         prefix = self.cache.length
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, N]
         if depths is None:
-            positions = torch.arange(prefix, prefix + n, device=self.device)
-        else:
-            positions = torch.tensor(depths, dtype=torch.long, device=self.device) + prefix
+            depths = list(range(n))
         if ancestors is None:
             ancestors = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-        total = self.cache.max_len if self.static_shapes else prefix + n
-        mask = attention_bias(prefix, ancestors.to(self.device), total, self.dtype)  # [1, 1, N, total]
-        out = self.decoder(input_ids=ids, attention_mask=mask, position_ids=positions[None],
+        inputs = {"input_ids": ids}
+        if extra is not None:
+            inputs = {"inputs_embeds": with_extra_embeds(self.model.get_input_embeddings()(ids), extra)}
+            depths, ancestors = list(depths) + list(extra.depths), with_extra_mask(ancestors, extra)
+        positions = torch.tensor(depths, dtype=torch.long, device=self.device) + prefix  # [N + L]
+        total = self.cache.max_len if self.static_shapes else prefix + len(depths)
+        mask = attention_bias(prefix, ancestors.to(self.device), total, self.dtype)  # [1, 1, N + L, total]
+        out = self.decoder(**inputs, attention_mask=mask, position_ids=positions[None],
                            past_key_values=self.cache, use_cache=True)
-        hidden = out.last_hidden_state[0]  # [N, D]
+        hidden = out.last_hidden_state[0]  # [N + L, D]
         rows = hidden if logits_rows is None else hidden[logits_rows]
         return hidden, self.head(rows).float()  # [n_rows, V]
+
+
+def with_extra_embeds(token_embeds: torch.Tensor, extra: ExtraRows) -> torch.Tensor:
+    """[1, N, D] token embeddings + the extra rows -> [1, N + L, D]."""
+    return torch.cat([token_embeds, extra.embeds.to(token_embeds.dtype)[None]], dim=1)
+
+
+def with_extra_mask(ancestors: torch.Tensor, extra: ExtraRows) -> torch.Tensor:
+    """The [N + L, N + L] attention mask: token rows see only token rows (their ancestors), extra
+    rows see what extra.mask allows."""
+    n, n_extra = ancestors.shape[0], len(extra.depths)
+    if extra.mask.shape != (n_extra, n + n_extra) or extra.embeds.shape[0] != n_extra:
+        raise ValueError(f"extra rows: mask {tuple(extra.mask.shape)} and embeds {tuple(extra.embeds.shape)} "
+                         f"do not fit {n_extra} rows after {n} token rows")
+    top = torch.cat([ancestors.cpu(), torch.zeros(n, n_extra, dtype=torch.bool)], dim=1)  # [N, N + L]
+    return torch.cat([top, extra.mask.cpu()], dim=0)  # [N + L, N + L]
 
 
 def _round_up(n: int, multiple: int) -> int:

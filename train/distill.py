@@ -30,6 +30,7 @@ from accelerate.utils import DataLoaderConfiguration, set_seed  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from train.colbt import train_colbt  # noqa: E402
+from train.lookahead import train_lookahead  # noqa: E402
 from train.medusa import train_medusa  # noqa: E402
 from train.checkpoints import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from train.config import ConfigError, load_config  # noqa: E402
@@ -52,6 +53,11 @@ def main(argv: list[str] | None = None) -> Path | None:
         return out
     if cfg.method == "medusa":  # heads on the frozen target's hidden states, with a calibrated tree
         out = train_medusa(cfg, accelerator, target, records)
+        accelerator.end_training()
+        return out
+    if cfg.method == "lookahead":  # [LA] embeddings for the frozen target, measured with the engine
+        eval_prompts = steps.eval_prompt_ids(cfg, target) if accelerator.is_main_process else []
+        out = train_lookahead(cfg, accelerator, target, records, eval_prompts)
         accelerator.end_training()
         return out
     drafter, vocab_map = steps.build_drafter(cfg, target, records)

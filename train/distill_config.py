@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from train.config import ConfigError, check_choice
 
-METHODS = ("seqkd", "kd", "colbt", "medusa")
+METHODS = ("seqkd", "kd", "colbt", "medusa", "lookahead")
 LOSSES = ("ce", "fkl", "rkl", "jsd", "tvd")
 TRACKERS = ("none", "wandb")
 
@@ -58,6 +58,14 @@ class DistillConfig:
     medusa_tree_nodes: int = _f(24, "medusa: draft nodes of the calibrated sparse tree (root excluded)")
     medusa_topk: int = _f(8, "medusa: ranks per head measured in calibration (the tree's widest branching)")
     medusa_calibration: int = _f(16, "medusa: prompts held out to measure per-head top-k accuracy")
+
+    # lookahead: [LA] embeddings for the frozen target, PaSS (train/lookahead.py)
+    lookahead_tokens: int = _f(4, "lookahead: number k of [LA] embeddings; LA_j predicts the token j+1 after the last real one")
+    lookahead_insertions: int = _f(16, "lookahead: insertion points per training sequence, each a group of k [LA] rows in one forward")
+    lookahead_decay: float = _f(0.8, "lookahead: LA_j's loss weight is decay**(j-1)")
+    lookahead_kl_weight: float = _f(1.0, "lookahead: weight of KL(target || LA) beside the CE on the target's tokens")
+    lookahead_chains: int = _f(2, "lookahead: when decoding, the shallowest tree nodes that get an [LA] chain in each verification forward (stored in the drafter)")
+    lookahead_init_noise: float = _f(0.1, "lookahead: initial noise around the mean token embedding, in units of its per-dimension std")
 
     # loss
     loss: str = _f("ce", f"loss, one of {LOSSES}; seqkd uses ce on the target's tokens")
@@ -128,6 +136,8 @@ class DistillConfig:
                 raise ConfigError(str(err)) from err
         if self.method == "medusa":
             self.check_medusa()
+        if self.method == "lookahead":
+            self.check_lookahead()
         if not self.work_dir:
             self.work_dir = self.output_dir.rstrip("/") + ".work"
 
@@ -145,3 +155,17 @@ class DistillConfig:
             raise ConfigError(f"loss: medusa trains with ce + medusa_kl_weight * KL, got {self.loss!r}")
         if self.lora_r:
             raise ConfigError("lora_r: Medusa-2 (LoRA on the target) is not implemented; set lora_r: 0")
+
+    def check_lookahead(self) -> None:
+        for name in ("lookahead_tokens", "lookahead_insertions", "lookahead_chains"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.lookahead_decay <= 1:
+            raise ConfigError(f"lookahead_decay: must be in (0, 1], got {self.lookahead_decay}")
+        if self.lookahead_kl_weight < 0 or self.lookahead_init_noise < 0:
+            raise ConfigError("lookahead_kl_weight and lookahead_init_noise: must be >= 0, got "
+                              f"{self.lookahead_kl_weight}, {self.lookahead_init_noise}")
+        if self.loss != "ce":
+            raise ConfigError(f"loss: lookahead trains with ce + lookahead_kl_weight * KL, got {self.loss!r}")
+        if self.lora_r:
+            raise ConfigError("lora_r: lookahead trains only the [LA] embeddings, the target stays frozen; set lora_r: 0")

@@ -1,0 +1,115 @@
+"""The [LA] lookahead proposer (PaSS): the target's own forward drafts the next tokens.
+
+Every target forward carries, besides its token rows, chains of k [LA] rows (decode.runner.ExtraRows):
+the k learned embeddings LA_1..LA_k, fed by embedding, not by token id. The engine asks for them
+(`prefill_rows`, `verification_rows`) and hands back their hidden states (`observe_rows`).
+
+Offsets. A chain hangs under a token row a at position P_a (P = absolute position). LA_j sits at
+position P_a + j, attends to the committed prefix, to a and a's ancestors, and to LA_1..LA_j of its
+own chain; its output (the target's head on its hidden state) predicts the token at P_a + 1 + j. The
+target's own output at a predicts P_a + 1: that is the bonus token the engine emits, which becomes
+the next tree's root. So LA_1 proposes the root's child (depth 1 of the next tree), LA_j depth j; none
+of them sees the root token itself. At prefill the chain hangs under the last prompt token.
+
+Where chains go. A verification forward over a chain of drafts (root at depth 0, drafts 1..d) gets an
+[LA] chain under its `chains` shallowest nodes: (min(chains, d+1)) x k extra rows. The shallow nodes
+are the likely last accepted ones (P(stop at depth i) = a^i (1 - a) for acceptance a < 1). After
+verification the next proposals come from the chain under the last accepted node a. If a has none,
+from the chain under a's deepest ancestor o that has one, shifted: LA_j of o predicts position
+P_o + 1 + j, and the next tree needs P_a + 2 onwards, so LA_{s+1}..LA_k with s = P_a - P_o. They are
+predictions from less context, still a deterministic function of it. If s >= k nothing is proposed
+and the next step is a plain decode step (with a chain under its root).
+
+Losslessness. [LA] rows are written after the token rows and no token row attends to them (the mask
+gives token rows their ancestors only), so the verified logits are those of the plain tree forward;
+their KV lies past the tree nodes, and the engine commits only the accepted path, so it is never
+part of the cache (the next forward overwrites it). Drafts are the top-1 of each [LA] row, a
+deterministic function of the context: each is proposed with q = one-hot (proposal None), and the
+engine's multi-draft rule (decode.sampling) then emits exactly the target's distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decode.proposers import Proposer
+from decode.runner import ExtraRows
+from decode.sampling import SamplingConfig
+from decode.tree import TokenTree
+
+__all__ = ["LookaheadProposer", "lookahead_rows"]
+
+
+class LookaheadProposer(Proposer):
+    name = "lookahead"
+
+    def __init__(self, tokens: torch.nn.Module, target_model: torch.nn.Module, chains: int = 2):
+        """tokens: a module whose forward() gives the [K, D] lookahead embeddings (models.lookahead)."""
+        head = target_model.get_output_embeddings()
+        embeds = tokens().detach()  # [K, D]
+        width = target_model.get_input_embeddings().weight.shape[1]
+        if embeds.dim() != 2 or embeds.shape[1] != width:
+            raise ValueError(f"lookahead embeddings of shape {tuple(embeds.shape)} do not fit a target of hidden "
+                             f"size {width}")
+        if chains < 1:
+            raise ValueError(f"chains must be >= 1 (the root always gets an [LA] chain), got {chains}")
+        self.embeds = embeds.to(device=head.weight.device, dtype=head.weight.dtype)
+        self.head = head
+        self.k = self.max_depth = embeds.shape[0]
+        self.chains = chains
+        self.max_extra_rows = self.chains * self.k
+        self.drafts: list[int] = []  # the next tree's drafts, depth 1, 2, ...
+        self.owner_row: dict[int, int] = {}  # token row -> index of its [LA] chain in the last forward
+        self.parents: list[int] = []  # the last forward's tree (prefill: just the owner, as a root)
+        self.depths: list[int] = []
+
+    def begin(self, prompt_ids: list[int], capacity: int) -> None:
+        self.drafts, self.owner_row = [], {}
+
+    def prefill_rows(self, prompt_len: int) -> ExtraRows:
+        """One chain under the last prompt token (row prompt_len - 1), which sees the whole prompt."""
+        self.owner_row = {prompt_len - 1: 0}
+        self.parents, self.depths = [-1] * prompt_len, [0] * prompt_len  # only the owner is ever looked up
+        sees = torch.ones(1, prompt_len, dtype=torch.bool)  # [1, T]
+        return lookahead_rows(self.embeds, [prompt_len - 1], sees)
+
+    def verification_rows(self, tree: TokenTree) -> ExtraRows:
+        owners = sorted(range(len(tree)), key=lambda i: (tree.depths[i], i))[: self.chains]
+        self.owner_row = {node: i for i, node in enumerate(owners)}
+        self.parents, self.depths = tree.parents, tree.depths
+        sees = tree.ancestor_mask()[owners]  # [m, N]: each owner's ancestors, itself included
+        return lookahead_rows(self.embeds, [tree.depths[i] for i in owners], sees)
+
+    @torch.no_grad()
+    def observe_rows(self, hidden: torch.Tensor, last_node: int) -> None:
+        """hidden [L, D]: the [LA] rows of the last forward; last_node: the last accepted token row."""
+        owner, shift = self.nearest_owner(last_node)
+        if owner is None or shift >= self.k:
+            self.drafts = []
+            return
+        chain = self.owner_row[owner]
+        rows = hidden[chain * self.k + shift:(chain + 1) * self.k]  # [K - shift, D]: LA_{shift+1}..LA_K
+        self.drafts = self.head(rows).argmax(-1).tolist()
+
+    def nearest_owner(self, node: int) -> tuple[int | None, int]:
+        """The deepest node on the path to `node` with an [LA] chain, and the depth between them."""
+        walk = node
+        while walk != -1 and walk not in self.owner_row:
+            walk = self.parents[walk]
+        if walk == -1:
+            return None, 0
+        return walk, self.depths[node] - self.depths[walk]
+
+    def propose(self, seq: list[int], max_depth: int, sampling: SamplingConfig, generator) -> TokenTree:
+        return TokenTree.chain(seq[-1], self.drafts[:max_depth])  # proposals None: deterministic drafts
+
+
+def lookahead_rows(embeds: torch.Tensor, owner_depths: list[int], sees: torch.Tensor) -> ExtraRows:
+    """[LA] chains under m token rows. embeds [K, D]; owner_depths [m]; sees [m, N] bool: the token
+    rows each owner attends to (itself included). Row c*K + j is LA_{j+1} under owner c, at depth
+    owner_depth + j + 1, seeing what its owner sees plus LA_1..LA_{j+1} of its own chain."""
+    k, m, n = embeds.shape[0], len(owner_depths), sees.shape[1]
+    own_chain = torch.block_diag(*[torch.ones(k, k, dtype=torch.bool).tril()] * m)  # [mK, mK]
+    mask = torch.cat([sees.cpu().repeat_interleave(k, dim=0), own_chain], dim=1)  # [mK, N + mK]
+    depths = [d + j for d in owner_depths for j in range(1, k + 1)]
+    return ExtraRows(embeds.repeat(m, 1), depths, mask)  # embeds [mK, D]

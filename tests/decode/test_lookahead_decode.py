@@ -1,0 +1,162 @@
+"""[LA] lookahead decoding is lossless and drafts from the right rows: greedy output is the target's own,
+[LA] rows change neither the verified logits nor the committed KV, sampling follows the target."""
+
+import pytest
+import torch
+
+from tests.conftest import make_tiny_llama
+from tests.decode.test_self_draft import chi2_pvalue, exact_marginals, target_greedy
+from decode.engine import SpeculativeEngine
+from decode.lookahead import LookaheadProposer
+from decode.runner import ModelRunner
+from decode.sampling import SamplingConfig
+from decode.tree import TokenTree
+from models.lookahead import LookaheadTokens
+
+PROMPTS = ([1, 5, 7, 9, 11, 5, 7], [1, 3, 4], [1, 9, 9, 9, 12, 10])
+
+
+def random_tokens(target, k=3, seed=0, noise=1.0) -> LookaheadTokens:
+    return LookaheadTokens.from_target(target, k, seed=seed, noise=noise).eval()
+
+
+def constant_target(vocab=16, token=5):
+    """A target whose greedy output is `token` forever: every [LA] draft of it is accepted."""
+    target = make_tiny_llama(seed=0, vocab_size=vocab)
+    with torch.no_grad():
+        target.lm_head.weight.zero_()
+        target.lm_head.weight[token] = 1.0
+        target.model.norm.weight.fill_(1.0)
+    return target
+
+
+@torch.no_grad()
+def reference_drafts(target, tokens: LookaheadTokens, context: list[int]) -> list[int]:
+    """PaSS by the book: one plain causal forward of context + [LA_1..LA_k]; the argmax at LA_j."""
+    embeds = torch.cat([target.get_input_embeddings()(torch.tensor([context])), tokens()[None]], dim=1)
+    logits = target(inputs_embeds=embeds).logits[0, len(context):]  # [K, V]
+    return logits.argmax(-1).tolist()
+
+
+class RecordingProposer(LookaheadProposer):
+    """Remembers each tree's context, its drafts and the chain shift they were read with."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.shift, self.log = 0, []
+
+    def nearest_owner(self, node):
+        owner, self.shift = super().nearest_owner(node)
+        return owner, self.shift
+
+    def propose(self, seq, max_depth, sampling, generator):
+        self.log.append((list(seq), list(self.drafts), self.shift))
+        return super().propose(seq, max_depth, sampling, generator)
+
+
+@pytest.mark.parametrize("chains", [1, 2, 4])
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_greedy_is_the_targets_output(chains, adaptive):
+    target = make_tiny_llama(seed=2, vocab_size=16, peak=3.0)  # peaked, small vocabulary: drafts often right
+    proposer = LookaheadProposer(random_tokens(target), target, chains=chains)
+    engine = SpeculativeEngine(target, proposer, adaptive=adaptive)
+    accepted = 0
+    for prompt in PROMPTS:
+        gen = engine.generate(prompt, 30)
+        assert gen.tokens == target_greedy(target, prompt, 30)
+        accepted += gen.stats.accepted
+    assert accepted > 0  # accepted drafts (and the chains under them) were exercised
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 7, 33])
+def test_eos_and_max_new_tokens_cut_exactly(max_new):
+    target = make_tiny_llama(seed=2, peak=3.0, vocab_size=16)  # EOS (2) comes up often
+    engine = SpeculativeEngine(target, LookaheadProposer(random_tokens(target, k=4), target, chains=2),
+                               eos_token_ids={2}, adaptive=False)
+    for prompt in PROMPTS:
+        assert engine.generate(prompt, max_new).tokens == target_greedy(target, prompt, max_new, eos=2)
+
+
+def test_every_draft_of_a_constant_target_is_accepted():
+    target = constant_target()
+    engine = SpeculativeEngine(target, LookaheadProposer(random_tokens(target, k=3), target, chains=4),
+                               adaptive=False)
+    gen = engine.generate(PROMPTS[0], 30)
+    assert gen.tokens == target_greedy(target, PROMPTS[0], 30)
+    assert gen.tokens[1:] == [5] * 29  # the first token comes from the prompt's state, then always 5
+    assert gen.stats.alpha > 0.9 and gen.stats.target_forwards <= 10  # k drafts + the bonus per forward
+
+
+@pytest.mark.parametrize("chains", [1, 4])
+def test_drafts_are_the_la_outputs_after_the_last_accepted_token(chains):
+    """Each tree (root = the bonus token) is drafted from [LA] rows placed right after the last accepted
+    token, as a plain forward of context + [LA] would give; with a chain only under the root, from the
+    root's rows shifted by how far the accepted path went below it."""
+    target = make_tiny_llama(seed=2, vocab_size=16, peak=3.0)
+    tokens = random_tokens(target, k=3)
+    proposer = RecordingProposer(tokens, target, chains=chains)
+    SpeculativeEngine(target, proposer, adaptive=False).generate(PROMPTS[0], 24)
+    assert len(proposer.log) >= 5
+    shifted = 0
+    for seq, drafts, shift in proposer.log:
+        context = seq[:len(seq) - 1 - shift]  # up to the chain's owner (root excluded: it is the bonus)
+        assert drafts == reference_drafts(target, tokens, context)[shift:]
+        shifted += shift > 0
+    assert (shifted > 0) == (chains == 1)  # chains under every node never need the shift
+
+
+def test_la_rows_change_neither_verified_logits_nor_committed_kv():
+    target = make_tiny_llama(seed=3)
+    prompt, tree = [1, 5, 7, 9, 11], TokenTree.root(13)
+    for token, parent in [(20, 0), (21, 0), (30, 1), (31, 2), (40, 3)]:  # two branches
+        tree.add(token, parent, dedupe=False)
+    proposer = LookaheadProposer(random_tokens(target, k=3), target, chains=6)
+    results = []
+    with torch.no_grad():
+        for extra in (None, proposer.verification_rows(tree)):
+            runner = ModelRunner(target)
+            runner.start(64)
+            runner.forward(prompt)
+            runner.cache.advance(len(prompt))
+            hidden, logits = runner.forward(tree.tokens, tree.depths, tree.ancestor_mask(),
+                                            logits_rows=slice(0, len(tree)), extra=extra)
+            runner.cache.commit_path([0, 2, 4])  # root, 21, 31
+            results.append((logits, [layer.keys[:, :, :runner.cache.length].clone() for layer in runner.cache.layers],
+                            hidden.shape[0]))
+        plain = target(torch.tensor([prompt + [13, 21, 31]]), use_cache=True)
+    (logits_a, kv_a, rows_a), (logits_b, kv_b, rows_b) = results
+    assert rows_b == rows_a + 6 * 3  # an [LA] chain under every node was really fed
+    torch.testing.assert_close(logits_b, logits_a, rtol=0, atol=1e-5)
+    for layer, (a, b) in enumerate(zip(kv_a, kv_b)):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+        torch.testing.assert_close(b, plain.past_key_values.layers[layer].keys, rtol=0, atol=1e-5)
+
+
+def test_bad_lookahead_inputs_are_refused():
+    target = make_tiny_llama(seed=0)
+    with pytest.raises(ValueError, match="hidden size"):
+        LookaheadProposer(LookaheadTokens(3, 16), target)
+    with pytest.raises(ValueError, match="chains"):
+        LookaheadProposer(random_tokens(target), target, chains=0)
+
+
+def test_sampling_follows_the_targets_distribution():
+    vocab = 8
+    target = make_tiny_llama(seed=4, vocab_size=vocab, hidden_size=16, layers=1, peak=6.0)
+    engine = SpeculativeEngine(target, LookaheadProposer(random_tokens(target, k=2), target, chains=2),
+                               adaptive=False)
+    prompt = [1, 5, 7]
+    second, third, accepted = [], [], 0
+    for seed in range(1200):
+        gen = engine.generate(prompt, 3, SamplingConfig(temperature=1.0, seed=seed))
+        second.append(gen.tokens[1])
+        third.append(gen.tokens[2])
+        accepted += gen.stats.accepted
+    p2, p3 = exact_marginals(target, prompt, vocab)
+    assert accepted > 100  # the drafts were really used, not all rejected
+    assert chi2_pvalue(second, p2) > 1e-3
+    assert chi2_pvalue(third, p3) > 1e-3
+    # the test has power: the same draws do not pass for the distribution at another temperature
+    with torch.no_grad():
+        sharper = torch.softmax(2.0 * torch.log(p3.float()), -1).double()
+    assert chi2_pvalue(third, sharper) < 1e-3
