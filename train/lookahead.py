@@ -50,7 +50,8 @@ def train_lookahead(cfg, accelerator, target, records: list[dict], eval_prompts:
     tokens = LookaheadTokens.from_target(target.model, cfg.lookahead_tokens, cfg.seed, cfg.lookahead_init_noise)
     tokens = tokens.float().train().requires_grad_(True)
     shard = records[accelerator.process_index::accelerator.num_processes]
-    total = cfg.max_steps or cfg.epochs * -(-len(shard) // cfg.batch_size)
+    # the same step count on every process (shards may differ by one record)
+    total = cfg.max_steps or cfg.epochs * -(-len(records) // (cfg.batch_size * accelerator.num_processes))
     optimizer, scheduler = steps.make_optimizer(cfg, tokens, total)
     tokens, optimizer, scheduler = accelerator.prepare(tokens, optimizer, scheduler)
     best = BestTokens()
