@@ -5,11 +5,10 @@ import pytest
 import torch
 
 from tests.conftest import make_tiny_llama
-from tests.decode.test_self_draft import chi2_pvalue, exact_marginals, target_greedy
+from tests.decode.test_self_draft import chi2_pvalue, exact_marginals, sample_second_and_third, target_greedy
 from decode.engine import SpeculativeEngine
 from decode.lookahead import LookaheadProposer
 from decode.runner import ModelRunner
-from decode.sampling import SamplingConfig
 from decode.tree import TokenTree
 from models.lookahead import LookaheadTokens
 
@@ -146,12 +145,7 @@ def test_sampling_follows_the_targets_distribution():
     engine = SpeculativeEngine(target, LookaheadProposer(random_tokens(target, k=2), target, chains=2),
                                adaptive=False)
     prompt = [1, 5, 7]
-    second, third, accepted = [], [], 0
-    for seed in range(1200):
-        gen = engine.generate(prompt, 3, SamplingConfig(temperature=1.0, seed=seed))
-        second.append(gen.tokens[1])
-        third.append(gen.tokens[2])
-        accepted += gen.stats.accepted
+    second, third, accepted = sample_second_and_third(engine, prompt, 1200)
     p2, p3 = exact_marginals(target, prompt, vocab)
     assert accepted > 100  # the drafts were really used, not all rejected
     assert chi2_pvalue(second, p2) > 1e-3

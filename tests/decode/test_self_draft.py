@@ -132,6 +132,18 @@ def test_bad_trees_are_refused():
         check_tree([[0], [0, 0], [0, 0, 0]], 2)
 
 
+def sample_second_and_third(engine, prompt, draws: int):
+    """The 2nd and 3rd tokens of `draws` seeded 3-token generations at temperature 1, and the drafts
+    accepted over all of them."""
+    second, third, accepted = [], [], 0
+    for seed in range(draws):
+        gen = engine.generate(prompt, 3, SamplingConfig(temperature=1.0, seed=seed))
+        second.append(gen.tokens[1])
+        third.append(gen.tokens[2])
+        accepted += gen.stats.accepted
+    return second, third, accepted
+
+
 def exact_marginals(target, prompt, vocab):
     """The target's exact distributions of the 2nd and 3rd sampled tokens (temperature 1)."""
     with torch.no_grad():
@@ -152,12 +164,7 @@ def test_sampling_follows_the_targets_distribution():
     proposer = MedusaProposer(heads, [[0], [1], [2], [0, 0], [1, 0]])
     engine = SpeculativeEngine(target, proposer, adaptive=False)
     prompt = [1, 5, 7]
-    second, third, accepted = [], [], 0
-    for seed in range(800):
-        gen = engine.generate(prompt, 3, SamplingConfig(temperature=1.0, seed=seed))
-        second.append(gen.tokens[1])
-        third.append(gen.tokens[2])
-        accepted += gen.stats.accepted
+    second, third, accepted = sample_second_and_third(engine, prompt, 800)
     p2, p3 = exact_marginals(target, prompt, vocab)
     assert accepted > 150  # the drafts were really used, not all rejected
     assert chi2_pvalue(second, p2) > 1e-3

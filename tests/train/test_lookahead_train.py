@@ -17,9 +17,7 @@ from decode.proposers import build_proposer
 from distill.batching import collate
 from models.drafters import load_drafter
 from models.lookahead import LookaheadTokens
-from models.target import target_from_model
-from tests.conftest import make_tiny_llama
-from tests.distill.conftest import make_tiny_tokenizer
+from tests.train.support import greedy_records, peaked_tiny_target
 from train.config import ConfigError
 from train.distill_config import DistillConfig
 from train.lookahead import Insertions, lookahead_logits, measure_acceptance, sample_insertions, train_lookahead
@@ -30,23 +28,12 @@ K = 3
 
 @pytest.fixture(scope="module")
 def target():
-    model = make_tiny_llama(vocab_size=VOCAB, seed=1)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(40.0)  # a clear greedy choice at every step
-    return target_from_model(model, make_tiny_tokenizer(), name="tiny")
+    return peaked_tiny_target(VOCAB, seed=1)
 
 
 @pytest.fixture(scope="module")
 def records(target):
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for i in range(40):
-        prompt = torch.randint(9, VOCAB, (4 + i % 5,), generator=gen).tolist()
-        with torch.no_grad():
-            ids = target.model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
-                                        eos_token_id=sorted(target.eos_token_ids), pad_token_id=0)
-        out.append({"prompt_id": f"p{i}", "prompt_ids": prompt, "response_ids": ids[0, len(prompt):].tolist()})
-    return out
+    return greedy_records(target, VOCAB)
 
 
 def lookahead_config(tmp_path, **overrides):
