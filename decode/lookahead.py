@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from decode.packed_linear import packed_for_inference
 from decode.proposers import Proposer
 from decode.runner import ExtraRows
 from decode.sampling import SamplingConfig
@@ -54,7 +55,7 @@ class LookaheadProposer(Proposer):
         if chains < 1:
             raise ValueError(f"chains must be >= 1 (the root always gets an [LA] chain), got {chains}")
         self.embeds = embeds.to(device=head.weight.device, dtype=head.weight.dtype)
-        self.head = head
+        self.head = packed_for_inference(head)  # the engine's target runner shares this packed copy
         self.k = self.max_depth = embeds.shape[0]
         self.chains = chains
         self.max_extra_rows = self.chains * self.k

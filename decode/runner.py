@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from decode.kv_cache import SpecCache
+from decode.packed_linear import packed_for_inference
 from decode.tree import attention_bias
 
 
@@ -27,13 +28,15 @@ class ModelRunner:
 
     The decoder and the head are called separately so that the head (a [V, D] matmul, the
     dominant cost of a small drafter) runs only on the rows whose logits are needed, and so that
-    hidden states are available to heads that read them (Medusa).
+    hidden states are available to heads that read them (Medusa). On CPU in fp32 both run on
+    packed copies of the weights (decode.packed_linear): the same values, about twice as fast at
+    batch size 1, and a few rows cost little more than one.
     """
 
     def __init__(self, model: torch.nn.Module, static_shapes: bool = False):
         self.model = model
-        self.decoder = model.get_decoder()
-        self.head = model.get_output_embeddings()
+        self.decoder = packed_for_inference(model.get_decoder())
+        self.head = packed_for_inference(model.get_output_embeddings())
         self.num_layers = model.config.get_text_config().num_hidden_layers
         self.static_shapes = static_shapes
         self.cache = SpecCache(self.num_layers, 0, static_shapes)
