@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import torch
 
-from decode.packed_linear import packed_for_inference
 from decode.proposers import Proposer
 from decode.runner import ExtraRows
 from decode.sampling import SamplingConfig
 from decode.tree import TokenTree
+from models.packed_linear import packed_for_inference
 
 __all__ = ["LookaheadProposer", "lookahead_rows"]
 

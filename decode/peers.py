@@ -87,7 +87,7 @@ def hf_generation_config(target, max_new_tokens: int, sampling: SamplingConfig, 
 
 def assisted_skip_reason(drafter, target) -> str | None:
     """Why transformers' assisted generation cannot use this drafter (None when it can)."""
-    if drafter.model is None:
+    if drafter.kind != "draft_model" or drafter.model is None:
         return f"drafter kind {drafter.kind!r} has no draft model to pass as assistant_model"
     if drafter.vocab_map is not None:
         return None  # runs through a full-vocabulary view of the same weights (assistant_model_of)

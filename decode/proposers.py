@@ -148,7 +148,8 @@ def build_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: set[int
         from decode.self_draft import MedusaProposer  # self_draft builds on this module
 
         check_medusa_vocab(drafter.model, target_model)
-        return MedusaProposer(drafter.model, tree=(drafter.manifest.get("extra") or {}).get("tree"))
+        return MedusaProposer(drafter.model, tree=(drafter.manifest.get("extra") or {}).get("tree"),
+                              vocab_map=drafter.vocab_map)
     if drafter.kind == "lookahead":
         from decode.lookahead import LookaheadProposer  # lookahead builds on this module
 

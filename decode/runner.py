@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from decode.kv_cache import SpecCache
-from decode.packed_linear import packed_for_inference
 from decode.tree import attention_bias
+from models.packed_linear import packed_for_inference
 
 
 @dataclass
@@ -29,7 +29,7 @@ class ModelRunner:
     The decoder and the head are called separately so that the head (a [V, D] matmul, the
     dominant cost of a small drafter) runs only on the rows whose logits are needed, and so that
     hidden states are available to heads that read them (Medusa). On CPU in fp32 both run on
-    packed copies of the weights (decode.packed_linear): the same values, about twice as fast at
+    packed copies of the weights (models.packed_linear): the same values, about twice as fast at
     batch size 1, and a few rows cost little more than one.
     """
 

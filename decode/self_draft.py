@@ -29,6 +29,7 @@ import torch
 from decode.proposers import Proposer
 from decode.sampling import SamplingConfig, Verdict
 from decode.tree import TokenTree
+from models.packed_linear import packed_for_inference, packing_supported
 
 __all__ = ["MedusaProposer", "choose_tree", "check_tree", "tree_from_ranks"]
 
@@ -39,13 +40,18 @@ class MedusaProposer(Proposer):
     name = "medusa"
     self_drafting = True
 
-    def __init__(self, heads: torch.nn.Module, tree: list[list[int]] | None = None):
+    def __init__(self, heads: torch.nn.Module, tree: list[list[int]] | None = None,
+                 vocab_map: torch.Tensor | None = None):
+        """vocab_map: [M] target ids the heads may propose (models.medusa: the teacher data's most
+        frequent tokens); the projections then cover those M rows only, which cuts the proposer's
+        cost by V / M. None keeps the full vocabulary. Either way the target verifies every draft."""
         self.heads = heads
         self.tree = check_tree(tree if tree is not None else default_chain(heads.num_heads), heads.num_heads)
         self.max_depth = max(len(path) for path in self.tree)
         self.max_rank = max(max(path) for path in self.tree) + 1
         self.topk: torch.Tensor | None = None  # [K, max_rank] the heads' choices after the last accepted node
-        self.proj_t = fuse_projections(heads)  # [K, D, V], shared with the heads' own weights
+        self.vocab_map = None if vocab_map is None else vocab_map.long().cpu()  # [M] head row -> target id
+        self.project = head_projections(heads, self.vocab_map)  # [K, D] -> [K, M]
 
     def begin(self, prompt_ids: list[int], capacity: int) -> None:
         self.topk = None
@@ -58,10 +64,10 @@ class MedusaProposer(Proposer):
 
     @torch.no_grad()
     def head_choices(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden.to(self.proj_t.dtype)  # [D]
+        hidden = hidden.to(self.heads.heads[0].proj.weight.dtype)  # [D]
         blocks = torch.stack([head.blocks(hidden) for head in self.heads.heads])  # [K, D]
-        logits = torch.bmm(blocks.unsqueeze(1), self.proj_t).squeeze(1)  # [K, V]: one batched GEMV
-        return logits.topk(self.max_rank, dim=-1).indices.cpu()  # [K, max_rank]
+        ranks = self.project(blocks).topk(self.max_rank, dim=-1).indices.cpu()  # [K, max_rank] head rows
+        return ranks if self.vocab_map is None else self.vocab_map[ranks]  # target ids
 
     def propose(self, seq: list[int], max_depth: int, sampling: SamplingConfig, generator) -> TokenTree:
         if self.topk is None:
@@ -69,19 +75,30 @@ class MedusaProposer(Proposer):
         return tree_from_ranks(seq[-1], self.tree, self.topk, max_depth)
 
 
-def fuse_projections(heads: torch.nn.Module) -> torch.Tensor:
-    """The K heads' output projections as one [K, D, V] tensor, each head's weight re-pointed at its slice.
+def head_projections(heads: torch.nn.Module, vocab_map: torch.Tensor | None):
+    """blocks [K, D] -> logits [K, M]: each head's output projection restricted to the rows in vocab_map.
 
-    A decode step runs every head on one hidden state: K GEMVs over [V, D] weights, which dominate the
-    proposer's cost. One bmm over the stacked, transposed weights reads them once in the layout the
-    BLAS streams best (measured on the 2-core CPU, 4 heads of 49k x 576: 48 ms against 200 ms for four
-    F.linear calls under load; BENCHMARKS.md). The heads keep the same values; they now view this
-    tensor, so no memory is duplicated. Inference only: the proposer never trains the heads."""
-    with torch.no_grad():
-        proj_t = torch.stack([head.proj.weight.detach().t() for head in heads.heads]).contiguous()  # [K, D, V]
-        for k, head in enumerate(heads.heads):
-            head.proj.weight.data = proj_t[k].t()  # [V, D] view, same values
-    return proj_t
+    A decode step runs every head on one hidden state, K GEMVs over [M, D] weights that dominate the
+    proposer's cost. On CPU in fp32 each head gets a oneDNN-packed copy of its rows
+    (models.packed_linear); elsewhere the K projections are stacked into one [K, D, M] tensor and run as
+    one batched GEMV (4 heads of 49k x 576 on the 2-core CPU: 48 ms against 200 ms for four F.linear
+    calls under load). Inference only: the proposer never trains the heads, and they keep their weights."""
+    weights = [head.proj.weight.detach() for head in heads.heads]  # K x [V, D]
+    if vocab_map is not None:
+        weights = [w[vocab_map.to(w.device)] for w in weights]  # K x [M, D]
+    linears = [as_linear(w) for w in weights]
+    if packing_supported(linears[0]):
+        packed = [packed_for_inference(linear) for linear in linears]
+        return lambda blocks: torch.cat([p(blocks[k:k + 1]) for k, p in enumerate(packed)])  # [K, M]
+    proj_t = torch.stack([w.t() for w in weights]).contiguous()  # [K, D, M]
+    return lambda blocks: torch.bmm(blocks.unsqueeze(1), proj_t).squeeze(1)  # [K, M]
+
+
+def as_linear(weight: torch.Tensor) -> torch.nn.Linear:
+    """A bias-free Linear holding `weight` [M, D] (shared, not copied)."""
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+    return linear
 
 
 def tree_from_ranks(root: int, paths: list[list[int]], topk: torch.Tensor, max_depth: int) -> TokenTree:

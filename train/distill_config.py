@@ -24,7 +24,8 @@ class DistillConfig:
     method: str = _f("seqkd", f"training method, one of {METHODS}")
     target: str = _f("smollm2-135m", "target: the embedded default, an HF directory or hub id, or a .gguf file")
     drafter: str = _f("truncated:4", "initial drafter: truncated:N, small:layers=L,hidden=H, or an HF directory")
-    draft_vocab: int = _f(0, "reduced draft head size (the most frequent target tokens); 0 keeps the full vocabulary")
+    draft_vocab: int = _f(0, "reduced draft head size (the most frequent target tokens; for medusa, the tokens the heads "
+                          "may propose at decoding); 0 keeps the full vocabulary")
     lora_r: int = _f(0, "LoRA rank on the drafter (peft); 0 trains all its weights")
     output_dir: str = _f("runs/drafter", "where the trained drafter directory is written")
     work_dir: str = _f("", "checkpoints, teacher data and logs; default: <output_dir>.work")

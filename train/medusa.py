@@ -11,8 +11,11 @@ per-head top-k accuracies on the calibration records, choose the sparse tree tha
 expected accepted length (decode.self_draft.choose_tree), and save heads + tree as a drafter directory.
 
 Medusa-2 (LoRA on the target trained jointly) is not implemented.
+With `draft_vocab` M > 0 the drafter also stores a candidate vocabulary (the training responses' M most
+frequent tokens): decoding projects the heads onto those rows only (V / M times cheaper per step), and
+the calibration measures the heads' accuracies with the same restriction.
 Config fields read here: medusa_heads, medusa_layers, medusa_decay, medusa_kl_weight,
-medusa_tree_nodes, medusa_topk, medusa_calibration (see train.distill_config).
+medusa_tree_nodes, medusa_topk, medusa_calibration, draft_vocab (see train.distill_config).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from decode.self_draft import choose_tree, expected_accept_length
 from distill.batching import collate
 from distill.generation import pad_token_id
 from distill.losses import cross_entropy_loss, forward_kl
+from distill.vocab import count_response_tokens, coverage, select_draft_vocab
 from models.drafters import save_drafter
 from models.medusa import MedusaHeads
 from train import distill_steps as steps
@@ -49,13 +53,15 @@ def train_medusa(cfg, accelerator, target, records: list[dict]) -> Path:
     heads, optimizer, scheduler = accelerator.prepare(heads, optimizer, scheduler)
     losses = train_heads(cfg, accelerator, target, heads, train_set, optimizer, scheduler, total)
     heads = accelerator.unwrap_model(heads).eval()
-    accuracy = topk_accuracy(heads, calib_set, cfg.medusa_topk)
+    vocab_map = candidate_vocab(cfg, target, train_records)
+    accuracy = topk_accuracy(heads, calib_set, cfg.medusa_topk, vocab_map)
     tree = choose_tree(accuracy, cfg.medusa_tree_nodes)
     log.info("calibrated tree: %d nodes, expected accepted drafts %.2f per step; top-1 accuracy per head %s",
              len(tree), expected_accept_length(tree, accuracy), [round(a[0], 3) for a in accuracy])
     out = Path(cfg.output_dir)
     if accelerator.is_main_process:
         save_drafter(out, heads.to(target.dtype), target, "medusa", config={**heads.config, **config_dict(cfg)},
+                     vocab_map=vocab_map,
                      extra={"tree": tree, "topk_accuracy": accuracy, "loss_history": losses,
                             "expected_accept_length": expected_accept_length(tree, accuracy),
                             "calibration_records": len(calibration)})
@@ -151,17 +157,36 @@ def average_gradients(accelerator, module) -> None:
             p.grad = accelerator.reduce(p.grad, "mean")
 
 
+def candidate_vocab(cfg, target, records: list[dict]) -> torch.Tensor | None:
+    """[M] target ids the heads may propose at decoding (cfg.draft_vocab most frequent response
+    tokens, EOS always in), or None for the full vocabulary. Training keeps the full vocabulary."""
+    if not cfg.draft_vocab:
+        return None
+    counts = count_response_tokens(records)
+    vocab_map = select_draft_vocab(counts, cfg.draft_vocab, target.vocab_size, always=target.eos_token_ids)
+    log.info("candidate vocabulary: %d tokens, %.1f%% of the training responses' tokens",
+             cfg.draft_vocab, 100 * coverage(counts, vocab_map))
+    return vocab_map
+
+
 # ---- calibration ---------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def topk_accuracy(heads, examples: list[Example], k_ranks: int) -> list[list[float]]:
-    """accuracy[k][r]: how often head k+1's r-th choice is the target's token (teacher-forced)."""
+def topk_accuracy(heads, examples: list[Example], k_ranks: int,
+                  vocab_map: torch.Tensor | None = None) -> list[list[float]]:
+    """accuracy[k][r]: how often head k+1's r-th choice is the target's token (teacher-forced), the
+    choices restricted to vocab_map's rows when given (as decoding will restrict them)."""
     device = next(heads.parameters()).device
     accuracy = []
     for k, head in enumerate(heads.heads, start=1):
         pairs = [(h, y) for h, y in examples if h.shape[0] > k]
         source = torch.cat([h[:-k] for h, _ in pairs]).to(device)  # [N, D]
         labels = torch.cat([y[k:] for _, y in pairs]).to(device)  # [N]
-        ranks = head(source.to(head.proj.weight.dtype)).topk(k_ranks, dim=-1).indices  # [N, ranks]
+        logits = head(source.to(head.proj.weight.dtype))  # [N, V]
+        if vocab_map is not None:
+            logits = logits[:, vocab_map.to(device)]  # [N, M]
+        ranks = logits.topk(k_ranks, dim=-1).indices  # [N, ranks]
+        if vocab_map is not None:
+            ranks = vocab_map.to(device)[ranks]  # target ids
         accuracy.append((ranks == labels[:, None]).float().mean(0).tolist())
     return accuracy

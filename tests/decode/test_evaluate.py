@@ -6,6 +6,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
@@ -13,10 +14,11 @@ from transformers import PreTrainedTokenizerFast
 
 from tests.conftest import ROOT, SHARED_DATA, make_tiny_llama
 from decode.evaluate import EvalConfig, conversation_for_turn, main, run_evaluation, run_question
-from decode.peers import Method, TurnOutput
+from decode.peers import Method, TurnOutput, assisted_skip_reason
 from decode.questions import Question, QuestionFileError, categories, load_questions
 from decode.report import BASELINE, write_report
-from models.drafters import load_drafter
+from models.drafters import Drafter, load_drafter
+from models.medusa import MedusaHeads
 from models.target import target_from_model
 
 VOCAB = 64
@@ -168,6 +170,15 @@ def test_report_has_the_required_keys_and_baseline_speedup_one(tmp_path, chat_ta
         assert (out / plot).read_bytes()[:8] == PNG_MAGIC
     turns = [json.loads(line) for line in (out / "turns.jsonl").read_text().splitlines()]
     assert len(turns) == 4 * len(methods)  # 2 + 1 + 1 turns per method
+
+
+def test_self_drafters_are_skipped_for_assisted_generation(chat_target):
+    """Medusa heads (with or without a candidate vocabulary) are no assistant_model for transformers."""
+    heads = MedusaHeads.from_target(chat_target.model, num_heads=2)
+    for vocab_map in (None, torch.arange(8)):
+        drafter = Drafter("medusa", heads, vocab_map, {}, None)
+        assert "medusa" in assisted_skip_reason(drafter, chat_target)
+    assert assisted_skip_reason(load_drafter("truncated:1", chat_target), chat_target) is None
 
 
 def test_sampling_run_reports_no_mismatch_count(tmp_path, chat_target):

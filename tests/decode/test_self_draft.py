@@ -33,9 +33,9 @@ class RecordingProposer(MedusaProposer):
     """Checks the offsets: remembers, for each tree, the hidden state its proposals came from and the
     sequence it was drafted after."""
 
-    def __init__(self, heads, tree):
-        super().__init__(heads, tree)
-        self.last_state, self.drafted_from = None, []
+    def __init__(self, heads, tree, vocab_map=None):
+        super().__init__(heads, tree, vocab_map)
+        self.last_state, self.drafted_from, self.proposed = None, [], []
 
     def head_choices(self, hidden):
         self.last_state = hidden.clone()
@@ -43,7 +43,9 @@ class RecordingProposer(MedusaProposer):
 
     def propose(self, seq, max_depth, sampling, generator):
         self.drafted_from.append((list(seq), self.last_state))
-        return super().propose(seq, max_depth, sampling, generator)
+        tree = super().propose(seq, max_depth, sampling, generator)
+        self.proposed += tree.tokens[1:]
+        return tree
 
 
 @pytest.mark.parametrize("tree", [None, BRANCHY], ids=["chain", "branchy"])
@@ -93,6 +95,27 @@ def test_proposals_come_from_the_last_accepted_node(tiny_target):
     assert len(proposer.drafted_from) >= gen.stats.target_forwards - 2  # a tree per verification (not the last: 1 token left)
     for seq, state in proposer.drafted_from:
         torch.testing.assert_close(state, hidden[len(seq) - 2], rtol=1e-4, atol=1e-4)
+
+
+def test_candidate_vocabulary_keeps_greedy_lossless_and_proposals_inside_it(tiny_target):
+    vocab_map = torch.arange(0, tiny_target.config.vocab_size, 3)  # every third token may be proposed
+    proposer = RecordingProposer(random_heads(tiny_target), BRANCHY, vocab_map=vocab_map)
+    gen = SpeculativeEngine(tiny_target, proposer, adaptive=False).generate(PROMPT, 40)
+    assert gen.tokens == target_greedy(tiny_target, PROMPT, 40)
+    allowed = set(vocab_map.tolist())
+    assert proposer.proposed and all(t in allowed for t in proposer.proposed)
+
+
+def test_candidate_vocabulary_ranks_as_the_full_head_does_on_its_rows(tiny_target):
+    """Restricting the projection to vocab_map's rows gives the full head's ranking of those tokens."""
+    heads = random_heads(tiny_target)
+    vocab_map = torch.tensor([3, 4, 8, 15, 16, 23, 42])
+    hidden = torch.randn(tiny_target.config.hidden_size)
+    restricted = MedusaProposer(heads, BRANCHY, vocab_map=vocab_map).head_choices(hidden)  # [K, ranks]
+    with torch.no_grad():
+        full = heads(hidden)[:, vocab_map]  # [K, M]
+    expected = vocab_map[full.topk(restricted.shape[1], dim=-1).indices]
+    assert torch.equal(restricted, expected)
 
 
 def test_tree_from_ranks_places_head_choices_by_depth():

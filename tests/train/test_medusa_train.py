@@ -94,3 +94,17 @@ def test_medusa_config_is_checked():
         DistillConfig(method="medusa", medusa_decay=0.0)
     with pytest.raises(ConfigError, match="lora_r"):
         DistillConfig(method="medusa", lora_r=4)
+
+
+def test_draft_vocab_stores_the_candidate_vocabulary(target, records, tmp_path):
+    cfg = medusa_config(tmp_path, draft_vocab=12, max_steps=5)
+    drafter = load_drafter(str(train_medusa(cfg, Accelerator(cpu=True), target, records)), target)
+    counts = torch.bincount(torch.tensor([t for r in records for t in r["response_ids"]]), minlength=VOCAB_SIZE)
+    assert drafter.vocab_map is not None and drafter.vocab_map.numel() == 12
+    assert set(target.eos_token_ids) <= set(drafter.vocab_map.tolist())
+    assert int(counts.argmax()) in drafter.vocab_map.tolist()  # the most frequent response token is kept
+    engine = SpeculativeEngine(target.model, build_proposer(drafter, target.model), target.eos_token_ids,
+                               adaptive=False)
+    plain = SpeculativeEngine(target.model, None, target.eos_token_ids)
+    prompt = records[0]["prompt_ids"]
+    assert engine.generate(prompt, 24).tokens == plain.generate(prompt, 24).tokens

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from decode.engine import SpeculativeEngine
-from decode.packed_linear import DISABLE_ENV, PackedLinear, packed_for_inference
+from models.packed_linear import DISABLE_ENV, PackedLinear, packed_for_inference
 from decode.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not built in")

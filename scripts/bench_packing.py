@@ -1,0 +1,119 @@
+"""Benchmark: the target's forward over N new tokens with oneDNN-packed weights against F.linear (MKL).
+
+    .venv/bin/python scripts/bench_packing.py [--rows 1 2 4 8 16] [--reps 15] [--context 300] [--out DIR]
+
+For each N the target runs a forward of N tokens after a `--context`-token prefix (the shape of a
+verification step), packed and unpacked interleaved rep by rep, so the machine's noise hits both alike.
+Then plain greedy decoding of `--decode-tokens` tokens after one MT-bench question, both ways, and a
+check that both produce the same tokens. Prints a table; writes DIR/packing.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from decode.engine import SpeculativeEngine  # noqa: E402  (ROOT on sys.path first)
+from decode.questions import load_questions  # noqa: E402
+from decode.runner import ModelRunner  # noqa: E402
+from models.packed_linear import DISABLE_ENV  # noqa: E402
+from models.target import load_target  # noqa: E402
+
+QUESTIONS = ROOT.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default=None)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--context", type=int, default=300)
+    p.add_argument("--decode-tokens", type=int, default=96)
+    p.add_argument("--out", default="runs/bench_packing")
+    return p.parse_args(argv)
+
+
+def make(factory, packed: bool):
+    """Build with packing on or off (the switch is read when the runner or engine is built)."""
+    old = os.environ.pop(DISABLE_ENV, None)
+    if not packed:
+        os.environ[DISABLE_ENV] = "1"
+    try:
+        return factory()
+    finally:
+        os.environ.pop(DISABLE_ENV, None)
+        if old is not None:
+            os.environ[DISABLE_ENV] = old
+
+
+def time_forward(runner: ModelRunner, context: list[int], rows: int) -> float:
+    runner.start(len(context) + rows + 1)
+    runner.forward(context, logits_rows=slice(len(context) - 1, len(context)))
+    runner.cache.advance(len(context))
+    start = time.perf_counter()
+    runner.forward(list(range(1000, 1000 + rows)))  # logits for every row, as verification needs
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def bench_forwards(model, args) -> list[dict]:
+    runners = {packed: make(lambda: ModelRunner(model), packed) for packed in (True, False)}
+    context = list(range(100, 100 + args.context))
+    table = []
+    for rows in args.rows:
+        times = {True: [], False: []}
+        for _ in range(args.reps + 1):  # the first rep warms up (oneDNN builds its kernel per shape)
+            for packed, runner in runners.items():
+                times[packed].append(time_forward(runner, context, rows))
+        ms = {packed: 1000 * statistics.median(t[1:]) for packed, t in times.items()}
+        table.append({"rows": rows, "packed_ms": ms[True], "unpacked_ms": ms[False]})
+    return table
+
+
+def bench_decoding(target, args) -> dict:
+    question = load_questions(QUESTIONS)[0]
+    prompt = target.encode_chat([{"role": "user", "content": question.turns[0]}])
+    out = {}
+    for packed in (True, False, True, False):  # twice each, interleaved; the second of each counts
+        engine = make(lambda: SpeculativeEngine(target.model, None, target.eos_token_ids), packed)
+        gen = engine.generate(prompt, args.decode_tokens)
+        out[packed] = (gen.tokens, gen.stats.new_tokens / gen.stats.total_time_s)
+    return {"packed_tok_s": out[True][1], "unpacked_tok_s": out[False][1],
+            "same_tokens": out[True][0] == out[False][0], "tokens": len(out[True][0])}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    target = load_target(args.target)
+    report = {"threads": torch.get_num_threads(), "context": args.context,
+              "forwards": bench_forwards(target.model, args), "decoding": bench_decoding(target, args)}
+    print(f"target forward over N new tokens after {args.context} cached, median of {args.reps} "
+          f"(torch threads {report['threads']}):")
+    print("| N | packed ms | F.linear ms | packed speedup | packed cost / its 1-row cost |")
+    print("|---|---|---|---|---|")
+    one = report["forwards"][0]["packed_ms"]
+    for row in report["forwards"]:
+        print(f"| {row['rows']} | {row['packed_ms']:.1f} | {row['unpacked_ms']:.1f} | "
+              f"{row['unpacked_ms'] / row['packed_ms']:.2f}x | {row['packed_ms'] / one:.2f} |")
+    d = report["decoding"]
+    print(f"plain greedy decoding, {d['tokens']} tokens: packed {d['packed_tok_s']:.1f} tok/s, F.linear "
+          f"{d['unpacked_tok_s']:.1f} tok/s ({d['packed_tok_s'] / d['unpacked_tok_s']:.2f}x); same tokens: "
+          f"{d['same_tokens']}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "packing.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
