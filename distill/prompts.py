@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ from urllib.parse import parse_qsl
 import torch
 
 from distill.generation import generate_batch, pad_token_id
+from models.cache import cache_root
 
 __all__ = [
     "Prompt", "PromptSpec", "parse_prompt_spec", "load_prompts", "load_prompt_sources", "exclusion_texts",
@@ -129,7 +131,7 @@ def load_prompts(spec: str, *, target=None, field: str | None = None, limit: int
     if parsed.kind == "self":
         if target is None:
             raise ValueError(f"prompt source {spec!r} samples prompts from the target, but no target was given")
-        return sample_self_prompts(target, int(parsed.location), seed=seed, exclude=excluded,
+        return cached_self_prompts(target, int(parsed.location), seed=seed, exclude=excluded,
                                    min_chars=max(min_chars, 8))[:limit]
     label, records = open_records(parsed, spec)
     candidates = (record_to_prompt(r, i, label, field, spec) for i, r in records)
@@ -305,6 +307,32 @@ def user_turn_prefix(tokenizer) -> tuple[list[int], set[int]]:
     special = set(getattr(tokenizer, "added_tokens_decoder", {}) or {}) | set(tokenizer.all_special_ids)
     end_ids = {suffix_ids[0]} if suffix_ids and suffix_ids[0] in special else set()
     return prefix_ids, end_ids
+
+
+SELF_PROMPT_CACHE_VERSION = 1
+
+
+def cached_self_prompts(target, n: int, *, seed: int, exclude: Collection[str], min_chars: int) -> list[Prompt]:
+    """sample_self_prompts, cached under $SPECDISTILL_CACHE/self_prompts/ by a key of the target's
+    fingerprint, n, the seed, min_chars and the excluded texts: self-prompting takes minutes of target
+    generation, and every job over the same target and settings asks for the same prompts."""
+    excluded = sorted({normalize_text(t) for t in exclude})
+    key = hashlib.sha256(json.dumps([SELF_PROMPT_CACHE_VERSION, target.fingerprint, n, seed, min_chars, excluded])
+                         .encode()).hexdigest()[:32]
+    file = cache_root() / "self_prompts" / f"{key}.json"
+    if file.exists():
+        return [Prompt(id=row["id"], messages=row["messages"]) for row in json.loads(file.read_text())]
+    prompts = sample_self_prompts(target, n, seed=seed, exclude=excluded, min_chars=min_chars)
+    write_json_atomically(file, [{"id": p.id, "messages": p.messages} for p in prompts])
+    return prompts
+
+
+def write_json_atomically(file: Path, value) -> None:
+    """A reader sees no file or the complete one (a temp sibling renamed into place)."""
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_name(f".{file.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, file)
 
 
 def sample_self_prompts(target, n: int, *, seed: int = 0, temperature: float = 1.0, max_prompt_tokens: int = 128,

@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 
 from distill.generation import generate_batch, pad_token_id
 from distill.prompts import Prompt
+from models.cache import cache_root
 
 __all__ = [
     "TeacherDataSettings", "generate_teacher_data", "load_teacher_data", "teacher_data_key", "teacher_data_dir",
@@ -132,7 +133,7 @@ def teacher_data_key(target, prompts: Sequence[Prompt], settings: TeacherDataSet
 
 
 def default_cache_root() -> Path:
-    return Path(os.environ.get("SPECDISTILL_CACHE") or Path.home() / ".cache" / "specdistill")
+    return cache_root()  # $SPECDISTILL_CACHE, or ~/.cache/specdistill
 
 
 def teacher_data_dir(key: str, cache_root: str | Path | None = None) -> Path:

@@ -8,6 +8,7 @@ import json
 import datasets
 import pytest
 
+import distill.prompts as prompts_module
 from distill.prompts import (
     exclusion_texts, load_prompt_sources, load_prompts, normalize_text, parse_prompt_spec, sample_self_prompts,
 )
@@ -157,6 +158,22 @@ def test_self_prompts_are_distinct_finished_user_turns_and_seeded(tiny_chat_targ
     assert all(p.id.startswith("self:") and p.messages == [{"role": "user", "content": p.text}] for p in first)
     kept = sample_self_prompts(tiny_chat_target, 6, seed=3, min_chars=2, max_prompt_tokens=16, exclude={texts[0]})
     assert texts[0] not in {normalize_text(p.text) for p in kept}
+
+
+def test_self_prompts_are_cached_by_target_and_settings(tiny_chat_target, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path))
+    first = load_prompts("self:4", target=tiny_chat_target, seed=1, min_chars=2)
+    assert len(list((tmp_path / "self_prompts").glob("*.json"))) == 1
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("self-prompts were generated again instead of read from the cache")
+
+    monkeypatch.setattr(prompts_module, "sample_self_prompts", no_generation)
+    assert load_prompts("self:4", target=tiny_chat_target, seed=1, min_chars=2) == first
+    with pytest.raises(AssertionError, match="generated again"):  # another seed is another key
+        load_prompts("self:4", target=tiny_chat_target, seed=2, min_chars=2)
+    with pytest.raises(AssertionError, match="generated again"):  # so is another exclusion set
+        load_prompts("self:4", target=tiny_chat_target, seed=1, min_chars=2, exclude={"some question"})
 
 
 def test_self_spec_needs_a_target():
