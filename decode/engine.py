@@ -108,7 +108,8 @@ class SpeculativeEngine:
         tree = self.draft(seq, depth, sampling, generator)
         t1 = time.perf_counter()
         n = len(tree)
-        extra = self.proposer.verification_rows(tree) if self.lookahead else None
+        # [LA] chains one deeper than this step drafted: the next step's proposals, without rows it won't use
+        extra = self.proposer.verification_rows(tree, depth + 1) if self.lookahead else None
         hidden, logits = self.target.forward(tree.tokens, tree.depths, tree.ancestor_mask(),
                                              logits_rows=slice(0, n), extra=extra)  # [N(+L), D], [N, V]
         verdict = verify(tree, logits, sampling, generator)

@@ -57,6 +57,7 @@ class LookaheadProposer(Proposer):
         self.embeds = embeds.to(device=head.weight.device, dtype=head.weight.dtype)
         self.head = packed_for_inference(head)  # the engine's target runner shares this packed copy
         self.k = self.max_depth = embeds.shape[0]
+        self.active = self.k  # [LA] rows per chain in the last forward (LA_1..LA_active)
         self.chains = chains
         self.max_extra_rows = self.chains * self.k
         self.drafts: list[int] = []  # the next tree's drafts, depth 1, 2, ...
@@ -69,27 +70,32 @@ class LookaheadProposer(Proposer):
 
     def prefill_rows(self, prompt_len: int) -> ExtraRows:
         """One chain under the last prompt token (row prompt_len - 1), which sees the whole prompt."""
-        self.owner_row = {prompt_len - 1: 0}
+        self.owner_row, self.active = {prompt_len - 1: 0}, self.k
         self.parents, self.depths = [-1] * prompt_len, [0] * prompt_len  # only the owner is ever looked up
         sees = torch.ones(1, prompt_len, dtype=torch.bool)  # [1, T]
         return lookahead_rows(self.embeds, [prompt_len - 1], sees)
 
-    def verification_rows(self, tree: TokenTree) -> ExtraRows:
+    def verification_rows(self, tree: TokenTree, depth: int | None = None) -> ExtraRows:
+        """[LA] chains under the tree's `chains` shallowest nodes, each LA_1..LA_d with d = min(depth, K)
+        (at least 1): the next step drafts at most about as deep as this one, so the engine passes this
+        step's depth + 1 and rows the next step would not use are not computed. LA_j attends only to
+        LA_1..LA_j of its chain, so a shorter chain's rows are exactly the first rows of a full one."""
+        self.active = self.k if depth is None else max(1, min(depth, self.k))
         owners = sorted(range(len(tree)), key=lambda i: (tree.depths[i], i))[: self.chains]
         self.owner_row = {node: i for i, node in enumerate(owners)}
         self.parents, self.depths = tree.parents, tree.depths
         sees = tree.ancestor_mask()[owners]  # [m, N]: each owner's ancestors, itself included
-        return lookahead_rows(self.embeds, [tree.depths[i] for i in owners], sees)
+        return lookahead_rows(self.embeds[:self.active], [tree.depths[i] for i in owners], sees)
 
     @torch.no_grad()
     def observe_rows(self, hidden: torch.Tensor, last_node: int) -> None:
         """hidden [L, D]: the [LA] rows of the last forward; last_node: the last accepted token row."""
         owner, shift = self.nearest_owner(last_node)
-        if owner is None or shift >= self.k:
+        if owner is None or shift >= self.active:
             self.drafts = []
             return
-        chain = self.owner_row[owner]
-        rows = hidden[chain * self.k + shift:(chain + 1) * self.k]  # [K - shift, D]: LA_{shift+1}..LA_K
+        chain, k = self.owner_row[owner], self.active
+        rows = hidden[chain * k + shift:(chain + 1) * k]  # [k - shift, D]: LA_{shift+1}..LA_k
         self.drafts = self.head(rows).argmax(-1).tolist()
 
     def nearest_owner(self, node: int) -> tuple[int | None, int]:

@@ -104,6 +104,29 @@ def test_drafts_are_the_la_outputs_after_the_last_accepted_token(chains):
     assert (shifted > 0) == (chains == 1)  # chains under every node never need the shift
 
 
+def test_short_chains_draft_what_a_full_chain_drafts_first():
+    """The engine asks for chains one deeper than the step drafted; LA_j sees only LA_1..LA_j of its
+    chain, so a chain of d rows drafts exactly the first d drafts of a full one, at d rows' cost."""
+    target = make_tiny_llama(seed=2, vocab_size=16, peak=3.0)
+    tokens = random_tokens(target, k=3)
+    tree = TokenTree.chain(13, [7, 9])
+    drafts = {}
+    for depth in (1, 2, None):
+        proposer = LookaheadProposer(tokens, target, chains=2)
+        extra = proposer.verification_rows(tree, depth)
+        assert extra.embeds.shape[0] == 2 * (depth or 3)  # chains x rows per chain
+        with torch.no_grad():
+            runner = ModelRunner(target)
+            runner.start(64)
+            runner.forward(PROMPTS[0])
+            runner.cache.advance(len(PROMPTS[0]))
+            hidden, _ = runner.forward(tree.tokens, tree.depths, tree.ancestor_mask(), extra=extra)
+        proposer.observe_rows(hidden[len(tree):], 0)  # the root was the last accepted node
+        drafts[depth] = proposer.drafts
+    assert len(drafts[None]) == 3
+    assert drafts[1] == drafts[None][:1] and drafts[2] == drafts[None][:2]
+
+
 def test_la_rows_change_neither_verified_logits_nor_committed_kv():
     target = make_tiny_llama(seed=3)
     prompt, tree = [1, 5, 7, 9, 11], TokenTree.root(13)
