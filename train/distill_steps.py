@@ -166,7 +166,7 @@ def train_window(cfg, accelerator, target, drafter, vocab_map, window: list[Batc
         with accelerator.accumulate(drafter):
             loss_sum = micro_batch_loss(cfg, drafter, batch)
             accelerator.backward(loss_sum * scale)
-            total += float(loss_sum)
+            total += float(loss_sum.detach())
             if accelerator.sync_gradients:
                 accelerator.clip_grad_norm_(drafter.parameters(), 1.0)
             optimizer.step()
