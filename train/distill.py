@@ -49,16 +49,16 @@ def main(argv: list[str] | None = None) -> Path | None:
     if cfg.method == "colbt":  # several drafters, boost-tuned in sequence, saved as one ensemble
         eval_prompts = steps.eval_prompt_ids(cfg, target) if accelerator.is_main_process else []
         out = train_colbt(cfg, accelerator, target, records, eval_prompts)
-        accelerator.end_training()
+        steps.end_run(accelerator)
         return out
     if cfg.method == "medusa":  # heads on the frozen target's hidden states, with a calibrated tree
         out = train_medusa(cfg, accelerator, target, records)
-        accelerator.end_training()
+        steps.end_run(accelerator)
         return out
     if cfg.method == "lookahead":  # [LA] embeddings for the frozen target, measured with the engine
         eval_prompts = steps.eval_prompt_ids(cfg, target) if accelerator.is_main_process else []
         out = train_lookahead(cfg, accelerator, target, records, eval_prompts)
-        accelerator.end_training()
+        steps.end_run(accelerator)
         return out
     drafter, vocab_map = steps.build_drafter(cfg, target, records)
     loader = steps.make_loader(cfg, records, target, vocab_map)
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> Path | None:
                      eval_prompts, total)
     out = steps.publish_best(cfg, accelerator, target, vocab_map, state) if finished else None
     steps.write_summary(cfg, accelerator, drafter, state, finished)
-    accelerator.end_training()
+    steps.end_run(accelerator)
     return out
 
 

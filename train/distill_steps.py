@@ -38,6 +38,15 @@ log = logging.getLogger("specdistill.distill")
 
 # ---- components ---------------------------------------------------------------------------------------
 
+def end_run(accelerator) -> None:
+    """Close the trackers and shut the process group down while the interpreter is still whole.
+    Left to interpreter exit, gloo's teardown can deadlock: the DDP reducer's destructor joins gloo's
+    worker thread while holding the GIL, and that thread waits for the GIL to free the last barrier's
+    tensors (seen as a 2-process CPU run that finished its work and never exited)."""
+    accelerator.end_training()
+    accelerator.state.destroy_process_group()
+
+
 def load_target_for(cfg, accelerator):
     dtype = torch.bfloat16 if accelerator.device.type == "cuda" else torch.float32
     return load_target(cfg.target, device=str(accelerator.device), dtype=dtype)

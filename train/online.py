@@ -39,6 +39,7 @@ from models.drafter_store import current_path, current_version, init_store, is_s
 from models.drafters import load_drafter  # noqa: E402
 from models.target import load_target  # noqa: E402
 from train.config import ConfigError, load_config  # noqa: E402
+from train.distill_steps import end_run  # noqa: E402
 from train.online_config import OnlineConfig  # noqa: E402
 from train.online_learn import acceptance, score_requests, train_candidate  # noqa: E402
 from train.online_state import METRICS, OnlineState  # noqa: E402
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     accelerator = make_accelerator(cfg)
     OnlineDaemon(cfg, accelerator).run()
-    accelerator.end_training()
+    end_run(accelerator)
 
 
 if __name__ == "__main__":
