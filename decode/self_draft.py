@@ -29,7 +29,7 @@ import torch
 from decode.proposers import Proposer
 from decode.sampling import SamplingConfig, Verdict
 from decode.tree import TokenTree
-from models.packed_linear import packed_for_inference, packing_supported
+from models.packed_linear import PackedLinear, packing_supported
 
 __all__ = ["MedusaProposer", "choose_tree", "check_tree", "tree_from_ranks"]
 
@@ -86,9 +86,8 @@ def head_projections(heads: torch.nn.Module, vocab_map: torch.Tensor | None):
     weights = [head.proj.weight.detach() for head in heads.heads]  # K x [V, D]
     if vocab_map is not None:
         weights = [w[vocab_map.to(w.device)] for w in weights]  # K x [M, D]
-    linears = [as_linear(w) for w in weights]
-    if packing_supported(linears[0]):
-        packed = [packed_for_inference(linear) for linear in linears]
+    if packing_supported(heads):
+        packed = [PackedLinear(as_linear(w)) for w in weights]  # built once per proposer: no cache needed
         return lambda blocks: torch.cat([p(blocks[k:k + 1]) for k, p in enumerate(packed)])  # [K, M]
     proj_t = torch.stack([w.t() for w in weights]).contiguous()  # [K, D, M]
     return lambda blocks: torch.bmm(blocks.unsqueeze(1), proj_t).squeeze(1)  # [K, M]

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from models.drafters import Drafter, load_vocab_map, register_drafter_kind
+from models.drafters import Drafter, checked_vocab_map, load_vocab_map, register_drafter_kind
 
 WEIGHTS_FILE = "medusa.safetensors"
 ARCH_KEYS = ("num_heads", "num_layers", "hidden_size", "vocab_size")
@@ -105,9 +105,12 @@ def load_medusa_kind(path: Path, manifest: dict, target, device: str) -> Drafter
     if heads.config["vocab_size"] != target.vocab_size:
         raise ValueError(f"medusa drafter {path} has {heads.config['vocab_size']}-token heads but target "
                          f"{target.name!r} has {target.vocab_size} tokens")
-    vocab_map = load_vocab_map(path / manifest["vocab_map"]) if manifest.get("vocab_map") else None
-    if vocab_map is not None and (int(vocab_map.min()) < 0 or int(vocab_map.max()) >= target.vocab_size):
-        raise ValueError(f"medusa drafter {path}: vocab_map points outside the target's {target.vocab_size} tokens")
+    vocab_map = None
+    if manifest.get("vocab_map"):
+        try:
+            vocab_map = checked_vocab_map(load_vocab_map(path / manifest["vocab_map"]), target)
+        except ValueError as err:
+            raise ValueError(f"medusa drafter {path}: {err}") from err
     return Drafter("medusa", heads.to(device).eval(), vocab_map, manifest, str(path))
 
 

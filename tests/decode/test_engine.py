@@ -132,8 +132,12 @@ def test_mismatched_vocabulary_is_refused(tiny_target):
         build_proposer(unknown, tiny_target)
 
 
-def test_gemv_friendly_head_changes_layout_not_values(tiny_target):
+def test_gemv_friendly_head_changes_layout_not_values(tiny_target, monkeypatch):
+    """The unpacked path (packing off or unavailable); packed drafters are left as they are."""
     from decode.proposers import use_gemv_friendly_head
+    from models.packed_linear import DISABLE_ENV
+
+    monkeypatch.setenv(DISABLE_ENV, "1")
 
     drafter = make_tiny_llama(seed=4, layers=1)
     ids = torch.tensor([PROMPT])
