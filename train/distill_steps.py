@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
 import shutil
+import sys
 from itertools import islice
 from pathlib import Path
 
@@ -39,12 +41,24 @@ log = logging.getLogger("specdistill.distill")
 # ---- components ---------------------------------------------------------------------------------------
 
 def end_run(accelerator) -> None:
-    """Close the trackers and shut the process group down while the interpreter is still whole.
-    Left to interpreter exit, gloo's teardown can deadlock: the DDP reducer's destructor joins gloo's
-    worker thread while holding the GIL, and that thread waits for the GIL to free the last barrier's
-    tensors (seen as a 2-process CPU run that finished its work and never exited)."""
+    """Close the trackers; in a multi-process run, once every process is here, exit at once.
+
+    Why exit here: freeing the DDP-wrapped model when main() returns can deadlock in gloo. The DDP
+    reducer's destructor joins gloo's worker thread while holding the GIL, and that thread waits for
+    the GIL to free the tensors of the last collective (py-spy stacks of 2-process CPU runs that had
+    written everything and never exited, 1 run in 4 to 8 under load). Destroying the process group
+    first (as `end_training` does) makes it no better: the reducer then holds its last reference.
+    Everything is written by the time this is called, so the process skips destructors (os._exit
+    after flushing)."""
+    distributed = accelerator.num_processes > 1
+    if distributed:
+        accelerator.wait_for_everyone()  # before end_training, which destroys the process group
     accelerator.end_training()
-    accelerator.state.destroy_process_group()
+    if distributed:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def load_target_for(cfg, accelerator):
