@@ -49,17 +49,22 @@ Chain = tuple[list[int], list[torch.Tensor | None]]  # drafted tokens and the q 
 class EnsembleProposer(Proposer):
     """Members draft one after another (each from its own q when sampling: independent draws, as
     the multi-draft rule needs); their chains merge into one tree of at most `max_tree_nodes` nodes
-    (root included), source = member index."""
+    (root included), source = member index. With `branches` b > 1, in greedy mode each member also
+    puts its next b - 1 most likely first tokens into the tree as one-node branches (SpecInfer's
+    top-b expansion at the first position, where a member's miss is most costly)."""
 
     name = "ensemble"
 
-    def __init__(self, members: list[DraftModelProposer], max_tree_nodes: int):
+    def __init__(self, members: list[DraftModelProposer], max_tree_nodes: int, branches: int = 1):
         if not members:
             raise ValueError("an ensemble needs at least one member proposer")
         if max_tree_nodes < 2:
             raise ValueError(f"max_tree_nodes must be >= 2 (the root and one draft), got {max_tree_nodes}")
+        if branches < 1:
+            raise ValueError(f"branches must be >= 1 (1: chains only), got {branches}")
         self.members = list(members)
         self.max_tree_nodes = max_tree_nodes
+        self.branches = branches
         self.max_depth = max(m.max_depth for m in self.members)
 
     def begin(self, prompt_ids: list[int], capacity: int) -> None:
@@ -68,8 +73,12 @@ class EnsembleProposer(Proposer):
 
     def propose(self, seq: list[int], max_depth: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> TokenTree:
-        chains = [chain_of(member.propose(seq, max_depth, sampling, generator)) for member in self.members]
-        return merge_chains(seq[-1], chains, self.max_tree_nodes)
+        chains, alternates = [], []
+        for member in self.members:
+            tokens, probs, others = member.draft_chain(seq, max_depth, sampling, generator, self.branches - 1)
+            chains.append((tokens, probs))
+            alternates.append(others)
+        return merge_chains(seq[-1], chains, self.max_tree_nodes, alternates)
 
 
 def chain_of(tree: TokenTree) -> Chain:
@@ -79,14 +88,23 @@ def chain_of(tree: TokenTree) -> Chain:
     return tree.tokens[1:], [props[0][1] for props in tree.proposals[1:]]
 
 
-def merge_chains(root: int, chains: list[Chain], max_nodes: int) -> TokenTree:
+def merge_chains(root: int, chains: list[Chain], max_nodes: int,
+                 alternates: list[list[int]] | None = None) -> TokenTree:
     """One tree from the members' chains (source = index in `chains`), shared prefixes once, at
     most `max_nodes` nodes. Nodes are laid out member by member (member 0's chain first and
-    contiguous, so that its accepted path commits without moving KV entries)."""
+    contiguous, so that its accepted path commits without moving KV entries). Then, while there is
+    room, the members' greedy alternates for the first position (`alternates[i]`: member i's, best
+    first) as leaves under the root; only greedy decoding drafts them, whose losslessness does not
+    depend on the tree's shape, so they need not follow the cap's admission rule."""
     keep = cap_chains([tokens for tokens, _ in chains], max_nodes)
     tree = TokenTree.root(root)
     for source, ((tokens, probs), n) in enumerate(zip(chains, keep)):
         tree.add_chain(tokens[:n], probs[:n], source=source)
+    for source, others in enumerate(alternates or []):
+        for token in others:
+            if len(tree) >= max_nodes and token not in [tree.tokens[c] for c in tree.children(0)]:
+                break
+            tree.add(token, 0, None, source=source)
     return tree
 
 
@@ -109,7 +127,8 @@ def cap_chains(chains: list[list[int]], max_nodes: int) -> list[int]:
 
 
 def build_ensemble_proposer(member_drafters: list, target_model: torch.nn.Module, gamma: int = 5,
-                            eos_token_ids: set[int] = frozenset(), max_tree_nodes: int = 16) -> EnsembleProposer:
+                            eos_token_ids: set[int] = frozenset(), max_tree_nodes: int = 16,
+                            branches: int = 1) -> EnsembleProposer:
     """The proposer of an ensemble whose members are loaded drafters (models.drafters.Drafter of
     kind draft_model), each checked against the target's vocabulary."""
     members = []
@@ -117,4 +136,4 @@ def build_ensemble_proposer(member_drafters: list, target_model: torch.nn.Module
         if drafter.kind != "draft_model":
             raise ValueError(f"ensemble member {i} is of kind {drafter.kind!r}; members must be draft_model drafters")
         members.append(build_proposer(drafter, target_model, gamma=gamma, eos_token_ids=eos_token_ids))
-    return EnsembleProposer(members, max_tree_nodes)
+    return EnsembleProposer(members, max_tree_nodes, branches)

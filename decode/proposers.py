@@ -59,12 +59,22 @@ class DraftModelProposer(Proposer):
         self.cached = []
 
     def propose(self, seq, max_depth, sampling, generator):
+        drafts, probs, _ = self.draft_chain(seq, max_depth, sampling, generator)
+        return TokenTree.chain(seq[-1], drafts, probs)
+
+    def draft_chain(self, seq: list[int], max_depth: int, sampling: SamplingConfig, generator,
+                    alternates: int = 0) -> tuple[list[int], list[torch.Tensor | None], list[int]]:
+        """(drafts, q per draft, alternates): the chain after `seq`, and in greedy mode the next
+        `alternates` most likely first tokens after the chain's own (target ids, most likely first),
+        for a tree that holds this drafter's top-(1 + alternates) first tokens. Sampling drafts no
+        alternates: a deterministic top-k is not a draw from q, which the multi-draft rule needs."""
         depth = min(self.gamma, max_depth)
         if depth <= 0:
-            return TokenTree.root(seq[-1])
+            return [], [], []
         keep = min(common_prefix_len(self.cached, seq), len(seq) - 1)
         self.runner.cache.truncate(keep)
         logits = self._feed(seq[keep:])
+        others = self._alternates(logits, alternates) if alternates > 0 and sampling.greedy else []
         drafts, probs = [], []
         for i in range(depth):
             token, q = self._choose(logits, sampling, generator)
@@ -74,7 +84,14 @@ class DraftModelProposer(Proposer):
                 break
             logits = self._feed([token])
         self.cached = seq + drafts[:-1]
-        return TokenTree.chain(seq[-1], drafts, probs)
+        return drafts, probs, others
+
+    def _alternates(self, logits: torch.Tensor, n: int) -> list[int]:
+        """The 2nd..(n+1)-th most likely tokens of [V_draft] logits, as target ids."""
+        idx = logits.topk(min(n + 1, logits.shape[-1])).indices[1:]  # [n] draft ids, best first
+        if self.vocab_map is not None:
+            idx = self.vocab_map[idx]
+        return [int(i) for i in idx]
 
     def _feed(self, tokens: list[int]) -> torch.Tensor:
         _, logits = self.runner.forward(tokens, logits_rows=slice(-1, None))
@@ -144,7 +161,8 @@ def build_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: set[int
         for member in drafter.members:
             use_gemv_friendly_head(member.model)
         return build_ensemble_proposer(drafter.members, target_model, gamma, eos_token_ids,
-                                       drafter.manifest.get("max_tree_nodes", 16))
+                                       drafter.manifest.get("max_tree_nodes", 16),
+                                       drafter.manifest.get("branches", 1))
     if drafter.kind == "medusa":
         from decode.self_draft import MedusaProposer  # self_draft builds on this module
 

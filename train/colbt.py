@@ -13,7 +13,7 @@ With `colbt_strength: 0` every weight is 1 and each member trains exactly as it 
 baseline that makes the effect of boosting measurable.
 
 Config fields read here (besides the Seq-KD ones of train.distill_config): colbt_members, colbt_rule,
-colbt_m, colbt_strength, colbt_scheme, colbt_holdout, max_tree_nodes (see train.distill_config).
+colbt_m, colbt_strength, colbt_scheme, colbt_holdout, max_tree_nodes, colbt_branches (see train.distill_config).
 """
 
 from __future__ import annotations
@@ -97,6 +97,8 @@ def check_colbt_config(cfg) -> None:
         raise ValueError(f"colbt_strength: must be >= 0, got {cfg.colbt_strength}")
     if cfg.colbt_holdout < 1:
         raise ValueError(f"colbt_holdout: must be >= 1 (coverage is measured on held-out prompts), got {cfg.colbt_holdout}")
+    if cfg.colbt_branches < 1:
+        raise ValueError(f"colbt_branches: must be >= 1 (1: each member's chain only), got {cfg.colbt_branches}")
     if cfg.max_tree_nodes < 2:
         raise ValueError(f"max_tree_nodes: must be >= 2 (the root and one draft), got {cfg.max_tree_nodes}")
     if getattr(cfg, "loss", "ce") != "ce":
@@ -238,7 +240,7 @@ def measure_all(cfg, target, members, prompts: list[list[int]]) -> dict:
                                                                 cfg.eval_max_new_tokens, cfg.eval_gamma))
     v_target = target.model.get_output_embeddings().weight.shape[0]
     proposer = EnsembleProposer([DraftModelProposer(m, cfg.eval_gamma, vm, target.eos_token_ids, v_target)
-                                 for m, vm in members], cfg.max_tree_nodes)
+                                 for m, vm in members], cfg.max_tree_nodes, cfg.colbt_branches)
     engine = SpeculativeEngine(target.model, proposer, target.eos_token_ids,
                                max_tree_nodes=max(64, cfg.max_tree_nodes), adaptive=False)
     result["ensemble"] = brief(aggregate_stats([engine.generate(p, cfg.eval_max_new_tokens).stats for p in prompts]))
@@ -258,4 +260,5 @@ def write_manifest(directory: Path, cfg, target, summaries: list[dict], acceptan
                                      "held_out_tau": acceptance})
     manifest["members"] = [MEMBER_DIR.format(i) for i in range(len(summaries))]
     manifest["max_tree_nodes"] = cfg.max_tree_nodes
+    manifest["branches"] = cfg.colbt_branches
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2))

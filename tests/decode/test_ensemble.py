@@ -75,6 +75,41 @@ def test_cap_admission_never_looks_at_the_draft_itself_or_later_ones():
                 assert (cap_chains(changed, cap)[s] > d) == (keep[s] > d), (chains, cap, s, d)
 
 
+def test_alternates_are_leaves_under_the_root_shared_once_and_capped():
+    chains = [([10, 11], [None, None]), ([20, 21], [None, None])]
+    tree = merge_chains(5, chains, max_nodes=64, alternates=[[20, 30], [31]])
+    assert tree.tokens[:5] == [5, 10, 11, 20, 21]  # the chains first, as without alternates
+    assert sorted(branch_of(tree, c) for c in tree.children(0)) == [[10], [20], [30], [31]]
+    shared = [c for c in tree.children(0) if tree.tokens[c] == 20][0]
+    assert [s for s, _ in tree.proposals[shared]] == [1, 0]  # member 0's alternate 20 shares member 1's node
+    assert all(tree.parents[c] == 0 and not tree.children(c) for c in tree.children(0) if tree.tokens[c] in (30, 31))
+    capped = merge_chains(5, chains, max_nodes=6, alternates=[[20, 30], [31]])
+    assert len(capped) == 6 and 31 not in capped.tokens  # chains keep their nodes; 30 fills the last one
+    assert merge_chains(5, chains, max_nodes=5, alternates=[[20, 30], [31]]).tokens == [5, 10, 11, 20, 21]
+
+
+@torch.no_grad()  # as the engine calls proposers
+def test_a_member_drafts_its_next_most_likely_first_tokens_as_alternates(tiny_target):
+    drafter = make_tiny_llama(seed=1, layers=1)
+    greedy = SamplingConfig()
+    member = DraftModelProposer(drafter, gamma=3)
+    member.begin(PROMPT, 64)
+    drafts, _, others = member.draft_chain(PROMPT, 3, greedy, None, alternates=2)
+    first = drafter(torch.tensor([PROMPT])).logits[0, -1]  # [V]
+    ranked = first.topk(3).indices.tolist()
+    assert drafts[0] == ranked[0] and others == ranked[1:]
+    member.begin(PROMPT, 64)
+    assert member.draft_chain(PROMPT, 3, greedy, None)[0] == drafts  # alternates change nothing else
+    mapped = DraftModelProposer(drafter, gamma=3, vocab_map=torch.arange(drafter.config.vocab_size).flip(0),
+                                target_vocab=drafter.config.vocab_size)
+    mapped.begin(PROMPT, 64)
+    v = drafter.config.vocab_size
+    assert mapped.draft_chain(PROMPT, 1, greedy, None, alternates=2)[2] == [v - 1 - i for i in ranked[1:]]
+    member.begin(PROMPT, 64)
+    sampled = member.draft_chain(PROMPT, 3, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0), 2)
+    assert sampled[2] == []  # sampling drafts no alternates (they would not be draws from q)
+
+
 # ---- greedy through the engine ---------------------------------------------------------------------
 
 def members(target, gamma=4, eos=frozenset()):
@@ -95,6 +130,24 @@ def test_greedy_ensemble_is_the_targets_greedy_output(tiny_target, max_tree_node
     assert engine.generate([3, 1, 4], 20).tokens == target_greedy(tiny_target, [3, 1, 4], 20)  # reused
     if max_tree_nodes >= 12 and not adaptive:  # room for the perfect member's whole chain
         assert gen.stats.tau > 3.0
+
+
+@pytest.mark.parametrize("max_tree_nodes", [3, 8, 20])
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_greedy_ensemble_with_branches_is_the_targets_greedy_output(tiny_target, max_tree_nodes, adaptive):
+    proposer = EnsembleProposer(members(tiny_target), max_tree_nodes, branches=3)
+    engine = SpeculativeEngine(tiny_target, proposer, adaptive=adaptive)
+    assert engine.generate(PROMPT, 40).tokens == target_greedy(tiny_target, PROMPT, 40)
+    assert engine.generate([3, 1, 4], 20).tokens == target_greedy(tiny_target, [3, 1, 4], 20)
+
+
+def test_branches_raise_acceptance_of_bad_members(tiny_target):
+    """Two drafters that are not the target: their second choices catch some of the first misses."""
+    bad = lambda: [DraftModelProposer(make_tiny_llama(seed=s, layers=1), 3) for s in (1, 2)]  # noqa: E731
+    stats = {b: SpeculativeEngine(tiny_target, EnsembleProposer(bad(), 64, branches=b), adaptive=False)
+             .generate(PROMPT, 60) for b in (1, 4)}
+    assert stats[4].tokens == stats[1].tokens == target_greedy(tiny_target, PROMPT, 60)
+    assert stats[4].stats.tau >= stats[1].stats.tau
 
 
 def test_greedy_ensemble_beats_its_members_when_they_cover_each_other(tiny_target):
@@ -127,6 +180,8 @@ def test_bad_ensembles_are_refused(tiny_target):
         EnsembleProposer([], 8)
     with pytest.raises(ValueError, match="max_tree_nodes"):
         EnsembleProposer(members(tiny_target), 1)
+    with pytest.raises(ValueError, match="branches"):
+        EnsembleProposer(members(tiny_target), 8, branches=0)
     assert EnsembleProposer(members(tiny_target, gamma=4), 8).max_depth == 4
 
 
