@@ -4,7 +4,9 @@ Drafting k tokens emits on average E(k) = 1 + sum_{i=1..k} prod_{j<=i} a_j token
 forward, where a_j is the acceptance rate of draft position j given that position j-1 was
 accepted; it costs k drafter steps plus a target forward over k + 1 nodes. The controller
 estimates a_j, the drafter's cost per token and the target's cost per tree size from the steps it
-has seen, and picks the k in [0, max_depth] that maximises E(k) / cost(k). k = 0 is plain decoding:
+has seen, and picks the k in [0, max_depth] that maximises E(k) / cost(k). A tree proposer (an
+ensemble, Medusa) verifies more than k + 1 nodes at depth k: the controller learns the tree's width
+(nodes per unit of depth) and prices depth k at the verification cost of 1 + width * k nodes. k = 0 is plain decoding:
 a drafter that is almost never right should not slow the target down. While k = 0 wins it still
 drafts one token every `probe_every` steps, so that a drafter that starts agreeing is noticed; each
 probe that is rejected doubles the interval (up to `max_probe_every`), an accepted one resets it, so a
@@ -27,6 +29,7 @@ class DraftLengthController:
     accept: list[float] = field(default_factory=list)  # a_j estimates, prior 0.5
     draft_cost: float | None = None  # seconds per drafted token
     verify_cost: dict[int, float] = field(default_factory=dict)  # tree size -> seconds
+    width: float = 1.0  # drafted nodes per unit of depth (1 for a chain), EMA
     steps_without_draft: int = 0
     probe_interval: int = 0  # current interval between probes (starts at probe_every)
     probing: bool = False
@@ -58,7 +61,11 @@ class DraftLengthController:
         for j in range(k):
             reach *= self.accept[j]
             expected += reach
-        return expected / (k * (self.draft_cost or 0.0) + self.predicted_verify_cost(k + 1))
+        return expected / (k * (self.draft_cost or 0.0) + self.predicted_verify_cost(self.tree_nodes(k)))
+
+    def tree_nodes(self, k: int) -> int:
+        """The expected size of a tree drafted at depth k, root included."""
+        return 1 + round(self.width * k)
 
     def predicted_verify_cost(self, nodes: int) -> float:
         """Measured cost for this tree size, else interpolated between measured sizes, else scaled
@@ -85,6 +92,7 @@ class DraftLengthController:
         if depth > 0:
             per_token = draft_s / depth
             self.draft_cost = per_token if self.draft_cost is None else self._ema(self.draft_cost, per_token)
+            self.width = self._ema(self.width, (tree_nodes - 1) / depth)
         old = self.verify_cost.get(tree_nodes)
         self.verify_cost[tree_nodes] = verify_s if old is None else self._ema(old, verify_s)
 

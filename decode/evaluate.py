@@ -46,6 +46,7 @@ class EvalConfig:
     max_new_tokens: int = 256  # per turn
     temperature: float = 0.0  # 0 = greedy (the protocol); > 0 = speculative sampling, no mismatch check
     gamma: int = 5  # draft length of draft-model proposers
+    fixed_depth: bool = False  # draft the full depth every step instead of the cost-aware adaptive depth
     peers: str = "none"  # "hf": also transformers' generate, assisted generation and prompt lookup
     warmup: int = 2  # untimed generations per method before measuring
     device: str = "cpu"
@@ -137,7 +138,7 @@ def build_methods(target, drafters: Mapping[str, object], config: EvalConfig) ->
     for spec, drafter in drafters.items():
         proposer = build_proposer(drafter, target.model, gamma=config.gamma, eos_token_ids=target.eos_token_ids)
         methods.append(engine_method(method_name("speculative", spec, one), target, proposer,
-                                     config.max_new_tokens, sampling))
+                                     config.max_new_tokens, sampling, adaptive=not config.fixed_depth))
     skipped = {}
     if config.peers == "hf":
         methods.append(hf_method("hf_generate", target, config.max_new_tokens, sampling))
@@ -254,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=non_negative_float, default=d["temperature"].default,
                    help="0 = greedy (the protocol); > 0 samples (losslessness is then not checked token for token)")
     p.add_argument("--gamma", type=positive_int, default=d["gamma"].default, help="draft length of draft models")
+    p.add_argument("--fixed-depth", action="store_true",
+                   help="draft the full depth every step (default: the cost-aware adaptive depth); tau then "
+                        "measures acceptance alone, and speed what always drafting fully costs")
     p.add_argument("--peers", choices=PEERS, default=d["peers"].default,
                    help="hf: also run transformers' generate, assisted generation and prompt lookup")
     p.add_argument("--warmup", type=non_negative_int, default=d["warmup"].default,
@@ -272,7 +276,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
     out = args.out or str(Path("runs") / "evaluate" / datetime.now().strftime("%Y%m%d-%H%M%S"))
     return EvalConfig(drafters=tuple(args.drafter), questions=args.questions, target=args.target, limit=args.limit,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, gamma=args.gamma,
-                      peers=args.peers, warmup=args.warmup, device=device, seed=args.seed, out=out)
+                      fixed_depth=args.fixed_depth, peers=args.peers, warmup=args.warmup, device=device, seed=args.seed, out=out)
 
 
 def load_inputs(parser: argparse.ArgumentParser, config: EvalConfig):

@@ -37,9 +37,10 @@ class Method:
 
 
 def engine_method(name: str, target, proposer: Proposer | None, max_new_tokens: int,
-                  sampling: SamplingConfig) -> Method:
-    """Our engine; proposer None is plain autoregressive decoding (the baseline)."""
-    engine = SpeculativeEngine(target.model, proposer, target.eos_token_ids)
+                  sampling: SamplingConfig, adaptive: bool = True) -> Method:
+    """Our engine; proposer None is plain autoregressive decoding (the baseline). adaptive=False
+    drafts the proposer's full depth every step (tau then measures acceptance alone)."""
+    engine = SpeculativeEngine(target.model, proposer, target.eos_token_ids, adaptive=adaptive)
 
     def run(prompt_ids: list[int]) -> TurnOutput:
         start = synchronized_clock(target.device)

@@ -42,3 +42,23 @@ def test_an_accepted_probe_resets_the_interval():
 def test_limit_caps_depth():
     ctl = DraftLengthController(max_depth=5)
     assert ctl.choose(2) == 2 and ctl.choose(0) == 0
+
+
+def test_a_wide_tree_is_priced_at_its_own_size():
+    """Same acceptance and costs per node: a proposer that drafts 4 nodes per unit of depth pays
+    4x the verification nodes, so it drafts less deep than a chain does."""
+    def run(width: int) -> DraftLengthController:
+        ctl = DraftLengthController(max_depth=5)
+        for _ in range(200):
+            depth = ctl.choose(100)
+            n_acc = min(depth, 2)
+            ctl.observe(depth, n_acc, 1 + width * depth, 0.002 * depth, 0.05 + 0.006 * width * depth)
+        return ctl
+
+    chain, wide = run(1), run(4)
+    assert chain.width == 1.0 and abs(wide.width - 4.0) < 0.05
+    assert wide.tree_nodes(3) == 13 and chain.tree_nodes(3) == 4
+    for ctl in (chain, wide):
+        ctl.accept = [0.7] * 5  # the same drafter quality; only the tree's size differs
+    # by hand, from the costs above: a chain pays best at depth 3, the 4-wide tree at depth 1
+    assert chain.choose(100) == 3 and wide.choose(100) == 1

@@ -13,7 +13,8 @@ from tokenizers.pre_tokenizers import Whitespace
 from transformers import PreTrainedTokenizerFast
 
 from tests.conftest import ROOT, SHARED_DATA, make_tiny_llama
-from decode.evaluate import EvalConfig, conversation_for_turn, main, run_evaluation, run_question
+from decode.evaluate import (EvalConfig, build_parser, config_from_args, conversation_for_turn, main, run_evaluation,
+                             run_question)
 from decode.peers import Method, TurnOutput, assisted_skip_reason
 from decode.questions import Question, QuestionFileError, categories, load_questions
 from decode.report import BASELINE, write_report
@@ -249,3 +250,22 @@ def test_bench_script_command_line_is_one_the_evaluation_accepts():
     assert config.drafters == ("truncated:4", "prompt_lookup")
     assert config.limit == 8 and config.peers == "hf" and config.target is None
     assert "bench_decode" in config.out
+
+
+def test_fixed_depth_drafts_the_full_gamma_every_step(tmp_path, chat_target):
+    """--fixed-depth turns the adaptive draft length off: every step drafts min(gamma, room left)."""
+    questions = load_questions(write_lines(tmp_path / "q.jsonl", MT_BENCH_LINES))[:1]
+    drafters = {"truncated:1": load_drafter("truncated:1", chat_target)}
+    config = EvalConfig(drafters=tuple(drafters), questions=str(tmp_path / "q.jsonl"), max_new_tokens=40,
+                        warmup=0, gamma=3, fixed_depth=True)
+    result = run_evaluation(chat_target, drafters, questions, config, progress=False)
+    turns = [r for r in result.results if r.method.startswith("speculative")]
+    assert turns and result.summary[turns[0].method]["mismatches"] == 0
+    for turn in turns:
+        steps = turn.stats.target_forwards
+        # at most the last 3 steps have less than gamma + 1 tokens of room; every other one drafts 3
+        assert turn.stats.drafted >= 3 * (steps - 3) and len(turn.stats.drafted_per_position) == 3
+    args = build_parser().parse_args(["--drafter", "truncated:1", "--questions", str(tmp_path / "q.jsonl"),
+                                      "--fixed-depth"])
+    assert config_from_args(args).fixed_depth and not config_from_args(
+        build_parser().parse_args(["--drafter", "x", "--questions", str(tmp_path / "q.jsonl")])).fixed_depth
