@@ -147,7 +147,7 @@ def test_branches_raise_acceptance_of_bad_members(tiny_target):
     stats = {b: SpeculativeEngine(tiny_target, EnsembleProposer(bad(), 64, branches=b), adaptive=False)
              .generate(PROMPT, 60) for b in (1, 4)}
     assert stats[4].tokens == stats[1].tokens == target_greedy(tiny_target, PROMPT, 60)
-    assert stats[4].stats.tau >= stats[1].stats.tau
+    assert stats[4].stats.tau > stats[1].stats.tau  # 1.18 against 1.00 with these seeds
 
 
 def test_greedy_ensemble_beats_its_members_when_they_cover_each_other(tiny_target):
