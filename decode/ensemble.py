@@ -81,13 +81,6 @@ class EnsembleProposer(Proposer):
         return merge_chains(seq[-1], chains, self.max_tree_nodes, alternates)
 
 
-def chain_of(tree: TokenTree) -> Chain:
-    """A single proposer's chain tree -> (drafts, q per draft)."""
-    if not tree.is_chain():
-        raise ValueError("ensemble members must draft chains (a tree with one branch)")
-    return tree.tokens[1:], [props[0][1] for props in tree.proposals[1:]]
-
-
 def merge_chains(root: int, chains: list[Chain], max_nodes: int,
                  alternates: list[list[int]] | None = None) -> TokenTree:
     """One tree from the members' chains (source = index in `chains`), shared prefixes once, at
@@ -100,11 +93,13 @@ def merge_chains(root: int, chains: list[Chain], max_nodes: int,
     tree = TokenTree.root(root)
     for source, ((tokens, probs), n) in enumerate(zip(chains, keep)):
         tree.add_chain(tokens[:n], probs[:n], source=source)
+    first_tokens = {tree.tokens[c] for c in tree.children(0)}
     for source, others in enumerate(alternates or []):
         for token in others:
-            if len(tree) >= max_nodes and token not in [tree.tokens[c] for c in tree.children(0)]:
+            if len(tree) >= max_nodes and token not in first_tokens:
                 break
-            tree.add(token, 0, None, source=source)
+            tree.add(token, 0, None, source=source)  # shares the node when the token is there already
+            first_tokens.add(token)
     return tree
 
 

@@ -172,11 +172,10 @@ def load_ensemble_kind(path: Path, manifest: dict, target: Target, device: str) 
     names = manifest.get("members")
     if not isinstance(names, list) or not names:
         raise ValueError(f"{path / MANIFEST}: an ensemble needs a non-empty list `members`")
-    for key in ("max_tree_nodes", "branches"):  # optional; the decoder's defaults are 16 and 1
-        value = manifest.get(key, 2)
-        if isinstance(value, bool) or not isinstance(value, int) or value < (2 if key == "max_tree_nodes" else 1):
-            raise ValueError(f"{path / MANIFEST}: `{key}` must be an integer >= "
-                             f"{2 if key == 'max_tree_nodes' else 1}, got {value!r}")
+    for key, least in (("max_tree_nodes", 2), ("branches", 1)):  # optional; the decoder's defaults are 16 and 1
+        value = manifest.get(key, least)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{path / MANIFEST}: `{key}` must be an integer >= {least}, got {value!r}")
     members = []
     for name in names:
         member_path = (path / name).resolve()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -89,6 +90,18 @@ def test_the_ensemble_directory_and_its_members(boosted, target):
         assert drafter.kind == "draft_model"
         assert drafter.manifest["config"]["drafter"] == MEMBERS[i]
     assert set(manifest["extra"]["held_out_tau"]) == {"member-0", "member-1", "member-2", "ensemble"}
+
+
+@pytest.mark.parametrize("key,value", [("branches", 0), ("branches", "2"), ("max_tree_nodes", 1),
+                                       ("max_tree_nodes", True)])
+def test_an_ensemble_manifest_with_a_bad_tree_setting_is_refused(boosted, target, tmp_path, key, value):
+    copy = tmp_path / "ensemble"
+    shutil.copytree(boosted, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    assert manifest["branches"] == 1  # written by the job (the default)
+    (copy / "manifest.json").write_text(json.dumps(dict(manifest, **{key: value})))
+    with pytest.raises(ValueError, match=f"`{key}` must be an integer"):
+        load_drafter(copy, target)
 
 
 def test_coverage_is_logged_per_member_and_cumulatively(boosted):
