@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from decode.proposers import DraftModelProposer, Proposer, build_proposer
+from decode.proposers import Alternate, DraftModelProposer, Proposer, build_proposer
 from decode.sampling import SamplingConfig
 from decode.tree import TokenTree
 
@@ -50,8 +50,9 @@ class EnsembleProposer(Proposer):
     """Members draft one after another (each from its own q when sampling: independent draws, as
     the multi-draft rule needs); their chains merge into one tree of at most `max_tree_nodes` nodes
     (root included), source = member index. With `branches` b > 1, in greedy mode each member also
-    puts its next b - 1 most likely first tokens into the tree as one-node branches (SpecInfer's
-    top-b expansion at the first position, where a member's miss is most costly)."""
+    offers its next b - 1 most likely tokens at every depth of its chain as one-node branches; the
+    tree takes the ones with the highest path probability (by their member's own q) while there
+    is room (SpecInfer's top-b expansion, ranked as EAGLE-2 ranks its dynamic tree)."""
 
     name = "ensemble"
 
@@ -82,24 +83,30 @@ class EnsembleProposer(Proposer):
 
 
 def merge_chains(root: int, chains: list[Chain], max_nodes: int,
-                 alternates: list[list[int]] | None = None) -> TokenTree:
+                 alternates: list[list[Alternate]] | None = None) -> TokenTree:
     """One tree from the members' chains (source = index in `chains`), shared prefixes once, at
     most `max_nodes` nodes. Nodes are laid out member by member (member 0's chain first and
     contiguous, so that its accepted path commits without moving KV entries). Then, while there is
-    room, the members' greedy alternates for the first position (`alternates[i]`: member i's, best
-    first) as leaves under the root; only greedy decoding drafts them, whose losslessness does not
-    depend on the tree's shape, so they need not follow the cap's admission rule."""
+    room, the members' greedy alternates (`alternates[i]`: member i's (depth, token, log path
+    probability), see DraftModelProposer.draft_chain) as leaves beside their chain's token at that
+    depth, highest path probability first over all members; an alternate whose chain was cut above
+    its depth has no parent and is skipped. Only greedy decoding drafts alternates, and its
+    losslessness does not depend on the tree's shape, so they need not follow the cap's rule."""
     keep = cap_chains([tokens for tokens, _ in chains], max_nodes)
     tree = TokenTree.root(root)
+    parents = []  # parents[i][d]: the node member i's depth-d draft hangs from
     for source, ((tokens, probs), n) in enumerate(zip(chains, keep)):
-        tree.add_chain(tokens[:n], probs[:n], source=source)
-    first_tokens = {tree.tokens[c] for c in tree.children(0)}
-    for source, others in enumerate(alternates or []):
-        for token in others:
-            if len(tree) >= max_nodes and token not in first_tokens:
-                break
-            tree.add(token, 0, None, source=source)  # shares the node when the token is there already
-            first_tokens.add(token)
+        parents.append([0] + tree.add_chain(tokens[:n], probs[:n], source=source))
+    ranked = sorted(((score, source, depth, token) for source, others in enumerate(alternates or [])
+                     for depth, token, score in others), key=lambda a: -a[0])  # stable: member, depth
+    for _, source, depth, token in ranked:
+        if depth > keep[source]:
+            continue  # its chain was cut above it
+        parent = parents[source][depth]
+        shared = any(tree.tokens[c] == token for c in tree.children(parent))
+        if len(tree) >= max_nodes and not shared:
+            continue
+        tree.add(token, parent, None, source=source)  # shares the node when the token is there already
     return tree
 
 

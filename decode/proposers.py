@@ -18,6 +18,9 @@ from decode.tree import TokenTree
 from models.packed_linear import packing_supported
 
 
+Alternate = tuple[int, int, float]  # (depth in the chain, target token id, log path probability)
+
+
 class Proposer(ABC):
     name: str = "proposer"
     max_depth: int = 1  # the deepest tree it drafts; the engine may ask for less
@@ -63,21 +66,26 @@ class DraftModelProposer(Proposer):
         return TokenTree.chain(seq[-1], drafts, probs)
 
     def draft_chain(self, seq: list[int], max_depth: int, sampling: SamplingConfig, generator,
-                    alternates: int = 0) -> tuple[list[int], list[torch.Tensor | None], list[int]]:
-        """(drafts, q per draft, alternates): the chain after `seq`, and in greedy mode the next
-        `alternates` most likely first tokens after the chain's own (target ids, most likely first),
-        for a tree that holds this drafter's top-(1 + alternates) first tokens. Sampling drafts no
-        alternates: a deterministic top-k is not a draw from q, which the multi-draft rule needs."""
+                    alternates: int = 0) -> tuple[list[int], list[torch.Tensor | None], list[Alternate]]:
+        """(drafts, q per draft, alternates): the chain after `seq`, and in greedy mode, at every
+        depth d of the chain, the next `alternates` most likely tokens after the chain's own there,
+        as (d, target id, log path probability: the chain's log q up to d plus the alternate's),
+        best first within a depth. They cost no extra forward (the chain computed those logits), and
+        a tree builder ranks them by path probability to spend its node budget where this drafter
+        itself expects acceptance (as EAGLE-2 does). Sampling drafts no alternates: a deterministic
+        top-k is not a draw from q, which the multi-draft rule needs."""
         depth = min(self.gamma, max_depth)
         if depth <= 0:
             return [], [], []
         keep = min(common_prefix_len(self.cached, seq), len(seq) - 1)
         self.runner.cache.truncate(keep)
         logits = self._feed(seq[keep:])
-        others = self._alternates(logits, alternates) if alternates > 0 and sampling.greedy else []
-        drafts, probs = [], []
+        branching = alternates > 0 and sampling.greedy
+        drafts, probs, others, path_logq = [], [], [], 0.0
         for i in range(depth):
             token, q = self._choose(logits, sampling, generator)
+            if branching:
+                path_logq = self._add_alternates(others, i, logits, alternates, path_logq)
             drafts.append(token)
             probs.append(q)
             if i == depth - 1 or token in self.eos_token_ids:
@@ -86,12 +94,16 @@ class DraftModelProposer(Proposer):
         self.cached = seq + drafts[:-1]
         return drafts, probs, others
 
-    def _alternates(self, logits: torch.Tensor, n: int) -> list[int]:
-        """The 2nd..(n+1)-th most likely tokens of [V_draft] logits, as target ids."""
-        idx = logits.topk(min(n + 1, logits.shape[-1])).indices[1:]  # [n] draft ids, best first
-        if self.vocab_map is not None:
-            idx = self.vocab_map[idx]
-        return [int(i) for i in idx]
+    def _add_alternates(self, out: list[Alternate], depth: int, logits: torch.Tensor, n: int,
+                        path_logq: float) -> float:
+        """Append the 2nd..(n+1)-th most likely tokens of [V_draft] `logits` at `depth`, scored by
+        path_logq + their log q; return the path's log q through the chain's own (top-1) token."""
+        logq = torch.log_softmax(logits.float(), dim=-1)  # [V_draft]
+        top = logq.topk(min(n + 1, logq.shape[-1]))  # the chain's argmax first (ties: topk's order)
+        ids = top.indices if self.vocab_map is None else self.vocab_map[top.indices]
+        for token, lq in zip(ids[1:].tolist(), top.values[1:].tolist()):
+            out.append((depth, int(token), path_logq + lq))
+        return path_logq + float(top.values[0])
 
     def _feed(self, tokens: list[int]) -> torch.Tensor:
         _, logits = self.runner.forward(tokens, logits_rows=slice(-1, None))

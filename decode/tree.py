@@ -35,11 +35,15 @@ class TokenTree:
             parent = tree.add(token, parent, probs[i] if probs else None, dedupe=False)
         return tree
 
-    def add_chain(self, drafts: list[int], probs: list[torch.Tensor | None] | None = None, source: int = 0) -> None:
-        """Merge one proposer's chain under the root, sharing prefixes with what is there."""
-        parent = 0
+    def add_chain(self, drafts: list[int], probs: list[torch.Tensor | None] | None = None,
+                  source: int = 0) -> list[int]:
+        """Merge one proposer's chain under the root, sharing prefixes with what is there; return
+        the chain's nodes, one per draft."""
+        nodes, parent = [], 0
         for i, token in enumerate(drafts):
             parent = self.add(token, parent, probs[i] if probs else None, source=source)
+            nodes.append(parent)
+        return nodes
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -50,7 +50,8 @@ class DistillConfig:
     colbt_scheme: str = _f("linear", "colbt: weight = 1 + strength * missed_by_all (linear) or exp(strength * misses) (exp)")
     colbt_holdout: int = _f(8, "colbt: prompts whose teacher records are held out to measure coverage")
     max_tree_nodes: int = _f(16, "colbt: cap on the merged token tree's nodes (root included) when the ensemble decodes")
-    colbt_branches: int = _f(1, "colbt: greedy decoding puts each member's top-b first tokens in the tree (1: its chain only)")
+    colbt_branches: int = _f(1, "colbt: greedy decoding offers each member's top-b tokens at every depth of its "
+                                 "chain; the tree keeps the most probable up to max_tree_nodes (1: chains only)")
 
     # medusa: K heads on the frozen target's hidden state (train/medusa.py)
     medusa_heads: int = _f(4, "medusa: number of heads; head k predicts the token k+1 positions ahead")

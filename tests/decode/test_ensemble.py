@@ -75,36 +75,48 @@ def test_cap_admission_never_looks_at_the_draft_itself_or_later_ones():
                 assert (cap_chains(changed, cap)[s] > d) == (keep[s] > d), (chains, cap, s, d)
 
 
-def test_alternates_are_leaves_under_the_root_shared_once_and_capped():
+def test_alternates_are_leaves_beside_their_chain_shared_once_and_ranked_by_path_probability():
     chains = [([10, 11], [None, None]), ([20, 21], [None, None])]
-    tree = merge_chains(5, chains, max_nodes=64, alternates=[[20, 30], [31]])
+    alts = [[(0, 20, -1.0), (0, 30, -2.0), (1, 12, -0.5)], [(0, 31, -3.0), (1, 22, -1.5)]]
+    tree = merge_chains(5, chains, max_nodes=64, alternates=alts)
     assert tree.tokens[:5] == [5, 10, 11, 20, 21]  # the chains first, as without alternates
     assert sorted(branch_of(tree, c) for c in tree.children(0)) == [[10], [20], [30], [31]]
     shared = [c for c in tree.children(0) if tree.tokens[c] == 20][0]
     assert [s for s, _ in tree.proposals[shared]] == [1, 0]  # member 0's alternate 20 shares member 1's node
-    assert all(tree.parents[c] == 0 and not tree.children(c) for c in tree.children(0) if tree.tokens[c] in (30, 31))
-    capped = merge_chains(5, chains, max_nodes=6, alternates=[[20, 30], [31]])
-    assert len(capped) == 6 and 31 not in capped.tokens  # chains keep their nodes; 30 fills the last one
-    assert merge_chains(5, chains, max_nodes=5, alternates=[[20, 30], [31]]).tokens == [5, 10, 11, 20, 21]
+    assert branch_of(tree, tree.tokens.index(12)) == [10, 12]  # a depth-1 alternate beside its chain's 11
+    assert branch_of(tree, tree.tokens.index(22)) == [20, 22]
+    assert all(not tree.children(tree.tokens.index(t)) for t in (30, 31, 12, 22))  # all leaves
+    assert tree.tokens[5:] == [12, 22, 30, 31]  # best path probability first (20 was shared, no node)
+    assert merge_chains(5, chains, max_nodes=7, alternates=alts).tokens == [5, 10, 11, 20, 21, 12, 22]
+    assert merge_chains(5, chains, max_nodes=5, alternates=alts).tokens == [5, 10, 11, 20, 21]
+    cut = merge_chains(5, [([10, 11, 12], [None] * 3)], max_nodes=3, alternates=[[(2, 40, 0.0), (1, 41, -1.0)]])
+    assert cut.tokens == [5, 10, 11]  # 40 hangs below the cut draft 11 and 41 finds no room
 
 
 @torch.no_grad()  # as the engine calls proposers
-def test_a_member_drafts_its_next_most_likely_first_tokens_as_alternates(tiny_target):
+def test_a_member_offers_its_next_most_likely_tokens_at_every_depth(tiny_target):
     drafter = make_tiny_llama(seed=1, layers=1)
     greedy = SamplingConfig()
     member = DraftModelProposer(drafter, gamma=3)
     member.begin(PROMPT, 64)
     drafts, _, others = member.draft_chain(PROMPT, 3, greedy, None, alternates=2)
-    first = drafter(torch.tensor([PROMPT])).logits[0, -1]  # [V]
-    ranked = first.topk(3).indices.tolist()
-    assert drafts[0] == ranked[0] and others == ranked[1:]
+    assert len(drafts) == 3 and [d for d, _, _ in others] == [0, 0, 1, 1, 2, 2]
+    path = 0.0
+    for depth in range(3):
+        logq = torch.log_softmax(drafter(torch.tensor([PROMPT + drafts[:depth]])).logits[0, -1], -1)  # [V]
+        ranked = logq.topk(3).indices.tolist()
+        assert drafts[depth] == ranked[0] and [t for d, t, _ in others if d == depth] == ranked[1:]
+        scores = [sc for d, _, sc in others if d == depth]
+        assert scores == pytest.approx([path + float(logq[t]) for t in ranked[1:]], abs=1e-4)
+        path += float(logq[ranked[0]])
     member.begin(PROMPT, 64)
     assert member.draft_chain(PROMPT, 3, greedy, None)[0] == drafts  # alternates change nothing else
     mapped = DraftModelProposer(drafter, gamma=3, vocab_map=torch.arange(drafter.config.vocab_size).flip(0),
                                 target_vocab=drafter.config.vocab_size)
     mapped.begin(PROMPT, 64)
     v = drafter.config.vocab_size
-    assert mapped.draft_chain(PROMPT, 1, greedy, None, alternates=2)[2] == [v - 1 - i for i in ranked[1:]]
+    first = drafter(torch.tensor([PROMPT])).logits[0, -1].topk(3).indices.tolist()
+    assert [t for _, t, _ in mapped.draft_chain(PROMPT, 1, greedy, None, alternates=2)[2]] == [v - 1 - i for i in first[1:]]
     member.begin(PROMPT, 64)
     sampled = member.draft_chain(PROMPT, 3, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0), 2)
     assert sampled[2] == []  # sampling drafts no alternates (they would not be draws from q)
