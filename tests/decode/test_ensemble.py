@@ -93,6 +93,25 @@ def test_alternates_are_leaves_beside_their_chain_shared_once_and_ranked_by_path
     assert cut.tokens == [5, 10, 11]  # 40 hangs below the cut draft 11 and 41 finds no room
 
 
+def test_alternates_never_break_the_cap_the_chains_or_their_depth():
+    rng = random.Random(1)
+    for _ in range(300):
+        chains = [[rng.randrange(4) for _ in range(rng.randint(0, 4))] for _ in range(rng.randint(1, 3))]
+        alts = [[(d, rng.randrange(6), -rng.random() * 5) for d in range(len(c)) for _ in range(rng.randint(0, 2))]
+                for c in chains]
+        cap = rng.randint(2, 14)
+        plain = merge_chains(0, [(c, [None] * len(c)) for c in chains], cap)
+        tree = merge_chains(0, [(c, [None] * len(c)) for c in chains], cap, alts)
+        assert len(tree) <= max(cap, len(plain))
+        assert tree.tokens[:len(plain)] == plain.tokens and tree.parents[:len(plain)] == plain.parents
+        for node in range(len(plain), len(tree)):
+            assert not tree.children(node)  # alternates are leaves
+            path = branch_of(tree, node)
+            for source, _ in tree.proposals[node]:  # one member's, or several that coincide
+                assert path[:-1] == chains[source][:len(path) - 1]  # beside its own chain, at its depth
+                assert (len(path) - 1, path[-1]) in {(d, t) for d, t, _ in alts[source]}
+
+
 @torch.no_grad()  # as the engine calls proposers
 def test_a_member_offers_its_next_most_likely_tokens_at_every_depth(tiny_target):
     drafter = make_tiny_llama(seed=1, layers=1)
