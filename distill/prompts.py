@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -273,14 +274,16 @@ def text_digest(text: str) -> str:
 
 def exclusion_texts(specs: Sequence[str] | str) -> set[str]:
     """Normalized texts of every user turn of every record of the sources (e.g. an evaluation question
-    file: both MT-bench turns), for `exclude=`."""
+    file: both MT-bench turns), for `exclude=`. A source's `limit=N` takes its first N records only (so
+    `question_v0.1.jsonl?limit=3` excludes 3 questions, not the file)."""
     specs = [specs] if isinstance(specs, str) else list(specs)
     texts: set[str] = set()
     for spec in specs:
         parsed = parse_prompt_spec(spec)
         if parsed.kind == "self":
             raise ValueError(f"exclusion source {spec!r} must be a file or dataset, not self-prompts")
-        for _, record in open_records(parsed, spec)[1]:
+        records = (record for _, record in open_records(parsed, spec)[1])
+        for record in itertools.islice(records, parsed.options.get("limit")):
             turns = record.get("turns") if isinstance(record.get("turns"), list) else None
             if turns is not None:
                 texts.update(normalize_text(t) for t in turns if isinstance(t, str))

@@ -83,6 +83,16 @@ def test_evaluation_prompts_are_excluded_from_training():
     assert load_prompts(mt_bench, exclude=excluded) == []
 
 
+@needs_shared
+def test_an_exclusion_limit_excludes_only_the_first_records():
+    arena = SHARED_DATA / "arena_hard" / "question_v0.1.jsonl"
+    first3 = load_prompts(f"jsonl:{arena}?limit=3")
+    excluded = exclusion_texts(f"jsonl:{arena}?limit=3")
+    assert excluded == {normalize_text(p.text) for p in first3}
+    kept = load_prompts(f"jsonl:{arena}", exclude=excluded)
+    assert len(kept) == len(load_prompts(f"jsonl:{arena}")) - 3 and kept[0].id == load_prompts(f"jsonl:{arena}")[3].id
+
+
 # ---- spec grammar ---------------------------------------------------------------------------------
 
 def test_spec_grammar():
