@@ -1,9 +1,14 @@
 """Online distillation, end to end: a server, the daemon beside it, and a shifted-domain stream of clients.
 
     python scripts/online_demo.py --requests 500 --out runs/online_demo \
-        [--drafter runs/smollm2_seqkd/drafter] [--anchor-data TEACHER_DATA_DIR] [--stream gsm8k.jsonl]
+        [--drafter runs/smollm2_general/drafter] [--anchor-prompts SPEC | --anchor-data DIR] [--stream gsm8k.jsonl]
 
-1. the drafter (trained on general prompts by train/distill.py) becomes version 0 of a drafter store;
+0. the general-domain anchor: the target's answers to general prompts the drafter never trained on
+   (Arena-Hard v0.1 by default; teacher data, cached by content), which the daemon rehearses and keeps a
+   held-out part of as its guard against forgetting. A guard made of the drafter's own training data
+   would measure the memorised examples, which any update perturbs, and reject every candidate;
+1. the drafter (trained on general prompts by train/distill.py, configs/distill/smollm2_general.yaml: no
+   GSM8K, so the stream is a domain it has not seen) becomes version 0 of a drafter store;
 2. its acceptance is measured with the engine on held-out GSM8K questions (the shifted domain) and on
    MT-bench first turns (general prompts);
 3. `python -m decode.serve` serves the store and `train/online.py` tails its log, both as subprocesses;
@@ -34,6 +39,9 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 
 from decode.questions import load_questions  # noqa: E402
+from distill.prompts import exclusion_texts, load_prompt_sources, normalize_text  # noqa: E402
+from distill.teacher_data import (TeacherDataSettings, generate_teacher_data, teacher_data_dir,  # noqa: E402
+                                  teacher_data_key)
 from decode.request_log import list_segments, segment_name  # noqa: E402
 from models.drafter_store import current_version, init_store, version_path  # noqa: E402
 from models.drafters import load_drafter  # noqa: E402
@@ -42,6 +50,8 @@ from train.acceptance import measure_acceptance  # noqa: E402
 
 log = logging.getLogger("specdistill.online_demo")
 SHARED = ROOT.parent / "shared" / "data"
+# general prompts outside smollm2_general's training set (163 after skipping the 3 in-loop eval prompts)
+ANCHOR_PROMPTS = f"jsonl:{SHARED / 'arena_hard' / 'question_v0.1.jsonl'}?limit=163"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -49,8 +59,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=500)
     p.add_argument("--out", required=True, help="output directory (must not hold an earlier run)")
     p.add_argument("--target", default=None, help="default: the embedded smollm2-135m")
-    p.add_argument("--drafter", default="runs/smollm2_seqkd/drafter", help="the general-domain drafter")
-    p.add_argument("--anchor-data", default="", help="teacher-data directory rehearsed by the daemon (optional)")
+    p.add_argument("--drafter", default="runs/smollm2_general/drafter", help="the general-domain drafter")
+    p.add_argument("--anchor-data", default="", help="teacher-data directory the daemon rehearses and guards "
+                   "with; default: made from --anchor-prompts")
+    p.add_argument("--anchor-prompts", default=ANCHOR_PROMPTS, help="prompt source spec of the anchor's general "
+                   "prompts (the drafter's own training prompts and MT-bench are excluded); 'none' = no anchor")
+    p.add_argument("--anchor-tokens", type=int, default=128, help="longest anchor answer, in tokens")
     p.add_argument("--stream", default=str(SHARED / "gsm8k" / "train.jsonl"), help="JSONL of shifted-domain "
                    "questions (a `question` field, or the formats distill.prompts reads)")
     p.add_argument("--stream-offset", type=int, default=1000, help="first stream question used")
@@ -90,6 +104,39 @@ def general_prompts(target, n: int) -> list[list[int]]:
 
 def chat_ids(target, questions: list[str]) -> list[list[int]]:
     return [target.encode_chat([{"role": "user", "content": q}]) for q in questions]
+
+
+# ---- the general-domain anchor ---------------------------------------------------------------------------
+
+def drafter_training_texts(drafter_dir: str) -> set[str]:
+    """Normalized texts of the file prompts the drafter was trained on (its manifest's config, limits
+    honoured), to keep out of the anchor; self-prompts are the target's own and cannot be listed."""
+    manifest = json.loads((Path(drafter_dir) / "manifest.json").read_text())
+    texts = set()
+    for spec in (manifest.get("config") or {}).get("prompts") or []:
+        if spec.startswith("self:"):
+            continue
+        kind, _, rest = spec.partition(":")
+        if kind == "jsonl" and not Path(rest.split("?")[0]).is_absolute():
+            spec = f"jsonl:{ROOT / rest}"  # the training job ran from the project root
+        texts.update(normalize_text(p.text) for p in load_prompt_sources([spec]))
+    return texts
+
+
+def make_anchor_data(target, args) -> str:
+    """Teacher data of general prompts the drafter never saw: the daemon's rehearsal set and guard."""
+    excluded = exclusion_texts([f"jsonl:{SHARED / 'mt_bench' / 'question.jsonl'}",
+                                f"jsonl:{SHARED / 'arena_hard' / 'question_v0.1.jsonl'}?limit=3"])
+    excluded |= drafter_training_texts(args.drafter)
+    prompts = load_prompt_sources([args.anchor_prompts], target=target, exclude=excluded)
+    if not prompts:
+        raise SystemExit(f"--anchor-prompts {args.anchor_prompts!r} gave no prompts after the exclusions")
+    settings = TeacherDataSettings(max_new_tokens=args.anchor_tokens, greedy=True, batch_size=16,
+                                   max_prompt_tokens=288)
+    out_dir = teacher_data_dir(teacher_data_key(target, prompts, settings))
+    generate_teacher_data(target, prompts, settings, out_dir=out_dir)
+    log.info("anchor data %s: %d general prompts", out_dir, len(prompts))
+    return str(out_dir)
 
 
 # ---- measuring ---------------------------------------------------------------------------------------
@@ -234,6 +281,8 @@ def main(argv=None) -> dict:
     heldout_q = read_questions(args.stream, 500, args.heldout)
     init_store(store, args.drafter)
     target = load_target(args.target)
+    if not args.anchor_data and args.anchor_prompts != "none":
+        args.anchor_data = make_anchor_data(target, args)
     heldout, general = chat_ids(target, heldout_q), general_prompts(target, args.general)
     t0 = time.time()
     before = {"heldout": engine_alpha(target, version_path(store, "v000000"), heldout, args.max_tokens, args.gamma),

@@ -44,7 +44,7 @@ class OnlineConfig:
     max_line_bytes: int = _f(4_000_000, "log lines longer than this go to the dead letters")
 
     # the update
-    loss: str = _f("fkl", f"KD divergence on the target's top-k, one of {KD_LOSSES}")
+    loss: str = _f("fkl", f"KD loss on the target's top-k, one of {KD_LOSSES} (ce: cross-entropy on its top-1)")
     mix_weight: float = _f(0.5, "for loss: mix, the forward-KL weight (reverse KL gets 1 - this)")
     right_weight: float = _f(0.25, "loss weight of positions the drafter already gets right (wrong ones weigh 1)")
     lr: float = _f(2e-4, "AdamW learning rate of each update")

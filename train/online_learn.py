@@ -24,7 +24,7 @@ from distill.losses import TopK, distill_loss
 from distill.replay import Entry, mismatch_priority
 from distill.teacher_data import teacher_forced_topk
 
-KD_LOSSES = ("fkl", "rkl", "mix")
+KD_LOSSES = ("fkl", "rkl", "mix", "ce")
 
 
 # ---- the target's distributions --------------------------------------------------------------------------
@@ -108,7 +108,8 @@ def acceptance(model, vocab_map, entries: list[Entry], pad_id: int, max_len: int
 
 def kd_step_loss(model, batch, loss: str, mix_weight: float, right_weight: float) -> torch.Tensor:
     """Position-weighted KD on a batch with the target's top-k: positions the drafter gets wrong weigh 1,
-    the others `right_weight` (they still count, so what it does well is not forgotten)."""
+    the others `right_weight` (they still count, so what it does well is not forgotten). `loss` is a
+    divergence to the top-k distribution (fkl, rkl, their mix) or cross-entropy on its top-1 (ce)."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [B, T, V_d]
     if int(batch.topk_ids.max()) >= logits.shape[-1]:
         logits = with_absent_column(logits)
@@ -117,6 +118,8 @@ def kd_step_loss(model, batch, loss: str, mix_weight: float, right_weight: float
         wrong = logits.argmax(-1) != batch.topk_ids[..., 0]  # [B, T]
     weights = torch.where(wrong, 1.0, right_weight) * batch.loss_mask  # [B, T]
     per_token = 0.0
+    if loss == "ce":  # the target's greedy token: exactly what greedy verification accepts
+        per_token = distill_loss("ce", logits, labels=batch.topk_ids[..., 0], mask=batch.loss_mask, reduction="none")
     if loss in ("fkl", "mix"):
         w = 1.0 if loss == "fkl" else mix_weight
         per_token = per_token + w * distill_loss("fkl", logits, target=target, mask=batch.loss_mask, reduction="none")

@@ -10,11 +10,13 @@ import torch
 
 from decode.engine import SpeculativeEngine
 from decode.proposers import DraftModelProposer
+from distill.batching import collate
 from distill.replay import Entry, ReplayBuffer, is_held_out, mismatch_priority
 from tests.conftest import make_tiny_llama
 from tests.online.support import VOCAB, make_target, prompt_for
 from train.online_config import OnlineConfig
-from train.online_learn import acceptance, score_requests, simulate_chain_acceptance, train_candidate
+from train.online_learn import (acceptance, kd_step_loss, score_requests, simulate_chain_acceptance,
+                                 train_candidate)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +60,8 @@ def test_simulation_counts_a_full_run_and_stops_at_the_limit():
     assert simulate_chain_acceptance([True] + [False] * 4, max_new_tokens=5, gamma=2) == (5, 0)
 
 
-def test_an_update_raises_held_out_acceptance_and_never_touches_the_target(target):
+@pytest.mark.parametrize("loss", ["fkl", "ce"])
+def test_an_update_raises_held_out_acceptance_and_never_touches_the_target(target, loss):
     before_target = {k: v.clone() for k, v in target.model.state_dict().items()}
     drafter = make_tiny_llama(vocab_size=VOCAB, hidden_size=32, layers=1, seed=3)
     prompts = [prompt_for(i) for i in range(48)]
@@ -70,13 +73,33 @@ def test_an_update_raises_held_out_acceptance_and_never_touches_the_target(targe
         buffer.add(e, held_out=is_held_out(e.id, 4))
     holdout = list(buffer.holdout)
     assert 4 <= len(holdout) <= 24
-    cfg = OnlineConfig(log_dir="x", store="y", work_dir="z", steps_per_update=60, lr=3e-3, batch_size=8, max_seq_len=64)
+    cfg = OnlineConfig(log_dir="x", store="y", work_dir="z", steps_per_update=60, lr=3e-3, batch_size=8, max_seq_len=64,
+                       loss=loss)
     base = acceptance(drafter, None, holdout, 0, 64, 3)["alpha"]
     train_candidate(drafter.requires_grad_(True), None, buffer, [], cfg, 0, random.Random(0))
     after = acceptance(drafter, None, holdout, 0, 64, 3)["alpha"]
     assert after > base + 0.1
     for k, v in target.model.state_dict().items():
         assert torch.equal(v, before_target[k]), k
+
+
+def test_ce_loss_is_the_cross_entropy_of_the_targets_greedy_token(target):
+    drafter = half_right_drafter(target)
+    prompts = [prompt_for(i) for i in range(3)]
+    records = [{"id": str(i), "prompt_ids": p, "output_ids": g.tokens}
+               for i, (p, g) in enumerate(zip(prompts, generate(target, drafter, prompts, 7, 2)))]
+    batch = collate([e.record() for e in score_requests(target, records, k=4, pad_id=0)], 0, 64)
+    logits = drafter(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [B, T, V]
+    nll = -torch.log_softmax(logits, -1).gather(-1, batch.topk_ids[..., :1])[..., 0]  # [B, T]
+    expected = nll[batch.loss_mask].mean()
+    got = kd_step_loss(drafter, batch, "ce", mix_weight=0.5, right_weight=1.0)
+    assert torch.allclose(got, expected, atol=1e-5)
+    # positions the drafter already gets right weigh right_weight
+    right = (logits.argmax(-1) == batch.topk_ids[..., 0]) & batch.loss_mask
+    assert 0 < int(right.sum()) < int(batch.loss_mask.sum())
+    w = torch.where(right, 0.25, 1.0)[batch.loss_mask]
+    weighted = kd_step_loss(drafter, batch, "ce", mix_weight=0.5, right_weight=0.25)
+    assert torch.allclose(weighted, (nll[batch.loss_mask] * w).sum() / w.sum(), atol=1e-5)
 
 
 def test_replay_buffer_evicts_oldest_and_samples_by_priority():
