@@ -140,3 +140,14 @@ def test_checker_flags_every_kind_of_forbidden_import():
 ])
 def test_relative_imports_resolve_against_the_package(source, module, is_package, expected):
     assert imported_modules(source, module, is_package) == expected
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "distill").glob("*.yaml")) +
+                         sorted((ROOT / "configs" / "online").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_job_config_parses(path):
+    from train.config import load_config
+    from train.distill_config import DistillConfig
+    from train.online_config import OnlineConfig
+    cls = DistillConfig if path.parent.name == "distill" else OnlineConfig
+    cfg = load_config(cls, ["--config", str(path)])
+    assert isinstance(cfg, cls)
