@@ -209,7 +209,7 @@ def test_config_errors_name_the_field(env, tmp_path):
     with pytest.raises(ConfigError, match="store"):
         OnlineConfig(log_dir="x", work_dir="y")
     with pytest.raises(ConfigError, match="loss"):
-        config(env, tmp_path, loss="ce")
+        config(env, tmp_path, loss="kl")
     with pytest.raises(ConfigError, match="init_drafter"):
         OnlineDaemon(config(env, tmp_path, init_drafter=""))
 
