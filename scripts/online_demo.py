@@ -18,6 +18,9 @@
    sets; every logged response is checked against the target's own greedy choice (one teacher-forced
    forward per request: a greedy output is the target's iff every token is the argmax after its prefix);
 6. DIR/metrics.json and DIR/acceptance.png (scripts/plot_online.py) are written.
+
+A run interrupted after step 4 (all requests served and used) is completed with `--finish` and the same
+arguments: steps 5-6 on the store and logs already in DIR.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 
 from decode.questions import load_questions  # noqa: E402
-from distill.prompts import exclusion_texts, load_prompt_sources, normalize_text  # noqa: E402
+from distill.prompts import exclusion_texts, load_prompt_sources  # noqa: E402
 from distill.teacher_data import (TeacherDataSettings, generate_teacher_data, teacher_data_dir,  # noqa: E402
                                   teacher_data_key)
 from decode.request_log import list_segments, segment_name  # noqa: E402
@@ -77,6 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=0, help="0 = a free port")
     p.add_argument("--daemon-set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="daemon config overrides, e.g. update_every_requests=25")
+    p.add_argument("--finish", action="store_true", help="complete a run in --out whose stream was served and "
+                   "learned from but whose final measurement did not finish (steps 5-6 only)")
     return p.parse_args(argv)
 
 
@@ -112,15 +117,14 @@ def drafter_training_texts(drafter_dir: str) -> set[str]:
     """Normalized texts of the file prompts the drafter was trained on (its manifest's config, limits
     honoured), to keep out of the anchor; self-prompts are the target's own and cannot be listed."""
     manifest = json.loads((Path(drafter_dir) / "manifest.json").read_text())
-    texts = set()
+    specs = []
     for spec in (manifest.get("config") or {}).get("prompts") or []:
-        if spec.startswith("self:"):
-            continue
         kind, _, rest = spec.partition(":")
         if kind == "jsonl" and not Path(rest.split("?")[0]).is_absolute():
             spec = f"jsonl:{ROOT / rest}"  # the training job ran from the project root
-        texts.update(normalize_text(p.text) for p in load_prompt_sources([spec]))
-    return texts
+        if kind != "self":
+            specs.append(spec)
+    return exclusion_texts(specs)
 
 
 def make_anchor_data(target, args) -> str:
@@ -268,28 +272,20 @@ def read_daemon_metrics(work: Path) -> list[dict]:
 
 # ---- main --------------------------------------------------------------------------------------------
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    out = Path(args.out).absolute()
-    if out.exists() and any(out.iterdir()):
-        raise SystemExit(f"{out} holds an earlier run; choose another --out or delete it")
-    out.mkdir(parents=True, exist_ok=True)
-    store, logs, work = out / "store", out / "logs", out / "daemon"
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    stream = read_questions(args.stream, args.stream_offset, args.requests)
-    heldout_q = read_questions(args.stream, 500, args.heldout)
-    init_store(store, args.drafter)
-    target = load_target(args.target)
-    if not args.anchor_data and args.anchor_prompts != "none":
-        args.anchor_data = make_anchor_data(target, args)
-    heldout, general = chat_ids(target, heldout_q), general_prompts(target, args.general)
+def measure_before(target, args, store: Path, heldout, general, out: Path) -> dict:
+    """The starting version's acceptance, kept in DIR/before.json so that `--finish` can complete a run."""
     t0 = time.time()
     before = {"heldout": engine_alpha(target, version_path(store, "v000000"), heldout, args.max_tokens, args.gamma),
               "general": engine_alpha(target, version_path(store, "v000000"), general, args.max_tokens, args.gamma)}
+    (out / "before.json").write_text(json.dumps(before, indent=1))
     log.info("before: held-out alpha %.3f, general alpha %.3f (%.0f s)", before["heldout"]["token_acceptance"],
              before["general"]["token_acceptance"], time.time() - t0)
+    return before
 
+
+def serve_and_learn(args, store: Path, logs: Path, work: Path, out: Path, stream: list[str]) -> None:
+    """Steps 3-4: the server and the daemon as subprocesses, the stream replayed through HTTP; returns once the
+    daemon has used every request. DIR/serve.json records the replay."""
     port = args.port or free_port()
     server = start_server(args, store, logs, port, out)
     daemon = None
@@ -299,7 +295,7 @@ def main(argv=None) -> dict:
             daemon = start_daemon(args, store, logs, work, out)
             t1 = time.time()
             answers = replay_stream(client, stream, args.max_tokens)
-            serve_s = time.time() - t1
+            (out / "serve.json").write_text(json.dumps({"requests": len(answers), "serve_seconds": time.time() - t1}))
         wait_for(daemon, "daemon", timeout_s=1800)
     finally:
         server.terminate()
@@ -307,14 +303,19 @@ def main(argv=None) -> dict:
         if daemon is not None and daemon.poll() is None:
             daemon.kill()
 
+
+def finish(target, args, store: Path, logs: Path, work: Path, out: Path, heldout, general, before: dict) -> dict:
+    """Steps 5-6: the final version measured on the same sets, every response checked, metrics written."""
     final = current_version(store)
     after = {"heldout": engine_alpha(target, version_path(store, final), heldout, args.max_tokens, args.gamma),
              "general": engine_alpha(target, version_path(store, final), general, args.max_tokens, args.gamma)}
     records = read_log(logs)
     check = greedy_mismatches(target, records)
     updates = [e for e in read_daemon_metrics(work) if e["event"] == "update"]
+    served = json.loads((out / "serve.json").read_text()) if (out / "serve.json").exists() else {}
     metrics = {
-        "requests": len(answers), "logged": len(records), "max_tokens": args.max_tokens, "gamma": args.gamma,
+        "requests": served.get("requests", len(records)), "logged": len(records), "max_tokens": args.max_tokens,
+        "gamma": args.gamma,
         "windows": live_windows(records, args.window),
         "alpha_first_window": before["heldout"]["token_acceptance"],
         "alpha_last_window": after["heldout"]["token_acceptance"],
@@ -326,7 +327,7 @@ def main(argv=None) -> dict:
         "versions_published": sum(1 for e in updates if e["published"]),
         "rollbacks": sum(1 for e in updates if not e["published"]),
         "final_version": final, "daemon_updates": updates,
-        "serve_seconds": serve_s, "anchor_data": args.anchor_data or None,
+        "serve_seconds": served.get("serve_seconds"), "anchor_data": args.anchor_data or None,
         "definitions": {
             "alpha": "the token acceptance rate of OSD and Leviathan et al.: P(the first draft of a step is "
                      "accepted), measured by the engine (greedy, fixed gamma). The engine's accepted / drafted "
@@ -346,6 +347,43 @@ def main(argv=None) -> dict:
              metrics["alpha_first_window"], metrics["alpha_last_window"], metrics["general_alpha_before"],
              metrics["general_alpha_after"], metrics["mismatches"], metrics["versions_published"], metrics["rollbacks"])
     return metrics
+
+
+def check_finishable(out: Path, store: Path, logs: Path, requests: int) -> None:
+    """`--finish` completes a run whose stream was served and learned from; anything less is an error."""
+    if not (store.exists() and logs.exists()):
+        raise SystemExit(f"--finish: {out} holds no served run (no store/ or logs/)")
+    logged = len(read_log(logs))
+    if logged < requests:
+        raise SystemExit(f"--finish: {out} logged {logged} of {requests} requests; the stream did not complete")
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    out = Path(args.out).absolute()
+    store, logs, work = out / "store", out / "logs", out / "daemon"
+    if args.finish:
+        check_finishable(out, store, logs, args.requests)
+    elif out.exists() and any(out.iterdir()):
+        raise SystemExit(f"{out} holds an earlier run; choose another --out, delete it, or --finish it")
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    stream = read_questions(args.stream, args.stream_offset, args.requests)
+    heldout_q = read_questions(args.stream, 500, args.heldout)
+    if not args.finish:
+        init_store(store, args.drafter)
+    target = load_target(args.target)
+    if not args.anchor_data and args.anchor_prompts != "none":  # cached: --finish only looks it up
+        args.anchor_data = make_anchor_data(target, args)
+    heldout, general = chat_ids(target, heldout_q), general_prompts(target, args.general)
+    if args.finish and (out / "before.json").exists():
+        before = json.loads((out / "before.json").read_text())
+    else:  # v000000 is the starting drafter, so a finished run can measure it again
+        before = measure_before(target, args, store, heldout, general, out)
+    if not args.finish:
+        serve_and_learn(args, store, logs, work, out, stream)
+    return finish(target, args, store, logs, work, out, heldout, general, before)
 
 
 if __name__ == "__main__":
