@@ -48,3 +48,11 @@ def coverage(counts: Counter, vocab_map: torch.Tensor) -> float:
     total = sum(counts.values())
     kept = set(vocab_map.tolist())
     return sum(c for t, c in counts.items() if t in kept) / total if total else 0.0
+
+
+def tokens_to_add(counts: Counter, vocab_map: torch.Tensor, max_new: int, min_count: int) -> torch.Tensor:
+    """[N] long, N <= max_new: the most frequent target ids (ties by id) that the reduced head lacks and
+    that occur at least `min_count` times, for a head that follows the traffic (the online daemon)."""
+    kept = set(vocab_map.tolist())
+    missing = [t for t, c in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if c >= min_count and t not in kept]
+    return torch.tensor(missing[:max(max_new, 0)], dtype=torch.long)

@@ -193,3 +193,23 @@ def full_vocab_view(model: torch.nn.Module, vocab_map: torch.Tensor, vocab_size:
     view = copy.deepcopy(model)
     view.set_output_embeddings(ScatterHead(view.get_output_embeddings(), vocab_map, vocab_size))
     return view
+
+
+def grow_head(model: torch.nn.Module, vocab_map: torch.Tensor, new_ids: torch.Tensor) -> torch.Tensor:
+    """Append head rows for target ids `new_ids` ([N], absent from `vocab_map` [M]) to a reduced-head
+    drafter; returns the [M + N] map. A new row starts as the drafter's own input embedding of its token,
+    which is the head row itself in a model with tied embeddings (SmolLM2, and every truncated drafter
+    of one), so a grown token is scored as the untrained head would have. Changes `model`."""
+    kept = set(vocab_map.tolist())
+    if any(int(t) in kept for t in new_ids):
+        raise ValueError("grow_head: some new ids are already in the vocab_map")
+    if new_ids.numel() == 0:
+        return vocab_map
+    old = model.get_output_embeddings().weight.detach()  # [M, D]
+    rows = model.get_input_embeddings().weight.detach()[new_ids.to(old.device)]  # [N, D]
+    if rows.shape[1] != old.shape[1]:
+        raise ValueError(f"grow_head: input embeddings are {rows.shape[1]} wide, the head {old.shape[1]}")
+    replace_output_head(model, old.shape[0] + rows.shape[0])
+    with torch.no_grad():
+        model.get_output_embeddings().weight.copy_(torch.cat([old, rows.to(old.dtype)]))
+    return torch.cat([vocab_map.cpu(), new_ids.cpu()])

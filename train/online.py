@@ -34,8 +34,9 @@ from decode.request_log import BadRecord, LogLine, parse_record, position_after,
 from distill.generation import pad_token_id  # noqa: E402
 from distill.replay import Entry, ReplayBuffer, is_held_out  # noqa: E402
 from distill.teacher_data import load_teacher_data  # noqa: E402
-from distill.vocab import inverse_map  # noqa: E402
+from distill.vocab import count_response_tokens, inverse_map, tokens_to_add  # noqa: E402
 from models.drafter_store import current_path, current_version, init_store, is_store, publish_version  # noqa: E402
+from models.draft_models import grow_head  # noqa: E402
 from models.drafters import load_drafter  # noqa: E402
 from models.target import load_target  # noqa: E402
 from train.config import ConfigError, load_config  # noqa: E402
@@ -59,7 +60,6 @@ class OnlineDaemon:
         prepare_store(cfg)
         self.state = OnlineState(cfg.work_dir, ReplayBuffer(cfg.buffer_requests, cfg.holdout_window))
         self.version, self.model, self.vocab_map = self.load_served()
-        self.t2d = None if self.vocab_map is None else inverse_map(self.vocab_map.cpu(), self.target.vocab_size)
         self.anchors, self.guard = load_anchors(cfg)
         self.rng = random.Random(cfg.seed * 1_000_003 + self.state.counters.updates)
         log.info("online daemon: store %s at %s, %d requests in the buffer, %d held out, position %s",
@@ -139,23 +139,26 @@ class OnlineDaemon:
         if state.counters.general_reference is None:
             state.counters.general_reference = served.get("general_alpha")
         served["general_reference"] = state.counters.general_reference
-        candidate = copy.deepcopy(self.model).requires_grad_(True)
-        loss = train_candidate(candidate, self.t2d, state.buffer, self.anchors, cfg, self.pad_id, self.rng)
+        candidate = copy.deepcopy(self.model)
+        candidate_map, grown = self.grown_head(candidate)
+        candidate.requires_grad_(True)
+        loss = train_candidate(candidate, self.draft_index(candidate_map), state.buffer, self.anchors, cfg,
+                               self.pad_id, self.rng)
         candidate.requires_grad_(False)
-        trial = self.judge(candidate, holdout)
+        trial = self.judge(candidate, holdout, candidate_map)
         ok, reason = decide(served, trial, cfg)
         event = {"loss": loss, "served_version": self.version, "heldout_alpha_served": served["alpha"],
                  "heldout_alpha_candidate": trial["alpha"], "general_alpha_served": served.get("general_alpha"),
                  "general_alpha_candidate": trial.get("general_alpha"),
                  "general_alpha_reference": served["general_reference"], "holdout_requests": len(holdout),
-                 "published": ok, "reason": reason}
+                 "head_rows_added": grown, "published": ok, "reason": reason}
         if ok:
             self.version = publish_version(cfg.store, candidate, self.target, config=asdict(cfg),
-                                           vocab_map=self.vocab_map,
+                                           vocab_map=candidate_map,
                                            extra={"parent": self.version, "heldout_alpha": trial["alpha"],
                                                   "general_alpha": trial.get("general_alpha"),
                                                   "requests_ingested": state.counters.ingested})
-            self.model = candidate
+            self.model, self.vocab_map = candidate, candidate_map
             state.counters.published += 1
             log.info("published %s: held-out alpha %.3f -> %.3f", self.version, served["alpha"] or 0,
                      trial["alpha"] or 0)
@@ -170,12 +173,27 @@ class OnlineDaemon:
         self.record("update", event)
         state.commit()
 
-    def judge(self, model, holdout: list[Entry]) -> dict:
+    def grown_head(self, candidate) -> tuple[torch.Tensor | None, int]:
+        """The candidate's vocab_map after `vocab_growth`: the buffer's most frequent target tokens that the
+        reduced head lacks get rows (models.draft_models.grow_head). Returns (map, rows added)."""
+        cfg, vocab_map = self.cfg, self.vocab_map
+        if not cfg.vocab_growth or vocab_map is None:
+            return vocab_map, 0
+        counts = count_response_tokens(e.record() for e in self.state.buffer.train.values())
+        new_ids = tokens_to_add(counts, vocab_map.cpu(), cfg.vocab_growth, cfg.vocab_growth_min_count)
+        return grow_head(candidate, vocab_map.cpu(), new_ids).to(vocab_map.device), int(new_ids.numel())
+
+    def draft_index(self, vocab_map: torch.Tensor | None) -> torch.Tensor | None:
+        """[V] draft index of each target id (-1 where the head has none), None for a full head."""
+        return None if vocab_map is None else inverse_map(vocab_map.cpu(), self.target.vocab_size)
+
+    def judge(self, model, holdout: list[Entry], vocab_map: torch.Tensor | None = None) -> dict:
         cfg = self.cfg
-        out = acceptance(model, self.vocab_map, holdout, self.pad_id, cfg.max_seq_len, cfg.gamma)
+        vocab_map = self.vocab_map if vocab_map is None else vocab_map
+        out = acceptance(model, vocab_map, holdout, self.pad_id, cfg.max_seq_len, cfg.gamma)
         out.pop("priorities")
         if self.guard:
-            general = acceptance(model, self.vocab_map, self.guard, self.pad_id, cfg.max_seq_len, cfg.gamma)
+            general = acceptance(model, vocab_map, self.guard, self.pad_id, cfg.max_seq_len, cfg.gamma)
             out["general_alpha"] = general["alpha"]
         return out
 

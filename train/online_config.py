@@ -60,6 +60,9 @@ class OnlineConfig:
                                        "the first served version's (a bound on the total drift, not per update)")
     min_gain: float = _f(0.0, "publish only if the candidate's held-out alpha beats the served one by this")
     gamma: int = _f(5, "draft depth at which acceptance is measured")
+    vocab_growth: int = _f(0, "reduced draft heads only: each update may add up to this many head rows for the "
+                              "traffic's most frequent target tokens the head lacks; 0 = the head stays fixed")
+    vocab_growth_min_count: int = _f(3, "a token joins the head only once the training buffer holds it this often")
 
     tracker: str = _f("none", f"experiment tracker, one of {TRACKERS}")
     seed: int = _f(0, "training randomness")
@@ -83,5 +86,9 @@ class OnlineConfig:
             raise ConfigError(f"right_weight: must be in [0, 1], got {self.right_weight}")
         if self.lr <= 0:
             raise ConfigError(f"lr: must be > 0, got {self.lr}")
+        if self.vocab_growth < 0:
+            raise ConfigError(f"vocab_growth: must be >= 0, got {self.vocab_growth}")
+        if self.vocab_growth_min_count < 1:
+            raise ConfigError(f"vocab_growth_min_count: must be >= 1, got {self.vocab_growth_min_count}")
         if self.holdout_every == 1:
             raise ConfigError("holdout_every: 1 would hold out every request and train on none")

@@ -49,3 +49,13 @@ def test_reduced_vocab_maps_labels_and_drops_absent_ones():
     assert b.topk_ids[0, 0].tolist() == [2, 3]  # 9 -> the absent column, index n_draft = 3
     assert b.topk_logprobs[0, 0, 1] == float("-inf")
     assert with_absent_column(torch.zeros(1, 4, 3)).shape == (1, 4, 4)
+
+
+def test_tokens_to_add_are_the_most_frequent_absent_ones_above_the_count_floor():
+    from distill.vocab import tokens_to_add
+
+    counts = Counter({5: 9, 7: 4, 8: 4, 2: 50, 11: 2, 13: 6})
+    vocab_map = torch.tensor([2, 5])
+    assert tokens_to_add(counts, vocab_map, max_new=10, min_count=3).tolist() == [13, 7, 8]  # ties by id
+    assert tokens_to_add(counts, vocab_map, max_new=2, min_count=3).tolist() == [13, 7]
+    assert tokens_to_add(counts, vocab_map, max_new=10, min_count=7).tolist() == []

@@ -291,3 +291,22 @@ def test_full_vocab_view_of_a_reduced_head_scores_only_its_tokens():
     outside[vocab_map] = False
     assert torch.isinf(logits[..., outside]).all()
     assert model.get_output_embeddings().weight.shape == (4, 32)  # the original is untouched
+
+
+def test_a_grown_head_scores_new_tokens_as_the_tied_full_head_would_and_keeps_the_old_rows():
+    from models.draft_models import grow_head, reduce_head
+    from tests.conftest import make_tiny_llama
+
+    model = make_tiny_llama(seed=3, tie=True)
+    ids = torch.tensor([[1, 2, 3, 7]])
+    full_logits = model(ids).logits  # [1, 4, 64]
+    vocab_map = torch.tensor([2, 5, 9, 40])
+    reduce_head(model, vocab_map)
+    old_rows = model.get_output_embeddings().weight.detach().clone()
+    grown = grow_head(model, vocab_map, torch.tensor([17, 3]))
+    assert grown.tolist() == [2, 5, 9, 40, 17, 3]
+    assert model.get_output_embeddings().weight.shape == (6, 32)
+    torch.testing.assert_close(model.get_output_embeddings().weight[:4], old_rows)
+    torch.testing.assert_close(model(ids).logits, full_logits[..., grown])  # tied: input row = head row
+    with pytest.raises(ValueError, match="already in the vocab_map"):
+        grow_head(model, grown, torch.tensor([9]))

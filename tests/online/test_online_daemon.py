@@ -225,3 +225,37 @@ def test_plot_reads_a_daemon_journal(env, tmp_path):
     assert len(metrics["daemon_updates"]) == 1 and metrics["windows"]
     png = plot(metrics, tmp_path / "a.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_vocab_growth_adds_the_traffics_missing_tokens_to_a_reduced_head_and_publishes_the_grown_map(
+        env, tmp_path, monkeypatch):
+    import torch
+
+    import train.online as online
+    from distill.vocab import count_response_tokens
+    from models.draft_models import reduce_head
+    from models.drafters import load_drafter, save_drafter
+    from tests.conftest import make_tiny_llama
+    from tests.online.support import VOCAB
+
+    vocab_map = torch.arange(0, VOCAB, 4)  # a quarter of the vocabulary: the traffic needs tokens it lacks
+    model = reduce_head(make_tiny_llama(vocab_size=VOCAB, hidden_size=32, layers=1, seed=1), vocab_map)
+    drafter = save_drafter(tmp_path / "reduced", model, env["target"], "draft_model", config={},
+                           vocab_map=vocab_map)
+    write_log(tmp_path, env["records"])
+    cfg = config(env, tmp_path, init_drafter=str(drafter), vocab_growth=5, vocab_growth_min_count=2)
+    daemon = OnlineDaemon(cfg)
+    drain(daemon)
+    counts = count_response_tokens(e.record() for e in daemon.state.buffer.train.values())
+    frequent_missing = [t for t, c in counts.items() if c >= 2 and t % 4]
+    assert len(frequent_missing) >= 5
+    monkeypatch.setattr(online, "decide", lambda served, trial, cfg: (True, "forced"))
+    daemon.update()
+    event = [json.loads(x) for x in (tmp_path / "work" / METRICS).read_text().splitlines()][-1]
+    assert event["published"] and event["head_rows_added"] == 5
+    published = load_drafter(str(tmp_path / "store" / "versions" / "v000001"), env["target"])
+    grown = published.vocab_map.tolist()
+    assert grown[:len(vocab_map)] == vocab_map.tolist() and len(grown) == len(vocab_map) + 5
+    assert set(grown[len(vocab_map):]) <= set(frequent_missing)
+    assert published.model.get_output_embeddings().weight.shape[0] == len(grown)
+    assert daemon.vocab_map.tolist() == grown  # the next update grows from the published map
