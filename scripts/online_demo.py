@@ -54,7 +54,8 @@ from train.acceptance import measure_acceptance  # noqa: E402
 log = logging.getLogger("specdistill.online_demo")
 SHARED = ROOT.parent / "shared" / "data"
 # general prompts outside smollm2_general's training set (163 after skipping the 3 in-loop eval prompts)
-ANCHOR_PROMPTS = f"jsonl:{SHARED / 'arena_hard' / 'question_v0.1.jsonl'}?limit=163"
+ANCHOR_PROMPTS = [f"jsonl:{SHARED / 'arena_hard' / 'question_v0.1.jsonl'}?limit=300",
+                  f"jsonl:{SHARED / 'arena_hard' / 'question_v2.0.jsonl'}"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -65,8 +66,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--drafter", default="runs/smollm2_general/drafter", help="the general-domain drafter")
     p.add_argument("--anchor-data", default="", help="teacher-data directory the daemon rehearses and guards "
                    "with; default: made from --anchor-prompts")
-    p.add_argument("--anchor-prompts", default=ANCHOR_PROMPTS, help="prompt source spec of the anchor's general "
-                   "prompts (the drafter's own training prompts and MT-bench are excluded); 'none' = no anchor")
+    p.add_argument("--anchor-prompts", nargs="+", default=ANCHOR_PROMPTS, metavar="SPEC",
+                   help="prompt source specs of the anchor's general prompts (the drafter's own training prompts "
+                   "and MT-bench are excluded); 'none' = no anchor")
+    p.add_argument("--rehearse-own", action=argparse.BooleanOptionalAction, default=True,
+                   help="the daemon also rehearses the drafter's own training data (found by its manifest)")
     p.add_argument("--anchor-tokens", type=int, default=128, help="longest anchor answer, in tokens")
     p.add_argument("--stream", default=str(SHARED / "gsm8k" / "train.jsonl"), help="JSONL of shifted-domain "
                    "questions (a `question` field, or the formats distill.prompts reads)")
@@ -117,14 +121,40 @@ def drafter_training_texts(drafter_dir: str) -> set[str]:
     """Normalized texts of the file prompts the drafter was trained on (its manifest's config, limits
     honoured), to keep out of the anchor; self-prompts are the target's own and cannot be listed."""
     manifest = json.loads((Path(drafter_dir) / "manifest.json").read_text())
-    specs = []
-    for spec in (manifest.get("config") or {}).get("prompts") or []:
-        kind, _, rest = spec.partition(":")
-        if kind == "jsonl" and not Path(rest.split("?")[0]).is_absolute():
-            spec = f"jsonl:{ROOT / rest}"  # the training job ran from the project root
-        if kind != "self":
-            specs.append(spec)
+    specs = [rooted(spec) for spec in (manifest.get("config") or {}).get("prompts") or []
+             if not spec.startswith("self:")]
     return exclusion_texts(specs)
+
+
+def drafter_teacher_data(target, drafter_dir: str) -> str:
+    """The teacher-data directory the drafter was trained on, found by the training job's own content key
+    (its manifest's prompts and generation settings); made again, resumably, if the cache lacks it."""
+    from types import SimpleNamespace
+
+    from train.distill_steps import teacher_settings
+
+    config = json.loads((Path(drafter_dir) / "manifest.json").read_text()).get("config") or {}
+    if not config.get("prompts"):
+        raise SystemExit(f"--rehearse-own: {drafter_dir}'s manifest records no training prompts; "
+                         "pass --no-rehearse-own")
+    cfg = SimpleNamespace(**config)
+    excluded = exclusion_texts([rooted(s) for s in cfg.exclude_prompts]) if cfg.exclude_prompts else set()
+    prompts = load_prompt_sources([rooted(s) for s in cfg.prompts], target=target, exclude=excluded, seed=cfg.seed)
+    if cfg.max_prompts:
+        prompts = prompts[:cfg.max_prompts]
+    settings = teacher_settings(cfg)
+    out_dir = teacher_data_dir(teacher_data_key(target, prompts, settings))
+    generate_teacher_data(target, prompts, settings, out_dir=out_dir)
+    log.info("the drafter's own teacher data %s: %d prompts", out_dir, len(prompts))
+    return str(out_dir)
+
+
+def rooted(spec: str) -> str:
+    """A jsonl spec relative to the project root (where training jobs run) made absolute."""
+    kind, _, rest = spec.partition(":")
+    if kind == "jsonl" and not Path(rest.split("?")[0]).is_absolute():
+        return f"jsonl:{ROOT / rest}"
+    return spec
 
 
 def make_anchor_data(target, args) -> str:
@@ -132,7 +162,7 @@ def make_anchor_data(target, args) -> str:
     excluded = exclusion_texts([f"jsonl:{SHARED / 'mt_bench' / 'question.jsonl'}",
                                 f"jsonl:{SHARED / 'arena_hard' / 'question_v0.1.jsonl'}?limit=3"])
     excluded |= drafter_training_texts(args.drafter)
-    prompts = load_prompt_sources([args.anchor_prompts], target=target, exclude=excluded)
+    prompts = load_prompt_sources(args.anchor_prompts, target=target, exclude=excluded)
     if not prompts:
         raise SystemExit(f"--anchor-prompts {args.anchor_prompts!r} gave no prompts after the exclusions")
     settings = TeacherDataSettings(max_new_tokens=args.anchor_tokens, greedy=True, batch_size=16,
@@ -220,6 +250,8 @@ def start_daemon(args, store: Path, logs: Path, work: Path, out: Path) -> subpro
         cmd += ["--target", args.target]
     if args.anchor_data:
         cmd += ["--anchor_data", str(Path(args.anchor_data).expanduser())]
+    if args.rehearsal_data:
+        cmd += ["--rehearsal_data", args.rehearsal_data]
     for item in args.daemon_set:
         key, eq, value = item.partition("=")
         if not eq:
@@ -328,6 +360,7 @@ def finish(target, args, store: Path, logs: Path, work: Path, out: Path, heldout
         "rollbacks": sum(1 for e in updates if not e["published"]),
         "final_version": final, "daemon_updates": updates,
         "serve_seconds": served.get("serve_seconds"), "anchor_data": args.anchor_data or None,
+        "rehearsal_data": args.rehearsal_data or None,
         "definitions": {
             "alpha": "the token acceptance rate of OSD and Leviathan et al.: P(the first draft of a step is "
                      "accepted), measured by the engine (greedy, fixed gamma). The engine's accepted / drafted "
@@ -374,8 +407,9 @@ def main(argv=None) -> dict:
     if not args.finish:
         init_store(store, args.drafter)
     target = load_target(args.target)
-    if not args.anchor_data and args.anchor_prompts != "none":  # cached: --finish only looks it up
+    if not args.anchor_data and args.anchor_prompts != ["none"]:  # cached: --finish only looks it up
         args.anchor_data = make_anchor_data(target, args)
+    args.rehearsal_data = drafter_teacher_data(target, args.drafter) if args.rehearse_own and args.anchor_data else ""
     heldout, general = chat_ids(target, heldout_q), general_prompts(target, args.general)
     if args.finish and (out / "before.json").exists():
         before = json.loads((out / "before.json").read_text())

@@ -265,18 +265,27 @@ def prepare_store(cfg: OnlineConfig) -> None:
 
 
 def load_anchors(cfg: OnlineConfig) -> tuple[list[dict], list[Entry]]:
-    """General-domain target generations: most are rehearsed, the last `anchor_guard` judge forgetting.
-    The guard's target tokens are the greedy generations themselves (top-1 = the token)."""
+    """General-domain target generations: most are rehearsed, the last `anchor_guard` judge forgetting;
+    every `rehearsal_data` row is rehearsed. The guard's target tokens are the greedy generations
+    themselves (top-1 = the token)."""
+    if cfg.rehearsal_data and not cfg.anchor_data:
+        raise ConfigError("rehearsal_data: needs anchor_data too (the guard that judges forgetting comes from it)")
     if not cfg.anchor_data:
         return [], []
-    data = load_teacher_data(cfg.anchor_data)
-    rows = [{"prompt_ids": list(r["prompt_ids"]), "response_ids": list(r["response_ids"])} for r in data
-            if len(r["response_ids"]) > 1]
+    rows = teacher_rows(cfg.anchor_data)
     random.Random(cfg.seed).shuffle(rows)
     guard_rows, rehearse = rows[:cfg.anchor_guard], rows[cfg.anchor_guard:]
+    for path in cfg.rehearsal_data:
+        rehearse += teacher_rows(path)
     guard = [Entry(f"anchor-{i}", r["prompt_ids"], r["response_ids"], [[t] for t in r["response_ids"]],
                    [[0.0] for _ in r["response_ids"]]) for i, r in enumerate(guard_rows)]
     return rehearse, guard
+
+
+def teacher_rows(path: str) -> list[dict]:
+    """Prompt and response ids of a teacher-data directory's rows with more than one response token."""
+    return [{"prompt_ids": list(r["prompt_ids"]), "response_ids": list(r["response_ids"])}
+            for r in load_teacher_data(path) if len(r["response_ids"]) > 1]
 
 
 def make_accelerator(cfg: OnlineConfig):

@@ -53,6 +53,9 @@ class OnlineConfig:
     max_seq_len: int = _f(384, "prompt + output tokens per training row (prompt cut from the left)")
     anchor_data: str = _f("", "teacher-data directory of general-domain target generations (distill.teacher_data) "
                               "rehearsed in every step and used as the general-domain guard; empty = none")
+    rehearsal_data: list[str] = _f([], "more teacher-data directories rehearsed with the anchor but never used as "
+                                       "the guard (e.g. the drafter's own training data: replaying it keeps what "
+                                       "it knew; judging by it would measure memorisation)")
     anchor_weight: float = _f(0.5, "weight of the anchor cross-entropy in each step")
     anchor_batch_size: int = _f(4, "anchor rows per step")
     anchor_guard: int = _f(48, "anchor records held out as the general-domain guard (never rehearsed)")

@@ -259,3 +259,27 @@ def test_vocab_growth_adds_the_traffics_missing_tokens_to_a_reduced_head_and_pub
     assert set(grown[len(vocab_map):]) <= set(frequent_missing)
     assert published.model.get_output_embeddings().weight.shape[0] == len(grown)
     assert daemon.vocab_map.tolist() == grown  # the next update grows from the published map
+
+
+def test_the_guard_comes_from_the_anchor_only_and_rehearsal_data_is_rehearsed_whole(env, tmp_path):
+    from distill.prompts import Prompt
+    from distill.teacher_data import TeacherDataSettings, generate_teacher_data
+    from tests.online.support import words
+    from train.online import load_anchors
+
+    settings = TeacherDataSettings(max_new_tokens=6, greedy=True, batch_size=4)
+
+    def teacher_dir(name, first):
+        prompts = [Prompt(f"{name}{i}", [{"role": "user", "content": words(prompt_for(first + i))}]) for i in range(5)]
+        generate_teacher_data(env["target"], prompts, settings, out_dir=tmp_path / name)
+        return str(tmp_path / name)
+
+    anchor, own = teacher_dir("anchor", 0), teacher_dir("own", 25)
+    rehearse, guard = load_anchors(config(env, tmp_path, anchor_data=anchor, anchor_guard=2, rehearsal_data=[own]))
+    own_rows = load_anchors(config(env, tmp_path, anchor_data=own, anchor_guard=0))[0]
+    assert len(guard) == 2 and len(rehearse) == 3 + len(own_rows)
+    guarded = {tuple(g.prompt_ids) for g in guard}
+    assert not guarded & {tuple(r["prompt_ids"]) for r in rehearse}  # judged, never rehearsed
+    assert not guarded & {tuple(r["prompt_ids"]) for r in own_rows}  # the guard is the anchor's alone
+    with pytest.raises(ConfigError, match="rehearsal_data"):
+        load_anchors(config(env, tmp_path, rehearsal_data=[own]))
