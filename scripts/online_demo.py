@@ -1,12 +1,15 @@
 """Online distillation, end to end: a server, the daemon beside it, and a shifted-domain stream of clients.
 
     python scripts/online_demo.py --requests 500 --out runs/online_demo \
-        [--drafter runs/smollm2_general/drafter] [--anchor-prompts SPEC | --anchor-data DIR] [--stream gsm8k.jsonl]
+        [--drafter runs/smollm2_general/drafter] [--anchor-prompts SPEC... | --anchor-data DIR] [--no-rehearse-own]
+        [--stream gsm8k.jsonl]
 
 0. the general-domain anchor: the target's answers to general prompts the drafter never trained on
    (Arena-Hard v0.1 by default; teacher data, cached by content), which the daemon rehearses and keeps a
    held-out part of as its guard against forgetting. A guard made of the drafter's own training data
-   would measure the memorised examples, which any update perturbs, and reject every candidate;
+   would measure the memorised examples, which any update perturbs, and reject every candidate. The
+   drafter's own training data is rehearsed too (never judged by): found in the cache by the training
+   job's content key, it is what the drafter knew;
 1. the drafter (trained on general prompts by train/distill.py, configs/distill/smollm2_general.yaml: no
    GSM8K, so the stream is a domain it has not seen) becomes version 0 of a drafter store;
 2. its acceptance is measured with the engine on held-out GSM8K questions (the shifted domain) and on
@@ -54,8 +57,7 @@ from train.acceptance import measure_acceptance  # noqa: E402
 log = logging.getLogger("specdistill.online_demo")
 SHARED = ROOT.parent / "shared" / "data"
 # general prompts outside smollm2_general's training set (163 after skipping the 3 in-loop eval prompts)
-ANCHOR_PROMPTS = [f"jsonl:{SHARED / 'arena_hard' / 'question_v0.1.jsonl'}?limit=300",
-                  f"jsonl:{SHARED / 'arena_hard' / 'question_v2.0.jsonl'}"]
+ANCHOR_PROMPTS = [f"jsonl:{SHARED / 'arena_hard' / 'question_v0.1.jsonl'}?limit=163"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
