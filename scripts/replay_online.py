@@ -100,6 +100,8 @@ def main(argv=None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = daemon_config(args)
     torch.manual_seed(cfg.seed)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     target = load_target(cfg.target)
     pad_id = pad_token_id(target.tokenizer, target.eos_token_ids)
     records = read_log(Path(args.logs))
