@@ -133,19 +133,15 @@ def drafter_teacher_data(target, drafter_dir: str) -> str:
     (its manifest's prompts and generation settings); made again, resumably, if the cache lacks it."""
     from types import SimpleNamespace
 
-    from train.distill_steps import teacher_settings
+    from train.distill_steps import teacher_data_plan
 
     config = json.loads((Path(drafter_dir) / "manifest.json").read_text()).get("config") or {}
     if not config.get("prompts"):
         raise SystemExit(f"--rehearse-own: {drafter_dir}'s manifest records no training prompts; "
                          "pass --no-rehearse-own")
-    cfg = SimpleNamespace(**config)
-    excluded = exclusion_texts([rooted(s) for s in cfg.exclude_prompts]) if cfg.exclude_prompts else set()
-    prompts = load_prompt_sources([rooted(s) for s in cfg.prompts], target=target, exclude=excluded, seed=cfg.seed)
-    if cfg.max_prompts:
-        prompts = prompts[:cfg.max_prompts]
-    settings = teacher_settings(cfg)
-    out_dir = teacher_data_dir(teacher_data_key(target, prompts, settings))
+    config["prompts"] = [rooted(s) for s in config["prompts"]]
+    config["exclude_prompts"] = [rooted(s) for s in config.get("exclude_prompts") or []]
+    prompts, settings, out_dir = teacher_data_plan(SimpleNamespace(**config), target)
     generate_teacher_data(target, prompts, settings, out_dir=out_dir)
     log.info("the drafter's own teacher data %s: %d prompts", out_dir, len(prompts))
     return str(out_dir)

@@ -76,18 +76,23 @@ def teacher_settings(cfg) -> TeacherDataSettings:
                                max_prompt_tokens=cfg.max_seq_len)
 
 
-def teacher_records(cfg, target, accelerator) -> list[dict]:
-    """The target's responses to the training prompts, generated once (split across processes,
-    resumable, cached by content) and read back whole by every process."""
+def teacher_data_plan(cfg, target) -> tuple[list, TeacherDataSettings, Path]:
+    """The job's training prompts, generation settings and content-addressed teacher-data directory
+    (target fingerprint, prompts, settings: jobs with the same data share it)."""
     excluded = exclusion_texts(cfg.exclude_prompts) if cfg.exclude_prompts else set()
     prompts = load_prompt_sources(cfg.prompts, target=target, exclude=excluded, seed=cfg.seed)
     if cfg.max_prompts:
         prompts = prompts[: cfg.max_prompts]
     if not prompts:
         raise ValueError(f"prompts: the sources {cfg.prompts} gave no prompts (after exclusions)")
-    # content-addressed (target fingerprint, prompts, settings): jobs with the same data share it
     settings = teacher_settings(cfg)
-    out_dir = teacher_data_dir(teacher_data_key(target, prompts, settings))
+    return prompts, settings, teacher_data_dir(teacher_data_key(target, prompts, settings))
+
+
+def teacher_records(cfg, target, accelerator) -> list[dict]:
+    """The target's responses to the training prompts, generated once (split across processes,
+    resumable, cached by content) and read back whole by every process."""
+    prompts, settings, out_dir = teacher_data_plan(cfg, target)
     generate_teacher_data(target, prompts, settings, out_dir=out_dir,
                           process_index=accelerator.process_index, num_processes=accelerator.num_processes)
     accelerator.wait_for_everyone()
