@@ -1,7 +1,7 @@
 """Teacher records -> padded training batches with the loss placed on response positions only.
 
 A record is one target generation: prompt_ids, response_ids and optionally, per response token,
-the target's top-k (ids, log-probs) of the distribution it was produced from. The drafter reads
+the target's top-k (ids, log-probs) of the distribution it was produced from and a loss weight. The drafter reads
 prompt + response; the logit at position t predicts token t + 1, so the response token j is
 predicted at position P - 1 + j, and that is where its label, mask and top-k go.
 """
@@ -21,6 +21,7 @@ class Batch:
     loss_mask: torch.Tensor  # [B, T] bool, True on positions predicting a response token
     topk_ids: torch.Tensor | None = None  # [B, T, K] target ids (draft-vocabulary index when reduced)
     topk_logprobs: torch.Tensor | None = None  # [B, T, K]
+    weights: torch.Tensor | None = None  # [B, T] per-position loss weights (records' "weights"), 0 where masked
 
     def to(self, device) -> "Batch":
         moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
@@ -48,6 +49,7 @@ def collate(records: list[dict], pad_id: int, max_len: int, target_to_draft: tor
     loss_mask = torch.zeros(b, width, dtype=torch.bool)
     topk_ids = torch.zeros(b, width, max(k, 1), dtype=torch.long) if has_topk else None
     topk_lp = torch.full((b, width, max(k, 1)), float("-inf")) if has_topk else None
+    weights = torch.zeros(b, width) if any("weights" in r for r in records) else None
     for i, ((prompt, response), record) in enumerate(zip(fitted, records)):
         seq = prompt + response
         input_ids[i, : len(seq)] = torch.tensor(seq)
@@ -59,7 +61,9 @@ def collate(records: list[dict], pad_id: int, max_len: int, target_to_draft: tor
         if has_topk and response:
             topk_ids[i, span] = torch.tensor(record["topk_ids"][: len(response)], dtype=torch.long)
             topk_lp[i, span] = torch.tensor(record["topk_logprobs"][: len(response)], dtype=torch.float)
-    batch = Batch(input_ids, attention, labels, loss_mask, topk_ids, topk_lp)
+        if weights is not None and response:
+            weights[i, span] = torch.tensor(record.get("weights", [1.0] * len(response))[: len(response)])
+    batch = Batch(input_ids, attention, labels, loss_mask, topk_ids, topk_lp, weights)
     return batch if target_to_draft is None else to_draft_vocab(batch, target_to_draft)
 
 

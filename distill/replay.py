@@ -1,7 +1,7 @@
 """A bounded replay buffer of served requests, scored by the target, that favours what the drafter gets wrong.
 
 An entry is one logged request: its prompt and output token ids and the target's top-k distribution at
-every output position (computed by the daemon, since logs carry tokens, not logits). Entries are drawn
+every output position (and, when the daemon learns from prompts too, at every prompt position after the first) (computed by the daemon, since logs carry tokens, not logits). Entries are drawn
 with probability proportional to their priority, 1 + the number of output positions where the drafter's
 greedy token is not the target's (refreshed after every update): requests the drafter already handles
 are drawn rarely, not never. When full, the oldest entry goes first, so the buffer tracks live traffic.
@@ -27,11 +27,26 @@ class Entry:
     topk_logprobs: list[list[float]]  # [R][K]
     max_new_tokens: int = 0           # the request's max_tokens (0 = unknown: the output length + 1)
     priority: float = 1.0
+    prompt_topk_ids: list[list[int]] = field(default_factory=list)         # [P-1][K] predicting prompt[1:]
+    prompt_topk_logprobs: list[list[float]] = field(default_factory=list)  # [P-1][K]
 
-    def record(self) -> dict:
-        """The distill.batching record form."""
-        return {"prompt_ids": self.prompt_ids, "response_ids": self.response_ids, "topk_ids": self.topk_ids,
-                "topk_logprobs": self.topk_logprobs}
+    def record(self, prompt_weight: float = 0.0, max_len: int = 0) -> dict:
+        """The distill.batching record form. With prompt_weight > 0 (and the prompt's top-k scored), the
+        positions predicting prompt tokens are taken as well, weighing prompt_weight against the output's 1:
+        the prompt moves into the "response" side, keeping its newest positions when prompt + output would
+        exceed max_len (the output is never cut for them)."""
+        if prompt_weight <= 0 or not self.prompt_topk_ids:
+            return {"prompt_ids": self.prompt_ids, "response_ids": self.response_ids, "topk_ids": self.topk_ids,
+                    "topk_logprobs": self.topk_logprobs}
+        n_prompt = len(self.prompt_topk_ids)  # = len(prompt_ids) - 1
+        room = max_len - 1 - len(self.response_ids) if max_len else n_prompt
+        keep = max(0, min(n_prompt, room))
+        start = n_prompt - keep             # prompt_ids[start + 1:] are predicted, from prompt_ids[:start + 1]
+        return {"prompt_ids": self.prompt_ids[:start + 1],
+                "response_ids": self.prompt_ids[start + 1:] + self.response_ids,
+                "topk_ids": self.prompt_topk_ids[start:] + self.topk_ids,
+                "topk_logprobs": self.prompt_topk_logprobs[start:] + self.topk_logprobs,
+                "weights": [prompt_weight] * keep + [1.0] * len(self.response_ids)}
 
 
 def is_held_out(request_id: str, every: int) -> bool:

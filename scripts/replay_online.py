@@ -108,7 +108,7 @@ def main(argv=None) -> dict:
     if not records:
         raise SystemExit(f"{args.logs} holds no logged requests")
     buffer = ReplayBuffer(cfg.buffer_requests, cfg.holdout_window)
-    for entry in score_requests(target, records, cfg.topk, pad_id):
+    for entry in score_requests(target, records, cfg.topk, pad_id, with_prompt=cfg.prompt_weight > 0):
         buffer.add(entry, is_held_out(entry.id, cfg.holdout_every))
     from decode.questions import load_questions
 

@@ -103,7 +103,8 @@ class OnlineDaemon:
 
     def ingest(self, lines: list[LogLine]) -> None:
         good, dead = self.parse(lines)
-        entries = score_requests(self.target, good, self.cfg.topk, self.pad_id) if good else []
+        entries = (score_requests(self.target, good, self.cfg.topk, self.pad_id,
+                                  with_prompt=self.cfg.prompt_weight > 0) if good else [])
         scored = acceptance(self.model, self.vocab_map, entries, self.pad_id, self.cfg.max_seq_len, self.cfg.gamma)
         for entry in entries:
             entry.priority = scored["priorities"][entry.id]

@@ -47,6 +47,9 @@ class OnlineConfig:
     loss: str = _f("fkl", f"KD loss on the target's top-k, one of {KD_LOSSES} (ce: cross-entropy on its top-1)")
     mix_weight: float = _f(0.5, "for loss: mix, the forward-KL weight (reverse KL gets 1 - this)")
     right_weight: float = _f(0.25, "loss weight of positions the drafter already gets right (wrong ones weigh 1)")
+    prompt_weight: float = _f(0.0, "loss weight of the logged prompts' own positions (the target's distribution "
+                                   "over each prompt token, scored in the same forward): in-domain text the "
+                                   "server saw; 0 = outputs only")
     lr: float = _f(2e-4, "AdamW learning rate of each update")
     steps_per_update: int = _f(30, "optimizer steps per update")
     batch_size: int = _f(8, "requests per step")
@@ -89,6 +92,8 @@ class OnlineConfig:
             raise ConfigError(f"right_weight: must be in [0, 1], got {self.right_weight}")
         if self.lr <= 0:
             raise ConfigError(f"lr: must be > 0, got {self.lr}")
+        if self.prompt_weight < 0:
+            raise ConfigError(f"prompt_weight: must be >= 0, got {self.prompt_weight}")
         if self.vocab_growth < 0:
             raise ConfigError(f"vocab_growth: must be >= 0, got {self.vocab_growth}")
         if self.vocab_growth_min_count < 1:

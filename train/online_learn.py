@@ -29,17 +29,25 @@ KD_LOSSES = ("fkl", "rkl", "mix", "ce")
 
 # ---- the target's distributions --------------------------------------------------------------------------
 
-def score_requests(target, records: list[dict], k: int, pad_id: int, batch_size: int = 8) -> list[Entry]:
-    """Entries with the target's top-k at every output position (one teacher-forced target forward)."""
+def score_requests(target, records: list[dict], k: int, pad_id: int, batch_size: int = 8,
+                   with_prompt: bool = False) -> list[Entry]:
+    """Entries with the target's top-k at every output position, and with_prompt at every prompt position
+    after the first too (the same single teacher-forced target forward over prompt + output)."""
     entries = []
     for start in range(0, len(records), batch_size):
         batch = records[start:start + batch_size]
-        topk = teacher_forced_topk(target.model, [r["prompt_ids"] for r in batch], [r["output_ids"] for r in batch],
-                                   k, pad_id)
+        if with_prompt:  # score prompt[1:] + output from prompt[:1]: the same sequence, more positions kept
+            contexts = [r["prompt_ids"][:1] for r in batch]
+            scored = [list(r["prompt_ids"][1:]) + list(r["output_ids"]) for r in batch]
+        else:
+            contexts, scored = [r["prompt_ids"] for r in batch], [r["output_ids"] for r in batch]
+        topk = teacher_forced_topk(target.model, contexts, scored, k, pad_id)
         for rec, (ids, logprobs) in zip(batch, topk):
             max_new = rec.get("sampling", {}).get("max_tokens", 0)
-            entries.append(Entry(rec["id"], list(rec["prompt_ids"]), list(rec["output_ids"]), ids, logprobs,
-                                 max_new if isinstance(max_new, int) else 0))
+            split = len(ids) - len(rec["output_ids"])  # 0 without the prompt
+            entries.append(Entry(rec["id"], list(rec["prompt_ids"]), list(rec["output_ids"]), ids[split:],
+                                 logprobs[split:], max_new if isinstance(max_new, int) else 0,
+                                 prompt_topk_ids=ids[:split], prompt_topk_logprobs=logprobs[:split]))
     return entries
 
 
@@ -117,6 +125,8 @@ def kd_step_loss(model, batch, loss: str, mix_weight: float, right_weight: float
     with torch.no_grad():
         wrong = logits.argmax(-1) != batch.topk_ids[..., 0]  # [B, T]
     weights = torch.where(wrong, 1.0, right_weight) * batch.loss_mask  # [B, T]
+    if batch.weights is not None:  # e.g. prompt positions at prompt_weight
+        weights = weights * batch.weights
     per_token = 0.0
     if loss == "ce":  # the target's greedy token: exactly what greedy verification accepts
         per_token = distill_loss("ce", logits, labels=batch.topk_ids[..., 0], mask=batch.loss_mask, reduction="none")
@@ -144,7 +154,7 @@ def train_candidate(model, vocab_map_inverse, buffer, anchors: list[dict], cfg, 
     device = next(model.parameters()).device
     total = 0.0
     for _ in range(cfg.steps_per_update):
-        records = [e.record() for e in buffer.sample(cfg.batch_size, rng)]
+        records = [e.record(cfg.prompt_weight, cfg.max_seq_len) for e in buffer.sample(cfg.batch_size, rng)]
         batch = collate(records, pad_id, cfg.max_seq_len, vocab_map_inverse).to(device)
         loss = kd_step_loss(model, batch, cfg.loss, cfg.mix_weight, cfg.right_weight)
         if anchors and cfg.anchor_weight > 0:

@@ -102,6 +102,61 @@ def test_ce_loss_is_the_cross_entropy_of_the_targets_greedy_token(target):
     assert torch.allclose(weighted, (nll[batch.loss_mask] * w).sum() / w.sum(), atol=1e-5)
 
 
+def prompt_scored_records(target, n: int = 3, max_new: int = 6) -> list[dict]:
+    drafter = half_right_drafter(target)
+    prompts = [prompt_for(i) for i in range(n)]
+    return [{"id": str(i), "prompt_ids": p, "output_ids": g.tokens}
+            for i, (p, g) in enumerate(zip(prompts, generate(target, drafter, prompts, max_new, 2)))]
+
+
+def test_prompt_scoring_adds_prompt_positions_and_leaves_the_outputs_top_k_unchanged(target):
+    records = prompt_scored_records(target)
+    plain = score_requests(target, records, k=4, pad_id=0)
+    both = score_requests(target, records, k=4, pad_id=0, with_prompt=True)
+    for rec, a, b in zip(records, plain, both):
+        assert a.prompt_topk_ids == [] and len(b.prompt_topk_ids) == len(rec["prompt_ids"]) - 1
+        assert a.topk_ids == b.topk_ids
+        assert torch.allclose(torch.tensor(a.topk_logprobs), torch.tensor(b.topk_logprobs), atol=1e-5)
+    # the prompt's top-k is the target's own next-token distribution over the prompt
+    full = target.model(input_ids=torch.tensor([records[0]["prompt_ids"]])).logits[0].log_softmax(-1)  # [P, V]
+    expected = full[:-1].topk(4, -1).indices.tolist()
+    assert both[0].prompt_topk_ids == expected
+
+
+def test_prompt_record_keeps_the_sequence_and_weighs_prompt_positions(target):
+    entry = score_requests(target, prompt_scored_records(target, n=1), k=4, pad_id=0, with_prompt=True)[0]
+    n_prompt, n_out = len(entry.prompt_ids), len(entry.response_ids)
+    rec = entry.record(prompt_weight=0.5)
+    assert rec["prompt_ids"] + rec["response_ids"] == entry.prompt_ids + entry.response_ids
+    assert rec["weights"] == [0.5] * (n_prompt - 1) + [1.0] * n_out
+    assert len(rec["topk_ids"]) == len(rec["response_ids"])
+    assert entry.record() == entry.record(prompt_weight=0.0) and "weights" not in entry.record()
+    # too long for max_len: the oldest prompt positions go, never the output
+    cut = entry.record(prompt_weight=0.5, max_len=n_out + 3)
+    assert cut["response_ids"] == entry.prompt_ids[-2:] + entry.response_ids
+    assert cut["weights"] == [0.5, 0.5] + [1.0] * n_out
+    assert cut["topk_ids"] == entry.prompt_topk_ids[-2:] + entry.topk_ids
+    batch = collate([cut], 0, n_out + 3)
+    assert batch.input_ids.shape[1] == n_out + 3 and int(batch.loss_mask.sum()) == n_out + 2
+
+
+def test_prompt_weight_zero_positions_leave_the_loss_of_the_outputs_alone(target):
+    entries = score_requests(target, prompt_scored_records(target), k=4, pad_id=0, with_prompt=True)
+    drafter = half_right_drafter(target)
+    outputs_only = kd_step_loss(drafter, collate([e.record() for e in entries], 0, 64), "fkl", 0.5, 0.25)
+    # prompt positions present but weighing (almost) nothing: the outputs' loss
+    tiny = kd_step_loss(drafter, collate([e.record(1e-9) for e in entries], 0, 64), "fkl", 0.5, 0.25)
+    assert torch.allclose(outputs_only, tiny, atol=1e-5)
+    weighted = kd_step_loss(drafter, collate([e.record(1.0) for e in entries], 0, 64), "fkl", 0.5, 0.25)
+    assert not torch.allclose(outputs_only, weighted, atol=1e-3)
+
+
+def test_a_negative_prompt_weight_is_refused():
+    from train.config import ConfigError
+    with pytest.raises(ConfigError, match="prompt_weight"):
+        OnlineConfig(log_dir="x", store="y", work_dir="z", prompt_weight=-1.0)
+
+
 def test_replay_buffer_evicts_oldest_and_samples_by_priority():
     buf = ReplayBuffer(capacity=3, holdout_capacity=1)
     entries = [Entry(f"e{i}", [1], [2], [[2]], [[0.0]], priority=p) for i, p in enumerate([1, 1, 1, 50])]
