@@ -47,6 +47,7 @@ class EvalConfig:
     temperature: float = 0.0  # 0 = greedy (the protocol); > 0 = speculative sampling, no mismatch check
     gamma: int = 5  # draft length of draft-model proposers
     fixed_depth: bool = False  # draft the full depth every step instead of the cost-aware adaptive depth
+    prompt_vocab: bool | None = None  # reduced draft heads also draft the prompt's tokens; None = the manifest's
     peers: str = "none"  # "hf": also transformers' generate, assisted generation and prompt lookup
     warmup: int = 2  # untimed generations per method before measuring
     device: str = "cpu"
@@ -136,7 +137,8 @@ def build_methods(target, drafters: Mapping[str, object], config: EvalConfig) ->
     sampling = config.sampling
     methods = [engine_method(BASELINE, target, None, config.max_new_tokens, sampling)]
     for spec, drafter in drafters.items():
-        proposer = build_proposer(drafter, target.model, gamma=config.gamma, eos_token_ids=target.eos_token_ids)
+        proposer = build_proposer(drafter, target.model, gamma=config.gamma, eos_token_ids=target.eos_token_ids,
+                                  prompt_vocab=config.prompt_vocab)
         methods.append(engine_method(method_name("speculative", spec, one), target, proposer,
                                      config.max_new_tokens, sampling, adaptive=not config.fixed_depth))
     skipped = {}
@@ -258,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fixed-depth", action="store_true",
                    help="draft the full depth every step (default: the cost-aware adaptive depth); tau then "
                         "measures acceptance alone, and speed what always drafting fully costs")
+    p.add_argument("--prompt-vocab", action=argparse.BooleanOptionalAction, default=None,
+                   help="a reduced draft head also drafts every token of the request's prompt (rows from the "
+                        "drafter's input embeddings); default: the drafter manifest's extra.prompt_vocab")
     p.add_argument("--peers", choices=PEERS, default=d["peers"].default,
                    help="hf: also run transformers' generate, assisted generation and prompt lookup")
     p.add_argument("--warmup", type=non_negative_int, default=d["warmup"].default,
@@ -276,7 +281,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
     out = args.out or str(Path("runs") / "evaluate" / datetime.now().strftime("%Y%m%d-%H%M%S"))
     return EvalConfig(drafters=tuple(args.drafter), questions=args.questions, target=args.target, limit=args.limit,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, gamma=args.gamma,
-                      fixed_depth=args.fixed_depth, peers=args.peers, warmup=args.warmup, device=device, seed=args.seed, out=out)
+                      fixed_depth=args.fixed_depth, prompt_vocab=args.prompt_vocab, peers=args.peers, warmup=args.warmup, device=device, seed=args.seed, out=out)
 
 
 def load_inputs(parser: argparse.ArgumentParser, config: EvalConfig):

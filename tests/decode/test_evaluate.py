@@ -269,3 +269,12 @@ def test_fixed_depth_drafts_the_full_gamma_every_step(tmp_path, chat_target):
                                       "--fixed-depth"])
     assert config_from_args(args).fixed_depth and not config_from_args(
         build_parser().parse_args(["--drafter", "x", "--questions", str(tmp_path / "q.jsonl")])).fixed_depth
+
+
+def test_prompt_vocab_flag_defaults_to_the_manifest(tmp_path):
+    (tmp_path / "q.jsonl").write_text('{"prompt": "hi"}\n')
+    base = ["--drafter", "x", "--questions", str(tmp_path / "q.jsonl")]
+    parse = build_parser().parse_args
+    assert config_from_args(parse(base)).prompt_vocab is None
+    assert config_from_args(parse(base + ["--prompt-vocab"])).prompt_vocab is True
+    assert config_from_args(parse(base + ["--no-prompt-vocab"])).prompt_vocab is False
