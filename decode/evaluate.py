@@ -281,7 +281,8 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
     out = args.out or str(Path("runs") / "evaluate" / datetime.now().strftime("%Y%m%d-%H%M%S"))
     return EvalConfig(drafters=tuple(args.drafter), questions=args.questions, target=args.target, limit=args.limit,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, gamma=args.gamma,
-                      fixed_depth=args.fixed_depth, prompt_vocab=args.prompt_vocab, peers=args.peers, warmup=args.warmup, device=device, seed=args.seed, out=out)
+                      fixed_depth=args.fixed_depth, prompt_vocab=args.prompt_vocab, peers=args.peers,
+                      warmup=args.warmup, device=device, seed=args.seed, out=out)
 
 
 def load_inputs(parser: argparse.ArgumentParser, config: EvalConfig):

@@ -1,9 +1,10 @@
 """Teacher records -> padded training batches with the loss placed on response positions only.
 
 A record is one target generation: prompt_ids, response_ids and optionally, per response token,
-the target's top-k (ids, log-probs) of the distribution it was produced from and a loss weight. The drafter reads
-prompt + response; the logit at position t predicts token t + 1, so the response token j is
-predicted at position P - 1 + j, and that is where its label, mask and top-k go.
+the target's top-k (ids, log-probs) of the distribution it was produced from and a loss weight
+("weights", 1 where absent). The drafter reads prompt + response; the logit at position t predicts
+token t + 1, so the response token j is predicted at position P - 1 + j, and that is where its label,
+mask, top-k and weight go.
 """
 
 from __future__ import annotations

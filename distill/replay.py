@@ -1,10 +1,11 @@
 """A bounded replay buffer of served requests, scored by the target, that favours what the drafter gets wrong.
 
 An entry is one logged request: its prompt and output token ids and the target's top-k distribution at
-every output position (and, when the daemon learns from prompts too, at every prompt position after the first) (computed by the daemon, since logs carry tokens, not logits). Entries are drawn
-with probability proportional to their priority, 1 + the number of output positions where the drafter's
-greedy token is not the target's (refreshed after every update): requests the drafter already handles
-are drawn rarely, not never. When full, the oldest entry goes first, so the buffer tracks live traffic.
+every output position, and at every prompt position after the first when the daemon learns from prompts
+too (computed by the daemon, since logs carry tokens, not logits). Entries are drawn with probability
+proportional to their priority, 1 + the number of output positions where the drafter's greedy token is
+not the target's (refreshed after every update): requests the drafter already handles are drawn rarely,
+not never. When full, the oldest entry goes first, so the buffer tracks live traffic.
 
 A fixed fraction of requests (chosen by a hash of their id, so the choice survives restarts) is held out:
 they are never trained on and the newest of them are the window a candidate drafter is judged on.
