@@ -37,8 +37,12 @@ def fit_to_length(prompt: list[int], response: list[int], max_len: int) -> tuple
     return prompt[-keep:], response
 
 
-def collate(records: list[dict], pad_id: int, max_len: int, target_to_draft: torch.Tensor | None = None) -> Batch:
-    """records -> Batch; `target_to_draft` [V] maps target ids to a reduced head's indices (-1 = absent)."""
+def collate(records: list[dict], pad_id: int, max_len: int, target_to_draft: torch.Tensor | None = None,
+            with_weights: bool = False) -> Batch:
+    """records -> Batch; `target_to_draft` [V] maps target ids to a reduced head's indices (-1 = absent).
+    Batch.weights ([B, T], on the response positions) comes from each record's "weights" list (one float
+    per fitted response token; missing or None = all 1) when a record has that key or `with_weights`;
+    positions that later leave the loss (labels outside a reduced head) keep their weight, the mask zeroes it."""
     fitted = [fit_to_length(list(r["prompt_ids"]), list(r["response_ids"]), max_len) for r in records]
     width = max(len(p) + len(r) for p, r in fitted)
     has_topk = "topk_ids" in records[0] and records[0]["topk_ids"] is not None
@@ -50,7 +54,7 @@ def collate(records: list[dict], pad_id: int, max_len: int, target_to_draft: tor
     loss_mask = torch.zeros(b, width, dtype=torch.bool)
     topk_ids = torch.zeros(b, width, max(k, 1), dtype=torch.long) if has_topk else None
     topk_lp = torch.full((b, width, max(k, 1)), float("-inf")) if has_topk else None
-    weights = torch.zeros(b, width) if any("weights" in r for r in records) else None
+    weights = torch.zeros(b, width) if with_weights or any("weights" in r for r in records) else None
     for i, ((prompt, response), record) in enumerate(zip(fitted, records)):
         seq = prompt + response
         input_ids[i, : len(seq)] = torch.tensor(seq)
@@ -62,10 +66,19 @@ def collate(records: list[dict], pad_id: int, max_len: int, target_to_draft: tor
         if has_topk and response:
             topk_ids[i, span] = torch.tensor(record["topk_ids"][: len(response)], dtype=torch.long)
             topk_lp[i, span] = torch.tensor(record["topk_logprobs"][: len(response)], dtype=torch.float)
-        if weights is not None and response:
-            weights[i, span] = torch.tensor(record.get("weights", [1.0] * len(response))[: len(response)])
+        if weights is not None:
+            weights[i, span] = torch.tensor(response_weights(record, len(response), i), dtype=torch.float)
     batch = Batch(input_ids, attention, labels, loss_mask, topk_ids, topk_lp, weights)
     return batch if target_to_draft is None else to_draft_vocab(batch, target_to_draft)
+
+
+def response_weights(record: dict, n_response: int, row: int) -> list[float]:
+    """A record's loss weights for its first n_response (fitted) response tokens; missing or None = 1."""
+    weights = record.get("weights")
+    weights = [1.0] * n_response if weights is None else list(weights)[:n_response]
+    if len(weights) != n_response:
+        raise ValueError(f"record {row}: {len(weights)} weights for {n_response} response tokens")
+    return weights
 
 
 def to_draft_vocab(batch: Batch, target_to_draft: torch.Tensor) -> Batch:

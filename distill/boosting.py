@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from distill.batching import Batch, collate, fit_to_length
+from distill.batching import Batch, collate
 
 __all__ = ["RULES", "SCHEMES", "covers", "boost_weights", "coverage_report", "weighted_token_ce",
            "teacher_forced_coverage", "split_by_record", "collate_weighted"]
@@ -126,18 +126,9 @@ def split_by_record(values: torch.Tensor, loss_mask: torch.Tensor) -> list[list]
 
 def collate_weighted(records: Sequence[dict], pad_id: int, max_len: int,
                      target_to_draft: torch.Tensor | None = None) -> tuple[Batch, torch.Tensor]:
-    """`distill.batching.collate` plus a [B, T] weight tensor placed on the response positions from each
+    """`distill.batching.collate` and its [B, T] weight tensor on the response positions, from each
     record's "weights" list (one float per fitted response token; missing = all 1). Positions that leave
     the loss (e.g. labels outside a reduced head) keep their weight, which the mask then zeroes."""
-    batch = collate(list(records), pad_id, max_len, target_to_draft)
-    weights = torch.zeros(batch.labels.shape)  # [B, T]
-    for i, record in enumerate(records):
-        prompt, response = fit_to_length(list(record["prompt_ids"]), list(record["response_ids"]), max_len)
-        row = record.get("weights")
-        row = [1.0] * len(response) if row is None else list(row)[: len(response)]
-        if len(row) != len(response):
-            raise ValueError(f"record {i}: {len(row)} weights for {len(response)} response tokens")
-        start = len(prompt) - 1
-        weights[i, start:start + len(response)] = torch.tensor(row, dtype=torch.float)
-    return batch, weights
+    batch = collate(list(records), pad_id, max_len, target_to_draft, with_weights=True)
+    return batch, batch.weights
 

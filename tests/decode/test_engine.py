@@ -146,6 +146,7 @@ def test_gemv_friendly_head_changes_layout_not_values(tiny_target, monkeypatch):
     weight = drafter.get_output_embeddings().weight
     assert weight.t().is_contiguous() and not weight.is_contiguous()
     torch.testing.assert_close(drafter(ids).logits, before, rtol=1e-5, atol=1e-5)
-    proposer = build_proposer(SimpleNamespace(kind="draft_model", model=drafter, vocab_map=None), tiny_target, 4)
+    proposer = build_proposer(SimpleNamespace(kind="draft_model", model=drafter, vocab_map=None, manifest={}),
+                              tiny_target, 4)
     gen = SpeculativeEngine(tiny_target, proposer).generate(PROMPT, 30)
     assert gen.tokens == target_greedy(tiny_target, PROMPT, 30)
