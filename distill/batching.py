@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from distill.prompt_vocab import EXTRA_KEY, extra_id_matrix, map_to_extended
+
 
 @dataclass
 class Batch:
@@ -23,6 +25,8 @@ class Batch:
     topk_ids: torch.Tensor | None = None  # [B, T, K] target ids (draft-vocabulary index when reduced)
     topk_logprobs: torch.Tensor | None = None  # [B, T, K]
     weights: torch.Tensor | None = None  # [B, T] per-position loss weights (records' "weights"), 0 where masked
+    extra_ids: torch.Tensor | None = None  # [B, N] row b's prompt-only target ids past a reduced head (-1 pad):
+    #                                        labels and top-k index [M + N] extended logits (distill.prompt_vocab)
 
     def to(self, device) -> "Batch":
         moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
@@ -42,7 +46,8 @@ def collate(records: list[dict], pad_id: int, max_len: int, target_to_draft: tor
     """records -> Batch; `target_to_draft` [V] maps target ids to a reduced head's indices (-1 = absent).
     Batch.weights ([B, T], on the response positions) comes from each record's "weights" list (one float
     per fitted response token; missing or None = all 1) when a record has that key or `with_weights`;
-    positions that later leave the loss (labels outside a reduced head) keep their weight, the mask zeroes it."""
+    positions that later leave the loss (labels outside a reduced head) keep their weight, the mask zeroes it.
+    Records with "extra_vocab" (distill.prompt_vocab, reduced heads only) index a head extended per row."""
     fitted = [fit_to_length(list(r["prompt_ids"]), list(r["response_ids"]), max_len) for r in records]
     width = max(len(p) + len(r) for p, r in fitted)
     has_topk = "topk_ids" in records[0] and records[0]["topk_ids"] is not None
@@ -69,6 +74,11 @@ def collate(records: list[dict], pad_id: int, max_len: int, target_to_draft: tor
         if weights is not None:
             weights[i, span] = torch.tensor(response_weights(record, len(response), i), dtype=torch.float)
     batch = Batch(input_ids, attention, labels, loss_mask, topk_ids, topk_lp, weights)
+    extras = [r.get(EXTRA_KEY) for r in records]
+    if any(e is not None for e in extras):
+        if target_to_draft is None:
+            raise ValueError("records carry extra_vocab (a prompt-extended reduced head) but no target_to_draft map")
+        batch.extra_ids = extra_id_matrix([e or [] for e in extras])
     return batch if target_to_draft is None else to_draft_vocab(batch, target_to_draft)
 
 
@@ -86,14 +96,20 @@ def to_draft_vocab(batch: Batch, target_to_draft: torch.Tensor) -> Batch:
     vocabulary cannot be predicted by the drafter: it leaves the loss (rare by construction).
     A top-k id outside it points at index n_draft, one past the head, where the trainer appends a
     -inf logit column (`with_absent_column`): both sides then give it no mass and the target's
-    probability there joins the tail bucket."""
-    labels = target_to_draft[batch.labels]
+    probability there joins the tail bucket. With batch.extra_ids, row b's prompt-only tokens index the
+    columns after the head, so the absent index is M + N."""
+    def mapped_ids(ids: torch.Tensor) -> torch.Tensor:
+        if batch.extra_ids is None:
+            return target_to_draft[ids]
+        return map_to_extended(ids, target_to_draft, batch.extra_ids)
+
+    labels = mapped_ids(batch.labels)
     loss_mask = batch.loss_mask & (labels >= 0)
     batch.labels = labels.clamp_min(0)
     batch.loss_mask = loss_mask
     if batch.topk_ids is not None:
-        n_draft = int(target_to_draft.max()) + 1
-        mapped = target_to_draft[batch.topk_ids]
+        n_draft = int(target_to_draft.max()) + 1 + (0 if batch.extra_ids is None else batch.extra_ids.shape[1])
+        mapped = mapped_ids(batch.topk_ids)
         batch.topk_logprobs = batch.topk_logprobs.masked_fill(mapped < 0, float("-inf"))
         batch.topk_ids = torch.where(mapped < 0, torch.full_like(mapped, n_draft), mapped)
     return batch

@@ -14,6 +14,7 @@ requests with the version they started on while new requests pick up the new one
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -91,6 +92,23 @@ def init_store(store: str | Path, drafter_dir: str | Path) -> str:
         tmp.rename(dest)
     point_current(store, name)
     return name
+
+
+def set_manifest_extra(drafter_dir: str | Path, **fields) -> dict:
+    """Merge `fields` into a drafter directory's manifest `extra` (e.g. prompt_vocab=True for a version about
+    to be served), replacing the file atomically; returns the new manifest. Weights are not touched."""
+    path = Path(drafter_dir) / MANIFEST
+    if not path.is_file():
+        raise StoreError(f"{drafter_dir} is not a drafter directory (no {MANIFEST})")
+    manifest = json.loads(path.read_text())
+    manifest["extra"] = {**(manifest.get("extra") or {}), **fields}
+    tmp = path.with_name(f".{MANIFEST}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(manifest, indent=2))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return manifest
 
 
 def next_version_number(store: str | Path) -> int:

@@ -49,7 +49,7 @@ from distill.prompts import exclusion_texts, load_prompt_sources  # noqa: E402
 from distill.teacher_data import (TeacherDataSettings, generate_teacher_data, teacher_data_dir,  # noqa: E402
                                   teacher_data_key)
 from decode.request_log import list_segments, segment_name  # noqa: E402
-from models.drafter_store import current_version, init_store, version_path  # noqa: E402
+from models.drafter_store import current_version, init_store, set_manifest_extra, version_path  # noqa: E402
 from models.drafters import load_drafter  # noqa: E402
 from models.target import load_target  # noqa: E402
 from train.acceptance import measure_acceptance  # noqa: E402
@@ -86,6 +86,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=0, help="0 = a free port")
     p.add_argument("--daemon-set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="daemon config overrides, e.g. update_every_requests=25")
+    p.add_argument("--prompt-vocab", action="store_true", help="serve, train and measure the drafter with its "
+                   "reduced head extended per request by the prompt's own tokens (v000000's manifest gets "
+                   "extra.prompt_vocab; the server, the daemon and every published version follow it)")
     p.add_argument("--finish", action="store_true", help="complete a run in --out whose stream was served and "
                    "learned from but whose final measurement did not finish (steps 5-6 only)")
     return p.parse_args(argv)
@@ -174,10 +177,12 @@ def make_anchor_data(target, args) -> str:
 # ---- measuring ---------------------------------------------------------------------------------------
 
 def engine_alpha(target, drafter_dir: Path, prompts: list[list[int]], max_tokens: int, gamma: int) -> dict:
+    """The engine's acceptance with the version as the server drafts with it (its manifest's prompt_vocab)."""
     drafter = load_drafter(str(drafter_dir), target)
-    stats = measure_acceptance(target, drafter.model, drafter.vocab_map, prompts, max_tokens, gamma)
+    prompt_vocab = drafter.vocab_map is not None and bool((drafter.manifest.get("extra") or {}).get("prompt_vocab"))
+    stats = measure_acceptance(target, drafter.model, drafter.vocab_map, prompts, max_tokens, gamma, prompt_vocab)
     return {"token_acceptance": stats["acceptance_per_position"][0], "alpha": stats["alpha"], "tau": stats["tau"],
-            "acceptance_per_position": stats["acceptance_per_position"]}
+            "acceptance_per_position": stats["acceptance_per_position"], "prompt_vocab": prompt_vocab}
 
 
 @torch.inference_mode()
@@ -404,6 +409,8 @@ def main(argv=None) -> dict:
     heldout_q = read_questions(args.stream, 500, args.heldout)
     if not args.finish:
         init_store(store, args.drafter)
+        if args.prompt_vocab:
+            set_manifest_extra(version_path(store, "v000000"), prompt_vocab=True)
     target = load_target(args.target)
     if not args.anchor_data and args.anchor_prompts != ["none"]:  # cached: --finish only looks it up
         args.anchor_data = make_anchor_data(target, args)

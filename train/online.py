@@ -105,7 +105,8 @@ class OnlineDaemon:
         good, dead = self.parse(lines)
         entries = (score_requests(self.target, good, self.cfg.topk, self.pad_id,
                                   with_prompt=self.cfg.prompt_weight > 0) if good else [])
-        scored = acceptance(self.model, self.vocab_map, entries, self.pad_id, self.cfg.max_seq_len, self.cfg.gamma)
+        scored = acceptance(self.model, self.vocab_map, entries, self.pad_id, self.cfg.max_seq_len, self.cfg.gamma,
+                            self.prompt_vocab)
         for entry in entries:
             entry.priority = scored["priorities"][entry.id]
         self.state.ingest([(e, is_held_out(e.id, self.cfg.holdout_every)) for e in entries], dead,
@@ -144,7 +145,7 @@ class OnlineDaemon:
         candidate_map, grown = self.grown_head(candidate)
         candidate.requires_grad_(True)
         loss = train_candidate(candidate, self.draft_index(candidate_map), state.buffer, self.anchors, cfg,
-                               self.pad_id, self.rng)
+                               self.pad_id, self.rng, prompt_vocab=self.prompt_vocab)
         candidate.requires_grad_(False)
         trial = self.judge(candidate, holdout, candidate_map)
         ok, reason = decide(served, trial, cfg)
@@ -156,7 +157,8 @@ class OnlineDaemon:
         if ok:
             self.version = publish_version(cfg.store, candidate, self.target, config=asdict(cfg),
                                            vocab_map=candidate_map,
-                                           extra={"parent": self.version, "heldout_alpha": trial["alpha"],
+                                           extra={"parent": self.version, "prompt_vocab": self.prompt_vocab,
+                                                  "heldout_alpha": trial["alpha"],
                                                   "general_alpha": trial.get("general_alpha"),
                                                   "requests_ingested": state.counters.ingested})
             self.model, self.vocab_map = candidate, candidate_map
@@ -191,16 +193,18 @@ class OnlineDaemon:
     def judge(self, model, holdout: list[Entry], vocab_map: torch.Tensor | None = None) -> dict:
         cfg = self.cfg
         vocab_map = self.vocab_map if vocab_map is None else vocab_map
-        out = acceptance(model, vocab_map, holdout, self.pad_id, cfg.max_seq_len, cfg.gamma)
+        out = acceptance(model, vocab_map, holdout, self.pad_id, cfg.max_seq_len, cfg.gamma, self.prompt_vocab)
         out.pop("priorities")
         if self.guard:
-            general = acceptance(model, vocab_map, self.guard, self.pad_id, cfg.max_seq_len, cfg.gamma)
+            general = acceptance(model, vocab_map, self.guard, self.pad_id, cfg.max_seq_len, cfg.gamma,
+                                 self.prompt_vocab)
             out["general_alpha"] = general["alpha"]
         return out
 
     def refresh_priorities(self) -> None:
         entries = list(self.state.buffer.train.values())
-        scored = acceptance(self.model, self.vocab_map, entries, self.pad_id, self.cfg.max_seq_len, self.cfg.gamma)
+        scored = acceptance(self.model, self.vocab_map, entries, self.pad_id, self.cfg.max_seq_len, self.cfg.gamma,
+                            self.prompt_vocab)
         for entry in entries:
             entry.priority = scored["priorities"][entry.id]
         self.state.set_priorities(scored["priorities"])
@@ -215,6 +219,7 @@ class OnlineDaemon:
         if drafter.kind != "draft_model" or drafter.model is None:
             raise ConfigError(f"the online daemon trains drafters of kind draft_model; the store's current "
                               f"version is a {drafter.kind!r} drafter, which has no weights to train")
+        self.prompt_vocab = resolve_prompt_vocab(self.cfg.prompt_vocab, drafter)
         return current_version(self.cfg.store), drafter.model.eval(), drafter.vocab_map
 
     # ---- metrics ----------------------------------------------------------------------------------------
@@ -241,6 +246,18 @@ def decide(served: dict, trial: dict, cfg: OnlineConfig) -> tuple[bool, str]:
         return False, (f"general alpha {g_trial:.4f} fell more than {cfg.max_general_drop} below the first "
                        f"version's {g_ref:.4f}")
     return True, f"held-out alpha {served['alpha']:.4f} -> {trial['alpha']:.4f}"
+
+
+def resolve_prompt_vocab(setting: str, drafter) -> bool:
+    """Whether the served drafter drafts with its head extended by each prompt (`prompt_vocab`): `on`/`off`,
+    or `manifest`: as its manifest's extra.prompt_vocab says, which is what the server follows."""
+    wanted = setting == "on" or (setting == "manifest" and
+                                 bool((drafter.manifest.get("extra") or {}).get("prompt_vocab", False)))
+    if wanted and drafter.vocab_map is None:
+        if setting == "on":
+            raise ConfigError("prompt_vocab: on needs a reduced draft head; the served drafter has the full vocabulary")
+        return False  # the engine ignores it for a full head as well
+    return wanted
 
 
 def live_window(records: list[dict]) -> dict:

@@ -8,6 +8,7 @@ from train.config import ConfigError, check_choice
 from train.online_learn import KD_LOSSES
 
 TRACKERS = ("none", "wandb")
+PROMPT_VOCAB = ("manifest", "on", "off")
 
 
 def _f(default, help_text: str):
@@ -66,6 +67,10 @@ class OnlineConfig:
                                        "the first served version's (a bound on the total drift, not per update)")
     min_gain: float = _f(0.0, "publish only if the candidate's held-out alpha beats the served one by this")
     gamma: int = _f(5, "draft depth at which acceptance is measured")
+    prompt_vocab: str = _f("manifest", f"one of {PROMPT_VOCAB}: train and judge a reduced head extended per request by "
+                                       "its prompt's own tokens, as the engine drafts with prompt_vocab (copying "
+                                       "from the prompt is then learnable); manifest = as the served drafter's "
+                                       "extra.prompt_vocab, which the server follows and published versions keep")
     vocab_growth: int = _f(0, "reduced draft heads only: each update may add up to this many head rows for the "
                               "traffic's most frequent target tokens the head lacks; 0 = the head stays fixed")
     vocab_growth_min_count: int = _f(3, "a token joins the head only once the training buffer holds it this often")
@@ -81,6 +86,7 @@ class OnlineConfig:
                 raise ConfigError(f"{name}: required (see configs/online/README or --help)")
         check_choice("loss", self.loss, KD_LOSSES)
         check_choice("tracker", self.tracker, TRACKERS)
+        check_choice("prompt_vocab", self.prompt_vocab, PROMPT_VOCAB)
         positive = ("update_every_requests", "read_batch", "buffer_requests", "topk", "steps_per_update",
                     "batch_size", "max_seq_len", "gamma", "min_buffer", "max_line_bytes")
         for name in positive:

@@ -21,6 +21,8 @@ import torch
 
 from distill.batching import collate, with_absent_column
 from distill.losses import TopK, distill_loss
+from distill.prompt_vocab import draft_logits, extended_logits, extra_id_matrix, indices_to_target, prompt_only_tokens, \
+    with_prompt_vocab
 from distill.replay import Entry, mismatch_priority
 from distill.teacher_data import teacher_forced_topk
 
@@ -55,20 +57,26 @@ def score_requests(target, records: list[dict], k: int, pad_id: int, batch_size:
 
 @torch.no_grad()
 def drafter_greedy_tokens(model, vocab_map: torch.Tensor | None, entries: list[Entry], pad_id: int,
-                          max_len: int, batch_size: int = 8) -> list[list[int]]:
-    """Per entry, the drafter's greedy target-vocabulary token at each response position."""
+                          max_len: int, batch_size: int = 8, prompt_vocab: bool = False) -> list[list[int]]:
+    """Per entry, the drafter's greedy target-vocabulary token at each response position; with prompt_vocab
+    (a reduced head only) the head extended by the entry's own prompt tokens, as the engine drafts."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
+    head_ids = set(vocab_map.tolist()) if prompt_vocab and vocab_map is not None else None
     out = []
     for start in range(0, len(entries), batch_size):
         chunk = entries[start:start + batch_size]
         batch = collate([{"prompt_ids": e.prompt_ids, "response_ids": e.response_ids} for e in chunk], pad_id,
                         max_len).to(device)
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [B, T, V_d]
-        tokens = logits.argmax(-1)  # [B, T]
-        if vocab_map is not None:
-            tokens = vocab_map.to(device)[tokens]
+        if head_ids is not None:
+            extra = extra_id_matrix([prompt_only_tokens(e.prompt_ids, head_ids) for e in chunk]).to(device)
+            logits = extended_logits(model, batch.input_ids, batch.attention_mask, extra)  # [B, T, M + N]
+            tokens = indices_to_target(logits.argmax(-1), vocab_map.to(device), extra)
+        else:
+            tokens = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.argmax(-1)  # [B, T]
+            if vocab_map is not None:
+                tokens = vocab_map.to(device)[tokens]
         for row in range(len(chunk)):
             out.append(tokens[row][batch.loss_mask[row]].tolist())
     model.train(was_training)
@@ -94,9 +102,10 @@ def simulate_chain_acceptance(match: list[bool], max_new_tokens: int, gamma: int
     return drafted, accepted
 
 
-def acceptance(model, vocab_map, entries: list[Entry], pad_id: int, max_len: int, gamma: int) -> dict:
+def acceptance(model, vocab_map, entries: list[Entry], pad_id: int, max_len: int, gamma: int,
+               prompt_vocab: bool = False) -> dict:
     """alpha (accepted / drafted) and first-position acceptance over entries, plus per-entry priorities."""
-    drafts = drafter_greedy_tokens(model, vocab_map, entries, pad_id, max_len)
+    drafts = drafter_greedy_tokens(model, vocab_map, entries, pad_id, max_len, prompt_vocab=prompt_vocab)
     drafted = accepted = first_hits = first_n = 0
     priorities = {}
     for entry, mine in zip(entries, drafts):
@@ -118,7 +127,7 @@ def kd_step_loss(model, batch, loss: str, mix_weight: float, right_weight: float
     """Position-weighted KD on a batch with the target's top-k: positions the drafter gets wrong weigh 1,
     the others `right_weight` (they still count, so what it does well is not forgotten). `loss` is a
     divergence to the top-k distribution (fkl, rkl, their mix) or cross-entropy on its top-1 (ce)."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [B, T, V_d]
+    logits = draft_logits(model, batch)  # [B, T, V_d] (+ N prompt-only columns with batch.extra_ids)
     if int(batch.topk_ids.max()) >= logits.shape[-1]:
         logits = with_absent_column(logits)
     target = TopK(batch.topk_ids, batch.topk_logprobs)
@@ -141,24 +150,33 @@ def kd_step_loss(model, batch, loss: str, mix_weight: float, right_weight: float
 
 def anchor_loss(model, batch) -> torch.Tensor:
     """Cross-entropy on general-domain target generations: a rehearsal term against forgetting."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    return distill_loss("ce", logits, labels=batch.labels, mask=batch.loss_mask)
+    return distill_loss("ce", draft_logits(model, batch), labels=batch.labels, mask=batch.loss_mask)
 
 
 def train_candidate(model, vocab_map_inverse, buffer, anchors: list[dict], cfg, pad_id: int,
-                    rng: random.Random) -> float:
-    """cfg.steps_per_update AdamW steps on priority-sampled buffer batches (+ anchor rehearsal)."""
+                    rng: random.Random, prompt_vocab: bool = False) -> float:
+    """cfg.steps_per_update AdamW steps on priority-sampled buffer batches (+ anchor rehearsal). With
+    prompt_vocab (a reduced head: vocab_map_inverse given) every row's head is extended by its request's
+    prompt tokens, as the engine drafts with `prompt_vocab`, so copying from the prompt is learned too."""
+    if prompt_vocab and vocab_map_inverse is None:
+        raise ValueError("prompt_vocab extends a reduced draft head; this drafter has the full vocabulary")
+    head = torch.nonzero(vocab_map_inverse >= 0).flatten() if prompt_vocab else None  # the head's target ids
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                                   weight_decay=0.0)
     device = next(model.parameters()).device
     total = 0.0
     for _ in range(cfg.steps_per_update):
-        records = [e.record(cfg.prompt_weight, cfg.max_seq_len) for e in buffer.sample(cfg.batch_size, rng)]
+        drawn = buffer.sample(cfg.batch_size, rng)
+        records = [e.record(cfg.prompt_weight, cfg.max_seq_len) for e in drawn]
+        if head is not None:  # the request's whole prompt, also where prompt_weight moved part of it
+            records = with_prompt_vocab(records, head, prompts=[e.prompt_ids for e in drawn])
         batch = collate(records, pad_id, cfg.max_seq_len, vocab_map_inverse).to(device)
         loss = kd_step_loss(model, batch, cfg.loss, cfg.mix_weight, cfg.right_weight)
         if anchors and cfg.anchor_weight > 0:
             picked = rng.sample(anchors, min(cfg.anchor_batch_size, len(anchors)))
+            if head is not None:
+                picked = with_prompt_vocab(picked, head)
             anchor = collate(picked, pad_id, cfg.max_seq_len, vocab_map_inverse).to(device)
             loss = loss + cfg.anchor_weight * anchor_loss(model, anchor)
         optimizer.zero_grad()

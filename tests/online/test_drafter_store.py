@@ -8,6 +8,7 @@ import pytest
 
 import models.drafter_store as store_mod
 from models.drafter_store import (StoreError, current_path, current_version, init_store, list_versions,
+                                  set_manifest_extra,
                                   publish_version)
 from models.drafters import load_drafter
 from tests.conftest import make_tiny_llama
@@ -78,3 +79,15 @@ def test_a_store_without_current_is_a_clear_error(tmp_path):
         current_version(tmp_path / "s")
     with pytest.raises(StoreError, match="not a drafter directory"):
         init_store(tmp_path / "s", tmp_path / "nothing")
+
+
+def test_manifest_extra_is_merged_and_the_rest_kept(store, target):
+    path = current_path(store)
+    before = load_drafter(str(path), target).manifest
+    set_manifest_extra(path, prompt_vocab=True)
+    after = load_drafter(str(path), target).manifest
+    assert after["extra"] == {**(before.get("extra") or {}), "prompt_vocab": True}
+    assert {k: v for k, v in after.items() if k != "extra"} == {k: v for k, v in before.items() if k != "extra"}
+    assert not [p for p in path.iterdir() if p.name.startswith(".")]  # no temp file left
+    with pytest.raises(StoreError, match="not a drafter directory"):
+        set_manifest_extra(store, prompt_vocab=True)

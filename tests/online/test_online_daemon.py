@@ -283,3 +283,44 @@ def test_the_guard_comes_from_the_anchor_only_and_rehearsal_data_is_rehearsed_wh
     assert not guarded & {tuple(r["prompt_ids"]) for r in own_rows}  # the guard is the anchor's alone
     with pytest.raises(ConfigError, match="rehearsal_data"):
         load_anchors(config(env, tmp_path, rehearsal_data=[own]))
+
+
+def test_a_drafter_served_with_prompt_vocab_is_judged_and_trained_with_it_and_its_versions_keep_it(
+        env, tmp_path, monkeypatch):
+    import torch
+
+    import train.online as online
+    import train.online_learn as learn
+    from models.draft_models import reduce_head
+    from models.drafters import load_drafter, save_drafter
+    from tests.conftest import make_tiny_llama
+    from tests.online.support import VOCAB
+
+    vocab_map = torch.arange(0, VOCAB, 2)
+    model = reduce_head(make_tiny_llama(vocab_size=VOCAB, hidden_size=32, layers=1, seed=1), vocab_map)
+    drafter = save_drafter(tmp_path / "reduced", model, env["target"], "draft_model", config={},
+                           vocab_map=vocab_map, extra={"prompt_vocab": True})
+    write_log(tmp_path, env["records"])
+    seen = {"acceptance": set(), "train": set()}
+    real_acceptance, real_train = learn.acceptance, learn.train_candidate
+
+    def spy_acceptance(*a, **kw):
+        seen["acceptance"].add(a[6] if len(a) > 6 else kw.get("prompt_vocab", False))
+        return real_acceptance(*a, **kw)
+
+    def spy_train(*a, **kw):
+        seen["train"].add(kw.get("prompt_vocab", False))
+        return real_train(*a, **kw)
+
+    monkeypatch.setattr(online, "acceptance", spy_acceptance)
+    monkeypatch.setattr(online, "train_candidate", spy_train)
+    monkeypatch.setattr(online, "decide", lambda served, trial, cfg: (True, "forced"))
+    daemon = OnlineDaemon(config(env, tmp_path, init_drafter=str(drafter)))
+    assert daemon.prompt_vocab is True
+    drain(daemon)
+    daemon.update()
+    assert seen == {"acceptance": {True}, "train": {True}}
+    published = load_drafter(str(tmp_path / "store" / "versions" / "v000001"), env["target"])
+    assert published.manifest["extra"]["prompt_vocab"] is True
+    off = OnlineDaemon(config(env, tmp_path / "off", init_drafter=str(drafter), prompt_vocab="off"))
+    assert off.prompt_vocab is False
