@@ -13,6 +13,11 @@ Per row of a batch, the extension is that row's own prompt-only tokens, so the l
 and a target id maps to its head index, or to M + j where it is row b's j-th prompt-only token, or to the
 absent column (`distill.batching.with_absent_column`) otherwise. The extra columns are hidden @ embedding,
 as the engine scores them, so gradients reach those embedding rows.
+
+A column opens at the first position whose input is its token (or everywhere when the row's window never
+shows it: it was cut from the left). Answer positions follow the whole prompt, so there every column is
+open, as in the engine; positions inside the prompt (the daemon's `prompt_weight`) see only the prompt
+tokens read so far, so training there never draws on tokens the text has not reached yet.
 """
 
 from __future__ import annotations
@@ -63,14 +68,22 @@ def map_to_extended(ids: torch.Tensor, target_to_draft: torch.Tensor, extra_ids:
 def extended_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     extra_ids: torch.Tensor) -> torch.Tensor:
     """[B, T, M + N]: the reduced head's logits, then hidden @ input embedding of row b's prompt-only tokens
-    (-inf in the padding columns). The hidden state is the last one the model returns, after its final norm
-    (the head's input in HF decoder models)."""
+    (-inf in the padding columns and before a column's token is first read). The hidden state is the last one
+    the model returns, after its final norm (the head's input in HF decoder models)."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
     hidden = out.hidden_states[-1]  # [B, T, D]
     rows = model.get_input_embeddings().weight[extra_ids.clamp_min(0)]  # [B, N, D]
     extra = torch.einsum("btd,bnd->btn", hidden, rows.to(hidden.dtype))  # [B, T, N]
-    extra = extra.masked_fill((extra_ids < 0)[:, None, :], float("-inf"))
+    closed = ~opened_columns(input_ids, extra_ids)  # [B, T, N]
+    extra = extra.masked_fill(closed | (extra_ids < 0)[:, None, :], float("-inf"))
     return torch.cat([out.logits, extra.to(out.logits.dtype)], dim=-1)
+
+
+def opened_columns(input_ids: torch.Tensor, extra_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T, N] bool: row b's column j is open at position t once input_ids[b, :t + 1] holds its token, or
+    at every position when the row never shows it (its window starts after it)."""
+    hits = input_ids[:, :, None] == extra_ids[:, None, :]  # [B, T, N]
+    return (hits.cumsum(1) > 0) | ~hits.any(1, keepdim=True)
 
 
 def draft_logits(model: torch.nn.Module, batch) -> torch.Tensor:

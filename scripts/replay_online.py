@@ -43,7 +43,7 @@ from models.drafters import load_drafter  # noqa: E402
 from models.target import load_target  # noqa: E402
 from scripts.online_demo import SHARED, read_log, read_questions  # noqa: E402
 from train.config import load_config  # noqa: E402
-from train.online import load_anchors  # noqa: E402
+from train.online import load_anchors, resolve_prompt_vocab  # noqa: E402
 from train.online_config import OnlineConfig  # noqa: E402
 from train.online_learn import acceptance, score_requests, train_candidate  # noqa: E402
 
@@ -90,8 +90,9 @@ def target_answers(target, messages: list[list[dict]], max_tokens: int) -> list[
             if len(r["response_ids"]) > 1]
 
 
-def agreement(model, vocab_map, sets: dict[str, list[Entry]], pad_id: int, cfg: OnlineConfig) -> dict:
-    return {name: acceptance(model, vocab_map, entries, pad_id, cfg.max_seq_len, cfg.gamma)["token_match"]
+def agreement(model, vocab_map, sets: dict[str, list[Entry]], pad_id: int, cfg: OnlineConfig,
+              prompt_vocab: bool = False) -> dict:
+    return {name: acceptance(model, vocab_map, entries, pad_id, cfg.max_seq_len, cfg.gamma, prompt_vocab)["token_match"]
             for name, entries in sets.items() if entries}
 
 
@@ -120,19 +121,21 @@ def main(argv=None) -> dict:
             "mt_bench": target_answers(target, general, args.max_tokens), "guard": guard}
     drafter = load_drafter(args.drafter, target)
     model, vocab_map = drafter.model.eval(), drafter.vocab_map
+    prompt_vocab = resolve_prompt_vocab(cfg.prompt_vocab, drafter)  # as the daemon would train and judge
     index = None if vocab_map is None else inverse_map(vocab_map.cpu(), target.vocab_size)
-    curve = [{"step": 0, **agreement(model, vocab_map, sets, pad_id, cfg)}]
+    curve = [{"step": 0, **agreement(model, vocab_map, sets, pad_id, cfg, prompt_vocab)}]
     log.info("%d training requests, %d rehearsal rows; step 0: %s", len(buffer.train), len(anchors), curve[-1])
     cfg.steps_per_update = args.every
     rng = random.Random(cfg.seed)
     model.requires_grad_(True)
     for step in range(args.every, args.steps + 1, args.every):
         t0 = time.time()
-        loss = train_candidate(model, index, buffer, anchors, cfg, pad_id, rng)
+        loss = train_candidate(model, index, buffer, anchors, cfg, pad_id, rng, prompt_vocab=prompt_vocab)
         curve.append({"step": step, "loss": loss, "seconds": time.time() - t0,
-                      **agreement(model, vocab_map, sets, pad_id, cfg)})
+                      **agreement(model, vocab_map, sets, pad_id, cfg, prompt_vocab)})
         log.info("step %d: %s", step, curve[-1])
     result = {"settings": {"config": args.config, "set": args.set, "drafter": args.drafter, "logs": args.logs,
+                           "prompt_vocab": prompt_vocab,
                            "training_requests": len(buffer.train), "rehearsal_rows": len(anchors)},
               "curve": curve}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -64,9 +64,15 @@ def test_extended_logits_are_the_tied_full_heads_and_the_engines(tied_target):
         proposer.begin(PROMPT, 64)
         engine_last = proposer._feed(PROMPT)  # [M + N]
     order = torch.cat([base, extra[0]])
-    assert torch.allclose(got, full[:, order], atol=1e-4)
+    assert torch.allclose(got[-1], full[-1, order], atol=1e-4)  # the answer's first position: every column open
     assert torch.allclose(got[-1], engine_last, atol=1e-4)
-    assert indices_to_target(got.argmax(-1)[None], base, extra)[0].tolist() == full.argmax(-1).tolist()
+    best = got[-1:].argmax(-1)[None]  # [1, 1] an index into the extended head
+    assert indices_to_target(best, base, extra).item() == int(order[full[-1, order].argmax()])
+    # inside the prompt, a prompt-only token's column opens where the text first reads it (PROMPT[j] at j)
+    for t in range(len(PROMPT)):
+        opened = got[t, len(base):]
+        assert torch.isinf(opened[t + 1:]).all() and torch.allclose(opened[:t + 1], full[t, PROMPT[:10]][:t + 1], atol=1e-4)
+        assert torch.allclose(got[t, :len(base)], full[t, base], atol=1e-4)
 
 
 def test_ids_index_their_own_rows_extension_only():
