@@ -96,6 +96,42 @@ def test_ids_index_their_own_rows_extension_only():
         collate(with_prompt_vocab(records, base), 0, 16)  # a full head has nothing to extend
 
 
+
+def test_a_prompt_only_id_is_absent_where_its_column_is_still_closed():
+    """Positions inside the prompt (prompt_weight) predict the prompt's next token: before the text has read
+    a prompt-only token its column is -inf, so there the id is absent (tail bucket, label out of the loss)."""
+    base = without([5, 7, 9])  # M = 61
+    # prompt [2, 5, 5, 7] moved to the trained side as Entry.record(prompt_weight) does, then the output [7]
+    records = [{"prompt_ids": [2], "response_ids": [5, 5, 7, 7], "topk_ids": [[5, 7], [5, 7], [7, 5], [7, 5]],
+                "topk_logprobs": [[-0.1, -3.0]] * 4, "weights": [1.0, 1.0, 1.0, 1.0]}]
+    batch = collate(with_prompt_vocab(records, base, prompts=[[2, 5, 5, 7]]), 0, 16, inverse_map(base, V))
+    assert batch.extra_ids.tolist() == [[5, 7]]
+    col5, col7, absent = 61, 62, 63
+    # position 0 reads [2]: neither 5 nor 7 read yet; position 1 reads 5; position 3 reads 7 too
+    assert batch.topk_ids[0, 0].tolist() == [absent, absent] and not bool(batch.loss_mask[0, 0])
+    assert batch.topk_ids[0, 1].tolist() == [col5, absent] and batch.labels[0, 1] == col5
+    assert batch.topk_ids[0, 2].tolist() == [absent, col5] and not bool(batch.loss_mask[0, 2])
+    assert batch.topk_ids[0, 3].tolist() == [col7, col5] and batch.labels[0, 3] == col7
+    assert torch.isinf(batch.topk_logprobs[0, 0]).all() and torch.isfinite(batch.topk_logprobs[0, 3]).all()
+
+
+@pytest.mark.parametrize("loss", ["fkl", "rkl", "ce"])
+def test_the_daemons_loss_stays_bounded_with_prompt_weight_and_prompt_vocab(tied_target, loss):
+    """Every batch with prompt positions holds some prompt-only token's first appearance; a target id
+    mapped to its still-closed (-inf) column made the loss infinite (fkl 2e36 here: the losses' floor of -inf)."""
+    from train.online_learn import kd_step_loss
+
+    base = without(PROMPT)
+    drafter = reduced(noisy(tied_target, 1.0), base)
+    prompts = [[52, 53] + PROMPT[i:i + 8] for i in range(0, 16, 4)]
+    records = [{"id": str(i), "prompt_ids": p, "output_ids": p[2:6], "sampling": {"max_tokens": 4}}
+               for i, p in enumerate(prompts)]
+    entries = score_requests(SimpleNamespace(model=tied_target), records, k=4, pad_id=0, with_prompt=True)
+    rows = with_prompt_vocab([e.record(1.0, 64) for e in entries], base, prompts=[e.prompt_ids for e in entries])
+    batch = collate(rows, 0, 64, inverse_map(base, V))
+    value = kd_step_loss(drafter, batch, loss, 0.5, 0.25)
+    assert 0 < float(value) < 20  # a divergence between two real distributions of a tiny model, not a floored inf
+
 def engine_and_simulation(target_model, drafter, base, prompts, max_new, gamma, prompt_vocab):
     proposer = DraftModelProposer(drafter, gamma=gamma, vocab_map=base, target_vocab=V, prompt_vocab=prompt_vocab)
     engine = SpeculativeEngine(target_model, proposer, set(), adaptive=False)
