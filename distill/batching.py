@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from distill.prompt_vocab import EXTRA_KEY, extra_id_matrix, map_to_extended, opened_columns
+from distill.prompt_vocab import EXTRA_KEY, extra_id_matrix, map_to_extended
 
 
 @dataclass
@@ -101,10 +101,8 @@ def to_draft_vocab(batch: Batch, target_to_draft: torch.Tensor) -> Batch:
     def mapped_ids(ids: torch.Tensor) -> torch.Tensor:
         if batch.extra_ids is None:
             return target_to_draft[ids]
-        return map_to_extended(ids, target_to_draft, batch.extra_ids, opened)
+        return map_to_extended(ids, target_to_draft, batch.extra_ids, batch.input_ids)
 
-    # the position predicting a prompt-only token's first appearance has its column still closed (-inf)
-    opened = None if batch.extra_ids is None else opened_columns(batch.input_ids, batch.extra_ids)  # [B, T, N]
     labels = mapped_ids(batch.labels)
     loss_mask = batch.loss_mask & (labels >= 0)
     batch.labels = labels.clamp_min(0)

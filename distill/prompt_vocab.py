@@ -53,23 +53,21 @@ def extra_id_matrix(extras: list[list[int]]) -> torch.Tensor:
 
 
 def map_to_extended(ids: torch.Tensor, target_to_draft: torch.Tensor, extra_ids: torch.Tensor,
-                    opened: torch.Tensor | None = None) -> torch.Tensor:
+                    input_ids: torch.Tensor) -> torch.Tensor:
     """Target ids [B, T(, K)] -> indices into [M + N] extended logits; -1 where neither the head nor the
-    row's prompt-only tokens hold the id. target_to_draft [V]: head index or -1; extra_ids [B, N] (-1 pad).
-    With `opened` ([B, T, N], `opened_columns`) an id maps to its column only where that column is open:
-    before the text has read a prompt-only token its column is -inf, so a target id there is absent (its
-    mass joins the tail bucket, its label leaves the loss) rather than an infinite term."""
+    row's prompt-only tokens hold the id. target_to_draft [V]: head index or -1; extra_ids [B, N] (-1 pad);
+    input_ids [B, T], the text the positions read. An id maps to its column only where that column is open
+    (`opened_columns`, as `extended_logits` masks it): before the text has read a prompt-only token its column
+    is -inf, so a target id there is absent (its mass joins the tail bucket, its label leaves the loss)."""
     n_head = int(target_to_draft.max()) + 1
     mapped = target_to_draft[ids]
+    opened = opened_columns(input_ids, extra_ids)  # [B, T, N]
     for b in range(extra_ids.shape[0]):
         for j, token in enumerate(extra_ids[b].tolist()):
             if token < 0:
                 break
-            hit = ids[b] == token  # [T(, K)]
-            if opened is not None:
-                is_open = opened[b, :, j]  # [T]
-                hit = hit & (is_open if ids.dim() == 2 else is_open[:, None])
-            mapped[b][hit] = n_head + j
+            is_open = opened[b, :, j] if ids.dim() == 2 else opened[b, :, j, None]  # [T(, 1)]
+            mapped[b][(ids[b] == token) & is_open] = n_head + j
     return mapped
 
 

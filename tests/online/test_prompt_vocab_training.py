@@ -96,7 +96,6 @@ def test_ids_index_their_own_rows_extension_only():
         collate(with_prompt_vocab(records, base), 0, 16)  # a full head has nothing to extend
 
 
-
 def test_a_prompt_only_id_is_absent_where_its_column_is_still_closed():
     """Positions inside the prompt (prompt_weight) predict the prompt's next token: before the text has read
     a prompt-only token its column is -inf, so there the id is absent (tail bucket, label out of the loss)."""
@@ -131,6 +130,7 @@ def test_the_daemons_loss_stays_bounded_with_prompt_weight_and_prompt_vocab(tied
     batch = collate(rows, 0, 64, inverse_map(base, V))
     value = kd_step_loss(drafter, batch, loss, 0.5, 0.25)
     assert 0 < float(value) < 20  # a divergence between two real distributions of a tiny model, not a floored inf
+
 
 def engine_and_simulation(target_model, drafter, base, prompts, max_new, gamma, prompt_vocab):
     proposer = DraftModelProposer(drafter, gamma=gamma, vocab_map=base, target_vocab=V, prompt_vocab=prompt_vocab)
