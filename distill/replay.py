@@ -9,6 +9,11 @@ not never. When full, the oldest entry goes first, so the buffer tracks live tra
 
 A fixed fraction of requests (chosen by a hash of their id, so the choice survives restarts) is held out:
 they are never trained on and the newest of them are the window a candidate drafter is judged on.
+
+A training entry may also carry `samples`: the target's own sampled answers to the same prompt, with its
+top-k along them (made by the daemon with `samples_per_request`). They are more in-domain text per request
+the server saw, sequence-level KD on live prompts; `record(variant=j)` gives the j-th of them, 0 being the
+logged output. They belong to their request: drawn, held out, evicted and counted with it.
 """
 
 from __future__ import annotations
@@ -30,12 +35,23 @@ class Entry:
     priority: float = 1.0
     prompt_topk_ids: list[list[int]] = field(default_factory=list)         # [P-1][K] predicting prompt[1:]
     prompt_topk_logprobs: list[list[float]] = field(default_factory=list)  # [P-1][K]
+    samples: list[dict] = field(default_factory=list)  # the target's sampled answers: response_ids, topk_*
 
-    def record(self, prompt_weight: float = 0.0, max_len: int = 0) -> dict:
+    @property
+    def variants(self) -> int:
+        """How many answers this entry trains on: the logged output and its samples."""
+        return 1 + len(self.samples)
+
+    def record(self, prompt_weight: float = 0.0, max_len: int = 0, variant: int = 0) -> dict:
         """The distill.batching record form. With prompt_weight > 0 (and the prompt's top-k scored), the
         positions predicting prompt tokens are taken as well, weighing prompt_weight against the output's 1:
         the prompt moves into the "response" side, keeping its newest positions when prompt + output would
-        exceed max_len (the output is never cut for them)."""
+        exceed max_len (the output is never cut for them). variant j >= 1 is the j-th sampled answer instead
+        of the logged output, without the prompt's positions (the logged variant already carries them)."""
+        if variant:
+            sample = self.samples[variant - 1]
+            return {"prompt_ids": self.prompt_ids, "response_ids": sample["response_ids"],
+                    "topk_ids": sample["topk_ids"], "topk_logprobs": sample["topk_logprobs"]}
         if prompt_weight <= 0 or not self.prompt_topk_ids:
             return {"prompt_ids": self.prompt_ids, "response_ids": self.response_ids, "topk_ids": self.topk_ids,
                     "topk_logprobs": self.topk_logprobs}

@@ -45,7 +45,7 @@ from scripts.online_demo import SHARED, read_log, read_questions  # noqa: E402
 from train.config import load_config  # noqa: E402
 from train.online import load_anchors, resolve_prompt_vocab  # noqa: E402
 from train.online_config import OnlineConfig  # noqa: E402
-from train.online_learn import acceptance, score_requests, train_candidate  # noqa: E402
+from train.online_learn import acceptance, attach_samples, score_requests, train_candidate  # noqa: E402
 
 log = logging.getLogger("specdistill.replay_online")
 
@@ -111,6 +111,11 @@ def main(argv=None) -> dict:
     buffer = ReplayBuffer(cfg.buffer_requests, cfg.holdout_window)
     for entry in score_requests(target, records, cfg.topk, pad_id, with_prompt=cfg.prompt_weight > 0):
         buffer.add(entry, is_held_out(entry.id, cfg.holdout_every))
+    if cfg.samples_per_request:  # as the daemon's ingest does, for training requests only
+        t0 = time.time()
+        sampled = attach_samples(target, list(buffer.train.values()), cfg.samples_per_request, cfg.sample_temperature,
+                                 cfg.topk, pad_id, cfg.seed)
+        log.info("%d sampled answer tokens in %.0f s", sampled, time.time() - t0)
     from decode.questions import load_questions
 
     general = [[{"role": "user", "content": q.turns[0]}]

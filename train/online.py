@@ -5,8 +5,10 @@
 
 The loop (after Online Speculative Decoding, Liu et al. 2023):
   1. read new log lines from the committed position (decode.request_log), send unusable ones to the
-     dead letters with the reason, score the good ones with the target (top-k per output position) and
-     commit them into the replay buffer together with the new position (train.online_state);
+     dead letters with the reason, score the good ones with the target (top-k per output position),
+     optionally let the target sample more answers to the training requests' prompts
+     (`samples_per_request`), and commit them into the replay buffer together with the new position
+     (train.online_state);
   2. every `update_every_requests` new requests (or `update_every_seconds`), train a copy of the served
      drafter on priority-sampled buffer batches (KD weighted toward the positions it gets wrong, plus an
      optional general-domain rehearsal), judge it against the served drafter on the newest held-out
@@ -42,7 +44,7 @@ from models.target import load_target  # noqa: E402
 from train.config import ConfigError, load_config  # noqa: E402
 from train.distill_steps import end_run  # noqa: E402
 from train.online_config import OnlineConfig  # noqa: E402
-from train.online_learn import acceptance, score_requests, train_candidate  # noqa: E402
+from train.online_learn import acceptance, attach_samples, score_requests, train_candidate  # noqa: E402
 from train.online_state import METRICS, OnlineState  # noqa: E402
 
 log = logging.getLogger("specdistill.online")
@@ -109,8 +111,11 @@ class OnlineDaemon:
                             self.prompt_vocab)
         for entry in entries:
             entry.priority = scored["priorities"][entry.id]
-        self.state.ingest([(e, is_held_out(e.id, self.cfg.holdout_every)) for e in entries], dead,
-                          position_after(lines, self.state.position))
+        split = [(e, is_held_out(e.id, self.cfg.holdout_every)) for e in entries]
+        if self.cfg.samples_per_request:  # training requests only: held-out ones judge the logged output
+            attach_samples(self.target, [e for e, held_out in split if not held_out], self.cfg.samples_per_request,
+                           self.cfg.sample_temperature, self.cfg.topk, self.pad_id, self.cfg.seed)
+        self.state.ingest(split, dead, position_after(lines, self.state.position))
         if good:
             self.record("ingest", live_window(good))
 

@@ -51,6 +51,10 @@ class OnlineConfig:
     prompt_weight: float = _f(0.0, "loss weight of the logged prompts' own positions (the target's distribution "
                                    "over each prompt token, scored in the same forward): in-domain text the "
                                    "server saw; 0 = outputs only")
+    samples_per_request: int = _f(0, "the target's own sampled answers generated per training request's prompt and "
+                                     "trained on beside its logged output (sequence-level KD on live prompts: "
+                                     "more in-domain text per request, for k target generations each); 0 = off")
+    sample_temperature: float = _f(0.8, "temperature of those sampled answers")
     lr: float = _f(2e-4, "AdamW learning rate of each update")
     steps_per_update: int = _f(30, "optimizer steps per update")
     batch_size: int = _f(8, "requests per step")
@@ -98,6 +102,11 @@ class OnlineConfig:
             raise ConfigError(f"right_weight: must be in [0, 1], got {self.right_weight}")
         if self.lr <= 0:
             raise ConfigError(f"lr: must be > 0, got {self.lr}")
+        if self.samples_per_request < 0:
+            raise ConfigError(f"samples_per_request: must be >= 0, got {self.samples_per_request}")
+        if self.sample_temperature <= 0:
+            raise ConfigError(f"sample_temperature: must be > 0 (greedy would repeat the logged output), "
+                              f"got {self.sample_temperature}")
         if self.prompt_weight < 0:
             raise ConfigError(f"prompt_weight: must be >= 0, got {self.prompt_weight}")
         if self.vocab_growth < 0:

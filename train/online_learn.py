@@ -15,6 +15,7 @@ no EOS; for sampled requests it measures agreement with the target's greedy choi
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 import torch
@@ -24,6 +25,7 @@ from distill.losses import TopK, distill_loss
 from distill.prompt_vocab import draft_logits, extended_logits, extra_id_matrix, indices_to_target, prompt_only_tokens, \
     with_prompt_vocab
 from distill.replay import Entry, mismatch_priority
+from distill.generation import generate_batch
 from distill.teacher_data import teacher_forced_topk
 
 KD_LOSSES = ("fkl", "rkl", "mix", "ce")
@@ -51,6 +53,40 @@ def score_requests(target, records: list[dict], k: int, pad_id: int, batch_size:
                                  logprobs[split:], max_new if isinstance(max_new, int) else 0,
                                  prompt_topk_ids=ids[:split], prompt_topk_logprobs=logprobs[:split]))
     return entries
+
+
+def request_seed(seed: int, request_id: str) -> int:
+    """A sampling seed per (daemon seed, request): a re-ingest after a crash draws the same answers."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{request_id}".encode()).digest()[:8], "little") % 2**63
+
+
+def attach_samples(target, entries: list[Entry], k: int, temperature: float, topk: int, pad_id: int, seed: int,
+                   batch_size: int = 8) -> int:
+    """Give each entry k of the target's own sampled answers to its prompt, with the target's top-k along
+    each (sequence-level KD on the live prompts: more in-domain text per logged request). An answer is as
+    long as its request allowed (its max_tokens, else its logged output's length); an EOS ends it early.
+    Sampling is seeded by each batch's first request (request_seed), so re-ingesting the same read batch
+    after a crash draws the same answers. Returns the number of tokens sampled."""
+    made = 0
+    for start in range(0, len(entries), batch_size):
+        batch = entries[start:start + batch_size]
+        limits = [e.max_new_tokens or len(e.response_ids) for e in batch]
+        answers: list[list[list[int]]] = [[] for _ in batch]  # [B][k] token ids
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(request_seed(seed, batch[0].id))
+            for _ in range(k):
+                drawn = generate_batch(target.model, [e.prompt_ids for e in batch], max_new_tokens=max(limits),
+                                       pad_id=pad_id, eos_token_ids=target.eos_token_ids, do_sample=True,
+                                       temperature=temperature)
+                for row, (tokens, limit) in enumerate(zip(drawn, limits)):
+                    answers[row].append(tokens[:limit])
+        for entry, mine in zip(batch, answers):
+            mine = [a for a in mine if a]  # generation makes >= 1 token; the guard keeps the scorer safe
+            scored = teacher_forced_topk(target.model, [entry.prompt_ids] * len(mine), mine, topk, pad_id) if mine else []
+            entry.samples = [{"response_ids": a, "topk_ids": ids, "topk_logprobs": lps}
+                             for a, (ids, lps) in zip(mine, scored)]
+            made += sum(len(a) for a in mine)
+    return made
 
 
 # ---- the drafter's greedy tokens, teacher-forced ----------------------------------------------------------
@@ -153,6 +189,11 @@ def anchor_loss(model, batch) -> torch.Tensor:
     return distill_loss("ce", draft_logits(model, batch), labels=batch.labels, mask=batch.loss_mask)
 
 
+def pick_variant(entry: Entry, rng: random.Random) -> int:
+    """The logged output (0) or one of the entry's sampled answers, uniformly; draws nothing without them."""
+    return rng.randrange(entry.variants) if entry.samples else 0
+
+
 def train_candidate(model, vocab_map_inverse, buffer, anchors: list[dict], cfg, pad_id: int,
                     rng: random.Random, prompt_vocab: bool = False) -> float:
     """cfg.steps_per_update AdamW steps on priority-sampled buffer batches (+ anchor rehearsal). With
@@ -168,7 +209,7 @@ def train_candidate(model, vocab_map_inverse, buffer, anchors: list[dict], cfg, 
     total = 0.0
     for _ in range(cfg.steps_per_update):
         drawn = buffer.sample(cfg.batch_size, rng)
-        records = [e.record(cfg.prompt_weight, cfg.max_seq_len) for e in drawn]
+        records = [e.record(cfg.prompt_weight, cfg.max_seq_len, pick_variant(e, rng)) for e in drawn]
         if head is not None:  # the request's whole prompt, also where prompt_weight moved part of it
             records = with_prompt_vocab(records, head, prompts=[e.prompt_ids for e in drawn])
         batch = collate(records, pad_id, cfg.max_seq_len, vocab_map_inverse).to(device)
