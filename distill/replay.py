@@ -13,7 +13,8 @@ they are never trained on and the newest of them are the window a candidate draf
 A training entry may also carry `samples`: the target's own sampled answers to the same prompt, with its
 top-k along them (made by the daemon with `samples_per_request`). They are more in-domain text per request
 the server saw, sequence-level KD on live prompts; `record(variant=j)` gives the j-th of them, 0 being the
-logged output. They belong to their request: drawn, held out, evicted and counted with it.
+logged output. They belong to their request: drawn, evicted and counted with it; held-out requests,
+which judge the logged output, get none.
 """
 
 from __future__ import annotations

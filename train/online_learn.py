@@ -24,8 +24,8 @@ from distill.batching import collate, with_absent_column
 from distill.losses import TopK, distill_loss
 from distill.prompt_vocab import draft_logits, extended_logits, extra_id_matrix, indices_to_target, prompt_only_tokens, \
     with_prompt_vocab
-from distill.replay import Entry, mismatch_priority
 from distill.generation import generate_batch
+from distill.replay import Entry, mismatch_priority
 from distill.teacher_data import teacher_forced_topk
 
 KD_LOSSES = ("fkl", "rkl", "mix", "ce")
@@ -82,7 +82,8 @@ def attach_samples(target, entries: list[Entry], k: int, temperature: float, top
                     answers[row].append(tokens[:limit])
         for entry, mine in zip(batch, answers):
             mine = [a for a in mine if a]  # generation makes >= 1 token; the guard keeps the scorer safe
-            scored = teacher_forced_topk(target.model, [entry.prompt_ids] * len(mine), mine, topk, pad_id) if mine else []
+            prompts = [entry.prompt_ids] * len(mine)
+            scored = teacher_forced_topk(target.model, prompts, mine, topk, pad_id) if mine else []
             entry.samples = [{"response_ids": a, "topk_ids": ids, "topk_logprobs": lps}
                              for a, (ids, lps) in zip(mine, scored)]
             made += sum(len(a) for a in mine)
