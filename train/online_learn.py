@@ -80,13 +80,17 @@ def attach_samples(target, entries: list[Entry], k: int, temperature: float, top
                                        temperature=temperature)
                 for row, (tokens, limit) in enumerate(zip(drawn, limits)):
                     answers[row].append(tokens[:limit])
-        for entry, mine in zip(batch, answers):
-            mine = [a for a in mine if a]  # generation makes >= 1 token; the guard keeps the scorer safe
-            prompts = [entry.prompt_ids] * len(mine)
-            scored = teacher_forced_topk(target.model, prompts, mine, topk, pad_id) if mine else []
-            entry.samples = [{"response_ids": a, "topk_ids": ids, "topk_logprobs": lps}
-                             for a, (ids, lps) in zip(mine, scored)]
-            made += sum(len(a) for a in mine)
+        owners = [row for row, mine in enumerate(answers) for _ in mine]  # each answer has >= 1 token
+        flat = [a for mine in answers for a in mine]                       # [B * k]
+        prompts = [batch[row].prompt_ids for row in owners]
+        scored = [row for at in range(0, len(flat), batch_size)  # batch_size rows a target forward
+                  for row in teacher_forced_topk(target.model, prompts[at:at + batch_size],
+                                                 flat[at:at + batch_size], topk, pad_id)]
+        for entry in batch:
+            entry.samples = []
+        for row, answer, (ids, logprobs) in zip(owners, flat, scored):
+            batch[row].samples.append({"response_ids": answer, "topk_ids": ids, "topk_logprobs": logprobs})
+            made += len(answer)
     return made
 
 
