@@ -64,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heldout", type=int, default=24)
     p.add_argument("--general", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--train-eval", type=int, default=0, metavar="N",
+                   help="also measure agreement on N of the training requests themselves (fit against held-out: "
+                        "whether the drafter is short of data or of capacity)")
     return p.parse_args(argv)
 
 
@@ -124,6 +127,8 @@ def main(argv=None) -> dict:
     anchors, guard = load_anchors(cfg)
     sets = {"heldout": target_answers(target, heldout, args.max_tokens),
             "mt_bench": target_answers(target, general, args.max_tokens), "guard": guard}
+    if args.train_eval:  # the logged answers it trains on (greedy-served: the target's own greedy tokens)
+        sets["train"] = sorted(buffer.train.values(), key=lambda e: e.id)[:args.train_eval]
     drafter = load_drafter(args.drafter, target)
     model, vocab_map = drafter.model.eval(), drafter.vocab_map
     prompt_vocab = resolve_prompt_vocab(cfg.prompt_vocab, drafter)  # as the daemon would train and judge
@@ -145,9 +150,10 @@ def main(argv=None) -> dict:
               "curve": curve}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print("| step | held-out | MT-bench | guard |\n|---|---|---|---|")
+    names = [n for n in ("heldout", "mt_bench", "guard", "train") if n in curve[0]]
+    print("| step | " + " | ".join(names) + " |\n|---" * (len(names) + 1) + "|")
     for row in curve:
-        print(f"| {row['step']} | {row['heldout']:.3f} | {row['mt_bench']:.3f} | {row.get('guard', float('nan')):.3f} |")
+        print(f"| {row['step']} | " + " | ".join(f"{row[n]:.3f}" for n in names) + " |")
     return result
 
 

@@ -169,17 +169,21 @@ def kd_step_loss(model, batch, loss: str, mix_weight: float, right_weight: float
     the others `right_weight` (they still count, so what it does well is not forgotten). `loss` is a
     divergence to the top-k distribution (fkl, rkl, their mix) or cross-entropy on its top-1 (ce)."""
     logits = draft_logits(model, batch)  # [B, T, V_d] (+ N prompt-only columns with batch.extra_ids)
+    top1 = batch.topk_ids[..., 0]  # [B, T] the target's greedy token, in the head's indices
+    mask = batch.loss_mask
     if int(batch.topk_ids.max()) >= logits.shape[-1]:
+        if loss == "ce":  # a greedy token the head cannot draft has no finite cross-entropy: it leaves the loss
+            mask = mask & (top1 < logits.shape[-1])
         logits = with_absent_column(logits)
     target = TopK(batch.topk_ids, batch.topk_logprobs)
     with torch.no_grad():
-        wrong = logits.argmax(-1) != batch.topk_ids[..., 0]  # [B, T]
-    weights = torch.where(wrong, 1.0, right_weight) * batch.loss_mask  # [B, T]
+        wrong = logits.argmax(-1) != top1  # [B, T]
+    weights = torch.where(wrong, 1.0, right_weight) * mask  # [B, T]
     if batch.weights is not None:  # e.g. prompt positions at prompt_weight
         weights = weights * batch.weights
     per_token = 0.0
     if loss == "ce":  # the target's greedy token: exactly what greedy verification accepts
-        per_token = distill_loss("ce", logits, labels=batch.topk_ids[..., 0], mask=batch.loss_mask, reduction="none")
+        per_token = distill_loss("ce", logits, labels=top1, mask=mask, reduction="none")
     if loss in ("fkl", "mix"):
         w = 1.0 if loss == "fkl" else mix_weight
         per_token = per_token + w * distill_loss("fkl", logits, target=target, mask=batch.loss_mask, reduction="none")

@@ -132,6 +132,35 @@ def test_the_daemons_loss_stays_bounded_with_prompt_weight_and_prompt_vocab(tied
     assert 0 < float(value) < 20  # a divergence between two real distributions of a tiny model, not a floored inf
 
 
+def test_ce_leaves_out_a_greedy_token_the_head_cannot_draft(tied_target):
+    """At a prompt position the label is the prompt's next token (in the head), yet the target's greedy
+    token there may be outside it (the absent column): ce on it was -log 0 = inf. It must leave the loss,
+    which then equals the loss over the other positions."""
+    from train.online_learn import kd_step_loss
+
+    base = without(PROMPT)
+    drafter = reduced(noisy(tied_target, 1.0), base)
+    prompts = [[52, 53] + PROMPT[i:i + 8] for i in range(0, 16, 4)]
+    records = [{"id": str(i), "prompt_ids": p, "output_ids": p[2:6], "sampling": {"max_tokens": 4}}
+               for i, p in enumerate(prompts)]
+    entries = score_requests(SimpleNamespace(model=tied_target), records, k=4, pad_id=0, with_prompt=True)
+
+    def batch():
+        rows = with_prompt_vocab([e.record(1.0, 64) for e in entries], base, prompts=[e.prompt_ids for e in entries])
+        return collate(rows, 0, 64, inverse_map(base, V))
+
+    plain = batch()
+    position = tuple(int(i) for i in plain.loss_mask.nonzero()[0])  # a position in the loss
+    absent = int(plain.topk_ids.max()) + 1  # one past every head column: the absent index
+    moved = batch()
+    moved.topk_ids[position][0] = absent  # the target's greedy token there: outside the head
+    dropped = batch()
+    dropped.loss_mask[position] = False
+    got = kd_step_loss(drafter, moved, "ce", 0.5, 1.0)
+    assert torch.isfinite(got)
+    assert torch.allclose(got, kd_step_loss(drafter, dropped, "ce", 0.5, 1.0), atol=1e-6)
+
+
 def engine_and_simulation(target_model, drafter, base, prompts, max_new, gamma, prompt_vocab):
     proposer = DraftModelProposer(drafter, gamma=gamma, vocab_map=base, target_vocab=V, prompt_vocab=prompt_vocab)
     engine = SpeculativeEngine(target_model, proposer, set(), adaptive=False)
