@@ -114,30 +114,9 @@ def test_a_prompt_only_id_is_absent_where_its_column_is_still_closed():
     assert torch.isinf(batch.topk_logprobs[0, 0]).all() and torch.isfinite(batch.topk_logprobs[0, 3]).all()
 
 
-@pytest.mark.parametrize("loss", ["fkl", "rkl", "ce"])
-def test_the_daemons_loss_stays_bounded_with_prompt_weight_and_prompt_vocab(tied_target, loss):
-    """Every batch with prompt positions holds some prompt-only token's first appearance; a target id
-    mapped to its still-closed (-inf) column made the loss infinite (fkl 2e36 here: the losses' floor of -inf)."""
-    from train.online_learn import kd_step_loss
-
-    base = without(PROMPT)
-    drafter = reduced(noisy(tied_target, 1.0), base)
-    prompts = [[52, 53] + PROMPT[i:i + 8] for i in range(0, 16, 4)]
-    records = [{"id": str(i), "prompt_ids": p, "output_ids": p[2:6], "sampling": {"max_tokens": 4}}
-               for i, p in enumerate(prompts)]
-    entries = score_requests(SimpleNamespace(model=tied_target), records, k=4, pad_id=0, with_prompt=True)
-    rows = with_prompt_vocab([e.record(1.0, 64) for e in entries], base, prompts=[e.prompt_ids for e in entries])
-    batch = collate(rows, 0, 64, inverse_map(base, V))
-    value = kd_step_loss(drafter, batch, loss, 0.5, 0.25)
-    assert 0 < float(value) < 20  # a divergence between two real distributions of a tiny model, not a floored inf
-
-
-def test_ce_leaves_out_a_greedy_token_the_head_cannot_draft(tied_target):
-    """At a prompt position the label is the prompt's next token (in the head), yet the target's greedy
-    token there may be outside it (the absent column): ce on it was -log 0 = inf. It must leave the loss,
-    which then equals the loss over the other positions."""
-    from train.online_learn import kd_step_loss
-
+def prompt_position_batches(tied_target):
+    """(drafter, a fresh batch each call): 4 requests scored at their prompt positions too, with the head
+    extended by each prompt's tokens. Prompt-only tokens' first appearances are in it."""
     base = without(PROMPT)
     drafter = reduced(noisy(tied_target, 1.0), base)
     prompts = [[52, 53] + PROMPT[i:i + 8] for i in range(0, 16, 4)]
@@ -149,9 +128,30 @@ def test_ce_leaves_out_a_greedy_token_the_head_cannot_draft(tied_target):
         rows = with_prompt_vocab([e.record(1.0, 64) for e in entries], base, prompts=[e.prompt_ids for e in entries])
         return collate(rows, 0, 64, inverse_map(base, V))
 
+    return drafter, batch
+
+
+@pytest.mark.parametrize("loss", ["fkl", "rkl", "ce"])
+def test_the_daemons_loss_stays_bounded_with_prompt_weight_and_prompt_vocab(tied_target, loss):
+    """Every batch with prompt positions holds some prompt-only token's first appearance; a target id
+    mapped to its still-closed (-inf) column made the loss infinite (fkl 2e36 here: the losses' floor of -inf)."""
+    from train.online_learn import kd_step_loss
+
+    drafter, batch = prompt_position_batches(tied_target)
+    value = kd_step_loss(drafter, batch(), loss, 0.5, 0.25)
+    assert 0 < float(value) < 20  # a divergence between two real distributions of a tiny model, not a floored inf
+
+
+def test_ce_leaves_out_a_greedy_token_the_head_cannot_draft(tied_target):
+    """At a prompt position the label is the prompt's next token (in the head), yet the target's greedy
+    token there may be outside it (the absent column): ce on it was -log 0 = inf. It must leave the loss,
+    which then equals the loss over the other positions."""
+    from train.online_learn import kd_step_loss
+
+    drafter, batch = prompt_position_batches(tied_target)
     plain = batch()
     position = tuple(int(i) for i in plain.loss_mask.nonzero()[0])  # a position in the loss
-    absent = int(plain.topk_ids.max()) + 1  # one past every head column: the absent index
+    absent = V - len(PROMPT) + plain.extra_ids.shape[1]  # the head's M + N columns; the absent one is next
     moved = batch()
     moved.topk_ids[position][0] = absent  # the target's greedy token there: outside the head
     dropped = batch()
