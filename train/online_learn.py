@@ -186,10 +186,10 @@ def kd_step_loss(model, batch, loss: str, mix_weight: float, right_weight: float
         per_token = distill_loss("ce", logits, labels=top1, mask=mask, reduction="none")
     if loss in ("fkl", "mix"):
         w = 1.0 if loss == "fkl" else mix_weight
-        per_token = per_token + w * distill_loss("fkl", logits, target=target, mask=batch.loss_mask, reduction="none")
+        per_token = per_token + w * distill_loss("fkl", logits, target=target, mask=mask, reduction="none")
     if loss in ("rkl", "mix"):
         w = 1.0 if loss == "rkl" else 1.0 - mix_weight
-        per_token = per_token + w * distill_loss("rkl", logits, target=target, mask=batch.loss_mask, reduction="none")
+        per_token = per_token + w * distill_loss("rkl", logits, target=target, mask=mask, reduction="none")
     return (per_token * weights).sum() / weights.sum().clamp_min(1e-6)
 
 
