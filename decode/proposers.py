@@ -212,7 +212,7 @@ def build_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: set[int
 
         check_medusa_vocab(drafter.model, target_model)
         return MedusaProposer(drafter.model, tree=(drafter.manifest.get("extra") or {}).get("tree"),
-                              vocab_map=drafter.vocab_map)
+                              vocab_map=drafter.vocab_map, embed=target_model.get_input_embeddings())
     if drafter.kind == "lookahead":
         from decode.lookahead import LookaheadProposer  # lookahead builds on this module
 

@@ -14,6 +14,11 @@ then head 2's r_2-th choice, ...", chosen offline by `choose_tree` from per-head
 measured on calibration data (greedy expansion maximising expected accepted length under a node
 budget, as in Medusa's tree search) and stored in the drafter's manifest.
 
+Sequential heads (models.medusa, `sequential`) read the tokens above them too, so the tree cannot be
+filled from one top-k per head: `propose` runs head d on the states and tokens of the depth-(d-1)
+nodes that have children in the tree (one batched call per depth, cut at the step's depth), and a
+node's children are its own head-d choices. The same rank paths describe the tree.
+
 Sampling. Every draft is a deterministic function of the context (top-k of the heads on the
 target's hidden state), so each node is proposed with q = one-hot (proposal None): the existing
 multi-draft rule (decode.sampling.verify_sampling) then emits exactly the target's distribution.
@@ -41,56 +46,96 @@ class MedusaProposer(Proposer):
     self_drafting = True
 
     def __init__(self, heads: torch.nn.Module, tree: list[list[int]] | None = None,
-                 vocab_map: torch.Tensor | None = None):
+                 vocab_map: torch.Tensor | None = None, embed: torch.nn.Module | None = None):
         """vocab_map: [M] target ids the heads may propose (models.medusa: the teacher data's most
         frequent tokens); the projections then cover those M rows only, which cuts the proposer's
-        cost by V / M. None keeps the full vocabulary. Either way the target verifies every draft."""
+        cost by V / M. None keeps the full vocabulary. Either way the target verifies every draft.
+        embed: the target's input embedding, which sequential heads read the tree's tokens through."""
         self.heads = heads
+        self.sequential = bool(getattr(heads, "sequential", False))
+        if self.sequential and embed is None:
+            raise ValueError("sequential Medusa heads need the target's input embedding (embed=)")
+        self.embed = embed
         self.tree = check_tree(tree if tree is not None else default_chain(heads.num_heads), heads.num_heads)
         self.max_depth = max(len(path) for path in self.tree)
         self.max_rank = max(max(path) for path in self.tree) + 1
         self.topk: torch.Tensor | None = None  # [K, max_rank] the heads' choices after the last accepted node
+        self.hidden: torch.Tensor | None = None  # [D] the last accepted node's state (sequential heads)
         self.vocab_map = None if vocab_map is None else vocab_map.long().cpu()  # [M] head row -> target id
-        self.project = head_projections(heads, self.vocab_map)  # [K, D] -> [K, M]
+        self.projections = head_projections(heads, self.vocab_map)  # K x ([N, D] -> [N, M])
 
     def begin(self, prompt_ids: list[int], capacity: int) -> None:
-        self.topk = None
+        self.topk = self.hidden = None
 
     def observe_prefill(self, hidden_last: torch.Tensor) -> None:
-        self.topk = self.head_choices(hidden_last)
+        self.observe_state(hidden_last)
 
     def observe_verification(self, hidden: torch.Tensor, verdict: Verdict) -> None:
-        self.topk = self.head_choices(hidden[verdict.path[-1]])  # the last accepted node's state
+        self.observe_state(hidden[verdict.path[-1]])  # the last accepted node's state
+
+    def observe_state(self, hidden: torch.Tensor) -> None:
+        if self.sequential:  # the heads' choices depend on the tree's tokens: drafted in propose
+            self.hidden = hidden.to(self.heads.heads[0].proj.weight.dtype)
+        else:
+            self.topk = self.head_choices(hidden)
 
     @torch.no_grad()
     def head_choices(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden.to(self.heads.heads[0].proj.weight.dtype)  # [D]
         blocks = torch.stack([head.blocks(hidden) for head in self.heads.heads])  # [K, D]
-        ranks = self.project(blocks).topk(self.max_rank, dim=-1).indices.cpu()  # [K, max_rank] head rows
-        return ranks if self.vocab_map is None else self.vocab_map[ranks]  # target ids
+        logits = torch.cat([project(blocks[k:k + 1]) for k, project in enumerate(self.projections)])  # [K, M]
+        return self.target_ids(logits.topk(self.max_rank, dim=-1).indices.cpu())  # [K, max_rank]
+
+    def target_ids(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows if self.vocab_map is None else self.vocab_map[rows]
 
     def propose(self, seq: list[int], max_depth: int, sampling: SamplingConfig, generator) -> TokenTree:
+        if self.sequential:
+            if self.hidden is None:
+                raise RuntimeError("MedusaProposer.propose before observe_prefill: the engine must feed it hidden states")
+            return self.sequential_tree(seq[-1], max_depth)
         if self.topk is None:
             raise RuntimeError("MedusaProposer.propose before observe_prefill: the engine must feed it hidden states")
         return tree_from_ranks(seq[-1], self.tree, self.topk, max_depth)
 
+    @torch.no_grad()
+    def sequential_tree(self, root: int, max_depth: int) -> TokenTree:
+        """The rank-path tree drafted depth by depth: head d runs once, batched, on the depth-(d-1)
+        nodes that have children (their states and tokens); each node's children are its own choices."""
+        tree = TokenTree.root(root)
+        node_of: dict[RankPath, int] = {(): 0}
+        state_of: dict[RankPath, torch.Tensor] = {(): self.hidden}  # [D] the state each node's children read
+        for depth in range(1, min(max_depth, self.max_depth) + 1):
+            paths = [tuple(p) for p in self.tree if len(p) == depth]
+            parents = list(dict.fromkeys(p[:-1] for p in paths))  # in tree order, each once
+            ranks = max(p[-1] for p in paths) + 1
+            head = self.heads.heads[depth - 1]
+            tokens = torch.tensor([tree.tokens[node_of[p]] for p in parents], device=self.hidden.device)  # [P]
+            states = head.state(torch.stack([state_of[p] for p in parents]), self.embed(tokens))  # [P, D]
+            choices = self.target_ids(self.projections[depth - 1](states).topk(ranks, dim=-1).indices.cpu()).tolist()
+            row_of = {p: i for i, p in enumerate(parents)}
+            for path in paths:  # siblings are distinct ranks of one head: no dedupe needed
+                row = row_of[path[:-1]]
+                node_of[path] = tree.add(choices[row][path[-1]], node_of[path[:-1]], None, dedupe=False)
+                state_of[path] = states[row]
+        return tree
 
-def head_projections(heads: torch.nn.Module, vocab_map: torch.Tensor | None):
-    """blocks [K, D] -> logits [K, M]: each head's output projection restricted to the rows in vocab_map.
 
-    A decode step runs every head on one hidden state, K GEMVs over [M, D] weights that dominate the
+def head_projections(heads: torch.nn.Module, vocab_map: torch.Tensor | None) -> list:
+    """Per head, states [N, D] -> logits [N, M]: its output projection restricted to vocab_map's rows.
+
+    A decode step runs every head on one or a few states: GEMVs over [M, D] weights that dominate the
     proposer's cost. On CPU in fp32 each head gets a oneDNN-packed copy of its rows
-    (models.packed_linear); elsewhere the K projections are stacked into one [K, D, M] tensor and run as
-    one batched GEMV (4 heads of 49k x 576 on the 2-core CPU: 48 ms against 200 ms for four F.linear
-    calls under load). Inference only: the proposer never trains the heads, and they keep their weights."""
+    (models.packed_linear); elsewhere a column-major copy, which the BLAS runs as a faster GEMV (see
+    decode.proposers.use_gemv_friendly_head). Inference only: the proposer never trains the heads,
+    and they keep their weights."""
     weights = [head.proj.weight.detach() for head in heads.heads]  # K x [V, D]
     if vocab_map is not None:
         weights = [w[vocab_map.to(w.device)] for w in weights]  # K x [M, D]
     if packing_supported(heads):
-        packed = [PackedLinear(as_linear(w)) for w in weights]  # built once per proposer: no cache needed
-        return lambda blocks: torch.cat([p(blocks[k:k + 1]) for k, p in enumerate(packed)])  # [K, M]
-    proj_t = torch.stack([w.t() for w in weights]).contiguous()  # [K, D, M]
-    return lambda blocks: torch.bmm(blocks.unsqueeze(1), proj_t).squeeze(1)  # [K, M]
+        return [PackedLinear(as_linear(w)) for w in weights]  # built once per proposer: no cache needed
+    columns = [w.t().contiguous() for w in weights]  # K x [D, M]
+    return [lambda states, w=w: states @ w for w in columns]
 
 
 def as_linear(weight: torch.Tensor) -> torch.nn.Linear:

@@ -6,6 +6,15 @@ an output projection [V, D]. The blocks' Linear is zero-initialised, so every bl
 identity, and the projection starts as a copy of the target's head: training therefore starts from
 the target's own next-token distribution (a sensible guess for t + 2 and a stable start), not noise.
 
+Sequential heads (`sequential: true`, Hydra-style, Ankner et al. 2024). A Medusa head guesses token
+t + k + 1 from h_t alone, blind to the tokens in between, which the tree has already chosen. A
+sequential head also reads them: head k maps the previous head's state s_{k-1} (s_0 = h_t) and the
+target's input embedding of the token at depth k - 1 of the tree (the root, t + 1, for head 1) to
+    s_k = blocks_k(s_{k-1} + fuse_k([s_{k-1}; e(token)]))      logits_k = proj_k(s_k)
+so each node's children depend on the path to it. fuse_k starts at zero: the heads start as Medusa's.
+Drafting runs the heads depth by depth over the tree's inner nodes (decode.self_draft); the
+embeddings are the frozen target's own and are not stored.
+
 Every layer is its own module. `[ResBlock(h)] * n` would put one module n times in the list, sharing
 one set of weights, a known bug of the original code; `test_medusa.py` checks the parameter count.
 
@@ -28,7 +37,7 @@ from torch import nn
 from models.drafters import Drafter, checked_vocab_map, load_vocab_map, register_drafter_kind
 
 WEIGHTS_FILE = "medusa.safetensors"
-ARCH_KEYS = ("num_heads", "num_layers", "hidden_size", "vocab_size")
+ARCH_KEYS = ("num_heads", "num_layers", "hidden_size", "vocab_size")  # "sequential" is optional (false)
 
 
 class ResBlock(nn.Module):
@@ -45,38 +54,76 @@ class ResBlock(nn.Module):
 
 
 class MedusaHead(nn.Module):
-    def __init__(self, hidden_size: int, vocab_size: int, num_layers: int):
+    def __init__(self, hidden_size: int, vocab_size: int, num_layers: int, sequential: bool = False):
         super().__init__()
+        self.fuse = nn.Linear(2 * hidden_size, hidden_size) if sequential else None
+        if self.fuse is not None:
+            nn.init.zeros_(self.fuse.weight)  # starts as a Medusa head: the token adds nothing yet
+            nn.init.zeros_(self.fuse.bias)
         self.blocks = nn.Sequential(*(ResBlock(hidden_size) for _ in range(num_layers)))  # distinct modules
         self.proj = nn.Linear(hidden_size, vocab_size, bias=False)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.blocks(hidden))
+    def state(self, hidden: torch.Tensor, token_embedding: torch.Tensor | None = None) -> torch.Tensor:
+        """[..., D] -> [..., D], the input of proj. A sequential head also reads the embedding [..., D] of
+        the token before the one it predicts; hidden is then the previous head's state."""
+        if self.fuse is not None:
+            if token_embedding is None:
+                raise ValueError("a sequential Medusa head needs the embedding of the token before its own")
+            hidden = hidden + self.fuse(torch.cat([hidden, token_embedding.to(hidden.dtype)], dim=-1))
+        return self.blocks(hidden)
+
+    def forward(self, hidden: torch.Tensor, token_embedding: torch.Tensor | None = None) -> torch.Tensor:
+        return self.proj(self.state(hidden, token_embedding))
 
 
 class MedusaHeads(nn.Module):
-    """K heads; forward(hidden [..., D]) -> logits [K, ..., V] (head k-1 at index k-1 predicts t + k + 1)."""
+    """K heads; forward(hidden [..., D]) -> logits [K, ..., V] (head k-1 at index k-1 predicts t + k + 1).
 
-    def __init__(self, num_heads: int, num_layers: int, hidden_size: int, vocab_size: int):
+    Sequential heads also take token_embeddings [K, ..., D]: row k-1 the embedding of token t + k (the
+    one before head k's), teacher-forced; see `states`."""
+
+    def __init__(self, num_heads: int, num_layers: int, hidden_size: int, vocab_size: int,
+                 sequential: bool = False):
         super().__init__()
         if num_heads < 1 or num_layers < 0:
             raise ValueError(f"Medusa needs num_heads >= 1 and num_layers >= 0, got {num_heads}, {num_layers}")
         self.config = {"num_heads": num_heads, "num_layers": num_layers, "hidden_size": hidden_size,
-                       "vocab_size": vocab_size}
-        self.heads = nn.ModuleList(MedusaHead(hidden_size, vocab_size, num_layers) for _ in range(num_heads))
+                       "vocab_size": vocab_size, "sequential": bool(sequential)}
+        self.heads = nn.ModuleList(MedusaHead(hidden_size, vocab_size, num_layers, sequential)
+                                   for _ in range(num_heads))
 
     @property
     def num_heads(self) -> int:
         return len(self.heads)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.stack([head(hidden) for head in self.heads])  # [K, ..., V]
+    @property
+    def sequential(self) -> bool:
+        return self.config["sequential"]
+
+    def states(self, hidden: torch.Tensor, token_embeddings: torch.Tensor | None = None) -> torch.Tensor:
+        """[..., D] -> [K, ..., D], each head's input to its projection. Medusa heads each read hidden;
+        sequential head k reads head k-1's state (hidden for head 1) and token_embeddings[k-1]."""
+        if not self.sequential:
+            return torch.stack([head.state(hidden) for head in self.heads])
+        if token_embeddings is None or token_embeddings.shape[0] != self.num_heads:
+            raise ValueError(f"sequential Medusa heads need token_embeddings [{self.num_heads}, ..., D]")
+        states, state = [], hidden
+        for head, embedding in zip(self.heads, token_embeddings):
+            state = head.state(state, embedding)
+            states.append(state)
+        return torch.stack(states)
+
+    def forward(self, hidden: torch.Tensor, token_embeddings: torch.Tensor | None = None) -> torch.Tensor:
+        states = self.states(hidden, token_embeddings)  # [K, ..., D]
+        return torch.stack([head.proj(state) for head, state in zip(self.heads, states)])  # [K, ..., V]
 
     @classmethod
-    def from_target(cls, target_model: nn.Module, num_heads: int, num_layers: int = 1) -> "MedusaHeads":
+    def from_target(cls, target_model: nn.Module, num_heads: int, num_layers: int = 1,
+                    sequential: bool = False) -> "MedusaHeads":
         """Heads for `target_model`: identity blocks and projections copied from its head."""
         head = target_model.get_output_embeddings().weight  # [V, D]
-        heads = cls(num_heads, num_layers, head.shape[1], head.shape[0]).to(device=head.device, dtype=head.dtype)
+        heads = cls(num_heads, num_layers, head.shape[1], head.shape[0], sequential).to(
+            device=head.device, dtype=head.dtype)
         with torch.no_grad():
             for medusa_head in heads.heads:
                 medusa_head.proj.weight.copy_(head.detach())
@@ -94,7 +141,7 @@ def load_medusa_heads(model_dir: Path, config: dict, dtype: torch.dtype) -> Medu
     missing = [key for key in ARCH_KEYS if key not in config]
     if missing:
         raise ValueError(f"{model_dir}: the medusa manifest config lacks {', '.join(missing)}")
-    heads = MedusaHeads(*(int(config[key]) for key in ARCH_KEYS))
+    heads = MedusaHeads(*(int(config[key]) for key in ARCH_KEYS), sequential=bool(config.get("sequential", False)))
     heads.load_state_dict(load_file(str(model_dir / WEIGHTS_FILE)), strict=True)
     return heads.to(dtype)
 

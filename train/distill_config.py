@@ -56,6 +56,8 @@ class DistillConfig:
     # medusa: K heads on the frozen target's hidden state (train/medusa.py)
     medusa_heads: int = _f(4, "medusa: number of heads; head k predicts the token k+1 positions ahead")
     medusa_layers: int = _f(1, "medusa: residual blocks per head")
+    medusa_sequential: bool = _f(False, "medusa: sequential (Hydra-style) heads that also read the tree's tokens "
+                                        "before their own")
     medusa_decay: float = _f(0.8, "medusa: head k's loss weight is decay**(k-1)")
     medusa_kl_weight: float = _f(1.0, "medusa: weight of KL(target || head) beside the CE on the target's tokens")
     medusa_tree_nodes: int = _f(24, "medusa: draft nodes of the calibrated sparse tree (root excluded)")

@@ -13,8 +13,10 @@ expected accepted length (decode.self_draft.choose_tree), and save heads + tree 
 Medusa-2 (LoRA on the target trained jointly) is not implemented.
 With `draft_vocab` M > 0 the drafter also stores a candidate vocabulary (the training responses' M most
 frequent tokens): decoding projects the heads onto those rows only (V / M times cheaper per step), and
-the calibration measures the heads' accuracies with the same restriction.
-Config fields read here: medusa_heads, medusa_layers, medusa_decay, medusa_kl_weight,
+training and calibration use the same restriction (CE and KL over the M candidates: what decoding ranks),
+which also makes a training step about V / M times cheaper.
+`medusa_sequential: true` trains sequential (Hydra-style) heads, see models.medusa.
+Config fields read here: medusa_heads, medusa_layers, medusa_sequential, medusa_decay, medusa_kl_weight,
 medusa_tree_nodes, medusa_topk, medusa_calibration, draft_vocab (see train.distill_config).
 """
 
@@ -46,15 +48,17 @@ def train_medusa(cfg, accelerator, target, records: list[dict]) -> Path:
     train_records, calibration = split_held_out(records, cfg.medusa_calibration, cfg.seed)
     train_set = target_hidden_states(cfg, target, train_records, "train")
     calib_set = target_hidden_states(cfg, target, calibration, "calibration")
-    heads = MedusaHeads.from_target(target.model, cfg.medusa_heads, cfg.medusa_layers).float().train()
+    heads = MedusaHeads.from_target(target.model, cfg.medusa_heads, cfg.medusa_layers,
+                                    sequential=cfg.medusa_sequential).float().train()
     heads.requires_grad_(True)
+    vocab_map = candidate_vocab(cfg, target, train_records)
+    embed = target.model.get_input_embeddings()  # sequential heads read the tree's tokens through it
     total = cfg.max_steps or cfg.epochs * -(-len(train_set) // (cfg.batch_size * accelerator.num_processes))
     optimizer, scheduler = steps.make_optimizer(cfg, heads, total)
     heads, optimizer, scheduler = accelerator.prepare(heads, optimizer, scheduler)
-    losses = train_heads(cfg, accelerator, target, heads, train_set, optimizer, scheduler, total)
+    losses = train_heads(cfg, accelerator, target, heads, train_set, optimizer, scheduler, total, vocab_map)
     heads = accelerator.unwrap_model(heads).eval()
-    vocab_map = candidate_vocab(cfg, target, train_records)
-    accuracy = topk_accuracy(heads, calib_set, cfg.medusa_topk, vocab_map)
+    accuracy = topk_accuracy(heads, calib_set, cfg.medusa_topk, vocab_map, embed)
     tree = choose_tree(accuracy, cfg.medusa_tree_nodes)
     log.info("calibrated tree: %d nodes, expected accepted drafts %.2f per step; top-1 accuracy per head %s",
              len(tree), expected_accept_length(tree, accuracy), [round(a[0], 3) for a in accuracy])
@@ -97,35 +101,83 @@ def target_hidden_states(cfg, target, records: list[dict], name: str) -> list[Ex
 
 # ---- the loss ------------------------------------------------------------------------------------------
 
+def head_rows(heads, examples: list[Example], embed=None):
+    """Per head k (1-based): (k, head, states [N, D], labels [N], rows [(example, first row)]) teacher-forced.
+
+    Head k at row i of an example reads h_i (a sequential head: head k-1's state at row i and the
+    embedding of the target's token i + k - 1, the response token before its own) and predicts
+    label i + k; rows are consecutive positions, so an example of R rows gives R - k of them."""
+    device = next(heads.parameters()).device
+    dtype = heads.heads[0].proj.weight.dtype
+    previous = [h.to(device, dtype) for h, _ in examples]  # per example [R, D]: s_0 = h
+    for k, head in enumerate(heads.heads, start=1):
+        keep = [e for e, (h, _) in enumerate(examples) if h.shape[0] > k]
+        if not keep:
+            return
+        source = torch.cat([previous[e][:examples[e][0].shape[0] - k] for e in keep])  # [N, D]
+        labels = torch.cat([examples[e][1][k:] for e in keep]).to(device)  # [N]
+        tokens = None
+        if heads.sequential:
+            before = torch.cat([examples[e][1][k - 1:-1] for e in keep]).to(device)  # [N] token i + k - 1
+            tokens = embed(before)  # [N, D]
+        states = head.state(source, tokens)  # [N, D]
+        if heads.sequential:  # head k + 1 continues from these states
+            lengths = [examples[e][0].shape[0] - k for e in keep]
+            previous = [None] * len(examples)
+            for e, part in zip(keep, states.split(lengths)):
+                previous[e] = part
+        yield k, head, states, labels, [(e, k) for e in keep]
+
+
+def project(weight: torch.Tensor, states: torch.Tensor, vocab_map: torch.Tensor | None) -> torch.Tensor:
+    """states [N, D] through an output layer's weight [V, D] -> logits [N, V], or [N, M] over
+    vocab_map's rows only (the candidates decoding can propose)."""
+    if vocab_map is not None:
+        weight = weight[vocab_map.to(weight.device)]  # [M, D]
+    return torch.nn.functional.linear(states, weight)
+
+
 def medusa_loss(heads, target_head: torch.nn.Module, examples: list[Example], decay: float,
-                kl_weight: float) -> torch.Tensor:
+                kl_weight: float, vocab_map: torch.Tensor | None = None, embed=None) -> torch.Tensor:
     """sum_k decay**(k-1) * (CE + kl_weight * KL(target || head k)), each a mean over positions.
 
     Head k at row i of an example predicts label i + k; the target's distribution for that token is
-    its head at row i + k (rows are consecutive positions)."""
+    its head at row i + k. With vocab_map [M], both distributions are over those M tokens (decoding
+    proposes no others) and positions whose label is outside them are left out of the CE."""
     device = next(heads.parameters()).device
+    index = None if vocab_map is None else vocab_index(vocab_map, target_head.weight.shape[0]).to(device)
+    target_logits = None
+    if kl_weight:
+        with torch.no_grad():
+            target_logits = [project(target_head.weight, h.to(device, target_head.weight.dtype), vocab_map)
+                             .float() for h, _ in examples]  # per example [R, V or M]
     total = torch.zeros((), device=device)
-    for k, head in enumerate(heads.heads, start=1):
-        pairs = [(h, y) for h, y in examples if h.shape[0] > k]
-        if not pairs:
-            continue
-        source = torch.cat([h[:-k] for h, _ in pairs]).to(device)  # [N, D]
-        labels = torch.cat([y[k:] for _, y in pairs]).to(device)  # [N]
-        logits = head(source)  # [N, V]
-        loss = cross_entropy_loss(logits, labels)
+    for k, head, states, labels, rows in head_rows(heads, examples, embed):
+        logits = project(head.proj.weight, states, vocab_map)  # [N, V or M]
+        targets = labels if index is None else index[labels]  # [N] (-1: not a candidate)
+        inside = targets >= 0
+        loss = cross_entropy_loss(logits[inside], targets[inside]) if inside.any() else logits.sum() * 0
         if kl_weight:
-            with torch.no_grad():
-                target_logits = target_head(torch.cat([h[k:] for h, _ in pairs]).to(device)).float()  # [N, V]
-            loss = loss + kl_weight * forward_kl(logits, target_logits)
+            teacher = torch.cat([target_logits[e][first:] for e, first in rows])  # [N, V or M]
+            loss = loss + kl_weight * forward_kl(logits, teacher)
         total = total + decay ** (k - 1) * loss
     return total
 
 
-def train_heads(cfg, accelerator, target, heads, examples: list[Example], optimizer, scheduler, total: int) -> list:
+def vocab_index(vocab_map: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[V] target id -> its row in vocab_map, -1 for tokens outside it."""
+    index = torch.full((vocab_size,), -1, dtype=torch.long)
+    index[vocab_map.long().cpu()] = torch.arange(vocab_map.numel())
+    return index
+
+
+def train_heads(cfg, accelerator, target, heads, examples: list[Example], optimizer, scheduler, total: int,
+                vocab_map: torch.Tensor | None = None) -> list:
     """`total` optimizer steps over shuffled batches of examples (this process's shard)."""
     rng = random.Random(cfg.seed)
     shard = examples[accelerator.process_index::accelerator.num_processes]
     target_head = target.model.get_output_embeddings()
+    embed = target.model.get_input_embeddings()
     order: list[int] = []
     history = []
     for step in tqdm(range(total), desc="medusa", disable=not accelerator.is_local_main_process):
@@ -134,7 +186,7 @@ def train_heads(cfg, accelerator, target, heads, examples: list[Example], optimi
         batch = [shard[i] for i in order[:cfg.batch_size]]
         del order[:cfg.batch_size]
         module = accelerator.unwrap_model(heads)
-        loss = medusa_loss(module, target_head, batch, cfg.medusa_decay, cfg.medusa_kl_weight)
+        loss = medusa_loss(module, target_head, batch, cfg.medusa_decay, cfg.medusa_kl_weight, vocab_map, embed)
         accelerator.backward(loss)
         average_gradients(accelerator, module)
         accelerator.clip_grad_norm_(heads.parameters(), 1.0)
@@ -172,21 +224,17 @@ def candidate_vocab(cfg, target, records: list[dict]) -> torch.Tensor | None:
 # ---- calibration ---------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def topk_accuracy(heads, examples: list[Example], k_ranks: int,
-                  vocab_map: torch.Tensor | None = None) -> list[list[float]]:
-    """accuracy[k][r]: how often head k+1's r-th choice is the target's token (teacher-forced), the
-    choices restricted to vocab_map's rows when given (as decoding will restrict them)."""
-    device = next(heads.parameters()).device
+def topk_accuracy(heads, examples: list[Example], k_ranks: int, vocab_map: torch.Tensor | None = None,
+                  embed=None) -> list[list[float]]:
+    """accuracy[k][r]: how often head k+1's r-th choice is the target's token (teacher-forced: a
+    sequential head reads the target's own tokens before it, so this is its accuracy given that the
+    path above it was right), the choices restricted to vocab_map's rows when given, as decoding
+    restricts them."""
     accuracy = []
-    for k, head in enumerate(heads.heads, start=1):
-        pairs = [(h, y) for h, y in examples if h.shape[0] > k]
-        source = torch.cat([h[:-k] for h, _ in pairs]).to(device)  # [N, D]
-        labels = torch.cat([y[k:] for _, y in pairs]).to(device)  # [N]
-        logits = head(source.to(head.proj.weight.dtype))  # [N, V]
-        if vocab_map is not None:
-            logits = logits[:, vocab_map.to(device)]  # [N, M]
+    for _, head, states, labels, _ in head_rows(heads, examples, embed):
+        logits = project(head.proj.weight, states, vocab_map)  # [N, V or M]
         ranks = logits.topk(k_ranks, dim=-1).indices  # [N, ranks]
         if vocab_map is not None:
-            ranks = vocab_map.to(device)[ranks]  # target ids
+            ranks = vocab_map.to(ranks.device)[ranks]  # target ids
         accuracy.append((ranks == labels[:, None]).float().mean(0).tolist())
     return accuracy

@@ -20,8 +20,8 @@ def target_greedy(model, prompt, n, eos=None):
     return out[0, len(prompt):].tolist()
 
 
-def random_heads(target, k=3, seed=0, scale=0.5):
-    heads = MedusaHeads.from_target(target, num_heads=k, num_layers=1)
+def random_heads(target, k=3, seed=0, scale=0.5, sequential=False):
+    heads = MedusaHeads.from_target(target, num_heads=k, num_layers=1, sequential=sequential)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in heads.parameters():
@@ -48,13 +48,43 @@ class RecordingProposer(MedusaProposer):
         return tree
 
 
+def medusa_proposer(target, heads, tree=None, vocab_map=None):
+    return MedusaProposer(heads, tree, vocab_map=vocab_map, embed=target.get_input_embeddings())
+
+
+@pytest.mark.parametrize("sequential", [False, True], ids=["medusa", "sequential"])
 @pytest.mark.parametrize("tree", [None, BRANCHY], ids=["chain", "branchy"])
 @pytest.mark.parametrize("adaptive", [False, True])
-def test_greedy_is_the_targets_output(tiny_target, tree, adaptive):
+def test_greedy_is_the_targets_output(tiny_target, tree, adaptive, sequential):
     ref = target_greedy(tiny_target, PROMPT, 60)
-    proposer = MedusaProposer(random_heads(tiny_target), tree)
+    proposer = medusa_proposer(tiny_target, random_heads(tiny_target, sequential=sequential), tree)
     gen = SpeculativeEngine(tiny_target, proposer, adaptive=adaptive).generate(PROMPT, 60)
     assert gen.tokens == ref
+
+
+def test_sequential_tree_nodes_are_each_heads_choices_given_the_path_above(tiny_target):
+    """A node at rank path (r_1, ..., r_d) is head d's r_d-th choice, head d reading the state head d-1
+    computed for the node's parent and the parent's token (the root: the last emitted token)."""
+    heads = random_heads(tiny_target, sequential=True)
+    proposer = medusa_proposer(tiny_target, heads, BRANCHY)
+    hidden = torch.randn(tiny_target.config.hidden_size)
+    proposer.observe_prefill(hidden)
+    tree = proposer.propose(PROMPT, 3, SamplingConfig(), None)
+    embed = tiny_target.get_input_embeddings()
+    with torch.no_grad():
+        for i, path in enumerate(check_tree(BRANCHY, 3)):
+            state, token = hidden, PROMPT[-1]
+            for depth, rank in enumerate(path):
+                head = heads.heads[depth]
+                state = head.state(state, embed(torch.tensor(token)))
+                token = int(head.proj(state).topk(rank + 1).indices[rank])
+            assert tree.tokens[i + 1] == token, path
+    assert proposer.propose(PROMPT, 1, SamplingConfig(), None).max_depth == 1
+
+
+def test_sequential_heads_need_the_targets_embedding(tiny_target):
+    with pytest.raises(ValueError, match="embedding"):
+        MedusaProposer(random_heads(tiny_target, sequential=True), BRANCHY)
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 7, 33])
@@ -180,11 +210,16 @@ def exact_marginals(target, prompt, vocab):
     return p2, p3
 
 
-def test_sampling_follows_the_targets_distribution():
+@pytest.mark.parametrize("sequential", [False, True], ids=["medusa", "sequential"])
+def test_sampling_follows_the_targets_distribution(sequential):
     vocab = 12
     target = make_tiny_llama(seed=4, vocab_size=vocab, peak=2.0)
-    heads = MedusaHeads.from_target(target, num_heads=2)  # identity: plausible but shifted drafts
-    proposer = MedusaProposer(heads, [[0], [1], [2], [0, 0], [1, 0]])
+    heads = MedusaHeads.from_target(target, num_heads=2, sequential=sequential)  # identity: plausible but shifted drafts
+    if sequential:  # the tokens above move the choices
+        with torch.no_grad():
+            for head in heads.heads:
+                head.fuse.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
+    proposer = medusa_proposer(target, heads, [[0], [1], [2], [0, 0], [1, 0]])
     engine = SpeculativeEngine(target, proposer, adaptive=False)
     prompt = [1, 5, 7]
     second, third, accepted = sample_second_and_third(engine, prompt, 800)

@@ -48,3 +48,52 @@ def test_save_and_load_round_trip(tmp_path):
     other = make_tiny_target(seed=5)
     with pytest.raises(ValueError, match="fingerprint"):
         load_drafter(str(tmp_path / "m"), other)
+
+
+def test_sequential_heads_add_one_fuse_layer_each_and_start_as_medusa():
+    k, n, h, v = 3, 1, 16, 40
+    heads = MedusaHeads(k, n, h, v, sequential=True)
+    count = sum(p.numel() for p in heads.parameters())
+    assert count == k * n * (h * h + h) + k * v * h + k * (2 * h * h + h)  # + a [2h -> h] fuse per head
+    target = make_tiny_llama(seed=3)
+    sequential = MedusaHeads.from_target(target, num_heads=3, num_layers=1, sequential=True)
+    plain = MedusaHeads.from_target(target, num_heads=3, num_layers=1)
+    hidden = torch.randn(5, target.config.hidden_size)
+    tokens = target.get_input_embeddings()(torch.randint(0, 10, (3, 5)))  # [K, N, D]
+    with torch.no_grad():
+        torch.testing.assert_close(sequential(hidden, tokens), plain(hidden), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="token_embeddings"):
+        sequential(hidden)
+
+
+def test_sequential_head_k_reads_the_state_of_head_k_minus_1():
+    target = make_tiny_llama(seed=3)
+    heads = MedusaHeads.from_target(target, num_heads=3, num_layers=1, sequential=True)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+        hidden = torch.randn(4, target.config.hidden_size)  # [N, D]
+        tokens = torch.randn(3, 4, target.config.hidden_size)  # [K, N, D]
+        states = heads.states(hidden, tokens)  # [K, N, D]
+        manual = hidden
+        for k, head in enumerate(heads.heads):
+            manual = head.blocks(manual + head.fuse(torch.cat([manual, tokens[k]], -1)))
+            torch.testing.assert_close(states[k], manual)
+        changed = tokens.clone()
+        changed[1] += 1.0  # the token before head 2's: heads 2 and 3 change, head 1 does not
+        after = heads.states(hidden, changed)
+    assert torch.equal(after[0], states[0])
+    assert not torch.allclose(after[1], states[1]) and not torch.allclose(after[2], states[2])
+
+
+def test_sequential_round_trip_keeps_the_kind_of_head(tmp_path):
+    target = make_tiny_target(seed=0)
+    heads = MedusaHeads.from_target(target.model, num_heads=2, num_layers=1, sequential=True)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    save_drafter(tmp_path / "m", heads, target, "medusa", config=dict(heads.config), extra={"tree": [[0]]})
+    loaded = load_drafter(str(tmp_path / "m"), target).model
+    assert loaded.sequential
+    for (name, a), (_, b) in zip(heads.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
