@@ -43,6 +43,7 @@ class EvalConfig:
     questions: str  # the question file, recorded in the report
     target: str | None = None  # target spec (models.target.load_target); None = the embedded default
     limit: int | None = None  # the first N questions; None = all
+    per_category: int | None = None  # only the first N questions of each category; None = all
     max_new_tokens: int = 256  # per turn
     temperature: float = 0.0  # 0 = greedy (the protocol); > 0 = speculative sampling, no mismatch check
     gamma: int = 5  # draft length of draft-model proposers
@@ -58,7 +59,8 @@ class EvalConfig:
         self.drafters = tuple(self.drafters)
         if not self.drafters:
             raise ValueError("drafters: at least one drafter spec is needed")
-        checks = {"limit": self.limit is None or self.limit >= 1, "max_new_tokens": self.max_new_tokens >= 1,
+        checks = {"limit": self.limit is None or self.limit >= 1,
+                  "per_category": self.per_category is None or self.per_category >= 1, "max_new_tokens": self.max_new_tokens >= 1,
                   "temperature": self.temperature >= 0, "gamma": self.gamma >= 1, "warmup": self.warmup >= 0,
                   "peers": self.peers in PEERS}
         for name, ok in checks.items():
@@ -253,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--questions", type=existing_file, required=True,
                    help="JSONL question file: MT-bench/Spec-Bench {question_id, category, turns} or {prompt}")
     p.add_argument("--limit", type=positive_int, default=None, help="evaluate the first N questions (default: all)")
+    p.add_argument("--per-category", type=positive_int, default=None,
+                   help="only the first N questions of each category (MT-bench's first questions are all "
+                        "'writing'; --per-category 2 gives 2 of each of its 8 categories)")
     p.add_argument("--max-new-tokens", type=positive_int, default=d["max_new_tokens"].default, help="per turn")
     p.add_argument("--temperature", type=non_negative_float, default=d["temperature"].default,
                    help="0 = greedy (the protocol); > 0 samples (losslessness is then not checked token for token)")
@@ -280,6 +285,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     out = args.out or str(Path("runs") / "evaluate" / datetime.now().strftime("%Y%m%d-%H%M%S"))
     return EvalConfig(drafters=tuple(args.drafter), questions=args.questions, target=args.target, limit=args.limit,
+                      per_category=args.per_category,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, gamma=args.gamma,
                       fixed_depth=args.fixed_depth, prompt_vocab=args.prompt_vocab, peers=args.peers,
                       warmup=args.warmup, device=device, seed=args.seed, out=out)
@@ -291,7 +297,7 @@ def load_inputs(parser: argparse.ArgumentParser, config: EvalConfig):
     from models.target import load_target
 
     try:
-        questions = load_questions(config.questions, config.limit)
+        questions = load_questions(config.questions, config.limit, config.per_category)
     except (QuestionFileError, OSError) as err:
         parser.error(f"argument --questions: {err}")
     try:

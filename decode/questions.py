@@ -25,19 +25,27 @@ class Question:
     turns: tuple[str, ...]  # the user's messages, in order; turn k+1 follows the model's answer to turn k
 
 
-def load_questions(path: str | Path, limit: int | None = None) -> list[Question]:
-    """The first `limit` questions of a JSONL file (all when limit is None), in file order."""
+def load_questions(path: str | Path, limit: int | None = None, per_category: int | None = None) -> list[Question]:
+    """The first `limit` questions of a JSONL file (all when limit is None), in file order; with
+    per_category, only the first `per_category` questions of each category count (MT-bench's file is
+    sorted by category, so its first N questions are all one category)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"question file {path} does not exist")
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit must be a positive integer, got {limit}")
-    questions = []
+    for name, value in (("limit", limit), ("per_category", per_category)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value}")
+    questions: list[Question] = []
+    taken: dict[str, int] = {}
     with path.open(encoding="utf-8") as lines:
         for line_no, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
-            questions.append(parse_question(line, f"{path}:{line_no}", line_no))
+            question = parse_question(line, f"{path}:{line_no}", line_no)
+            if per_category is not None and taken.get(question.category, 0) >= per_category:
+                continue
+            taken[question.category] = taken.get(question.category, 0) + 1
+            questions.append(question)
             if limit is not None and len(questions) >= limit:
                 break
     if not questions:

@@ -83,6 +83,11 @@ def test_loads_the_real_mt_bench_file():
     questions = load_questions(SHARED_DATA / "mt_bench" / "question.jsonl")
     assert len(questions) == 80 and len(categories(questions)) == 8
     assert all(len(q.turns) == 2 for q in questions)
+    two_each = load_questions(SHARED_DATA / "mt_bench" / "question.jsonl", per_category=2)
+    assert len(two_each) == 16 and categories(two_each) == categories(questions)
+    for category in categories(questions):  # the first two of each, in file order
+        assert [q for q in two_each if q.category == category] == [q for q in questions if q.category == category][:2]
+    assert len(load_questions(SHARED_DATA / "mt_bench" / "question.jsonl", limit=5, per_category=2)) == 5
 
 
 @pytest.mark.parametrize("bad_line, message", [
