@@ -102,7 +102,7 @@ def target_hidden_states(cfg, target, records: list[dict], name: str) -> list[Ex
 # ---- the loss ------------------------------------------------------------------------------------------
 
 def head_rows(heads, examples: list[Example], embed=None):
-    """Per head k (1-based): (k, head, states [N, D], labels [N], rows [(example, first row)]) teacher-forced.
+    """Per head k (1-based): (k, head, states [N, D], labels [N], examples used) teacher-forced.
 
     Head k at row i of an example reads h_i (a sequential head: head k-1's state at row i and the
     embedding of the target's token i + k - 1, the response token before its own) and predicts
@@ -126,7 +126,7 @@ def head_rows(heads, examples: list[Example], embed=None):
             previous = [None] * len(examples)
             for e, part in zip(keep, states.split(lengths)):
                 previous[e] = part
-        yield k, head, states, labels, [(e, k) for e in keep]
+        yield k, head, states, labels, keep  # rows 0 .. R - k - 1 of each kept example, in order
 
 
 def project(weight: torch.Tensor, states: torch.Tensor, vocab_map: torch.Tensor | None) -> torch.Tensor:
@@ -152,13 +152,13 @@ def medusa_loss(heads, target_head: torch.nn.Module, examples: list[Example], de
             target_logits = [project(target_head.weight, h.to(device, target_head.weight.dtype), vocab_map)
                              .float() for h, _ in examples]  # per example [R, V or M]
     total = torch.zeros((), device=device)
-    for k, head, states, labels, rows in head_rows(heads, examples, embed):
+    for k, head, states, labels, used in head_rows(heads, examples, embed):
         logits = project(head.proj.weight, states, vocab_map)  # [N, V or M]
         targets = labels if index is None else index[labels]  # [N] (-1: not a candidate)
         inside = targets >= 0
         loss = cross_entropy_loss(logits[inside], targets[inside]) if inside.any() else logits.sum() * 0
         if kl_weight:
-            teacher = torch.cat([target_logits[e][first:] for e, first in rows])  # [N, V or M]
+            teacher = torch.cat([target_logits[e][k:] for e in used])  # [N, V or M]: rows i + k
             loss = loss + kl_weight * forward_kl(logits, teacher)
         total = total + decay ** (k - 1) * loss
     return total

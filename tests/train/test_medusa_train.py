@@ -107,16 +107,17 @@ def test_sequential_rows_are_teacher_forced_on_the_targets_tokens(target):
                  torch.randint(0, VOCAB_SIZE, (r,), generator=gen)) for r in (6, 2, 5)]
     embed = target.model.get_input_embeddings()
     with torch.no_grad():
-        for k, head, states, labels, rows in head_rows(heads, examples, embed):
+        for k, head, states, labels, used in head_rows(heads, examples, embed):
             i = 0
-            for e, first in rows:
+            assert used == [e for e, (h, _) in enumerate(examples) if h.shape[0] > k]
+            for e in used:
                 h, y = examples[e]
                 for row in range(h.shape[0] - k):
                     state = h[row]
                     for j in range(k):
                         state = heads.heads[j].state(state, embed(y[row + j]))
                     torch.testing.assert_close(states[i], state, rtol=1e-5, atol=1e-5)
-                    assert labels[i] == y[row + k] and first == k
+                    assert labels[i] == y[row + k]
                     i += 1
             assert i == states.shape[0]
 
