@@ -90,12 +90,10 @@ class MedusaProposer(Proposer):
         return rows if self.vocab_map is None else self.vocab_map[rows]
 
     def propose(self, seq: list[int], max_depth: int, sampling: SamplingConfig, generator) -> TokenTree:
-        if self.sequential:
-            if self.hidden is None:
-                raise RuntimeError("MedusaProposer.propose before observe_prefill: the engine must feed it hidden states")
-            return self.sequential_tree(seq[-1], max_depth)
-        if self.topk is None:
+        if (self.hidden if self.sequential else self.topk) is None:
             raise RuntimeError("MedusaProposer.propose before observe_prefill: the engine must feed it hidden states")
+        if self.sequential:
+            return self.sequential_tree(seq[-1], max_depth)
         return tree_from_ranks(seq[-1], self.tree, self.topk, max_depth)
 
     @torch.no_grad()
