@@ -93,7 +93,7 @@ class SpeculativeEngine:
         hidden, logits = self.target.forward(prompt, logits_rows=slice(n - 1, n), extra=extra)  # [T(+L), D], [1, V]
         self.target.cache.advance(n)  # the first emitted token becomes the first root; extra rows stay uncommitted
         if self.self_drafting:
-            self.proposer.observe_prefill(hidden[n - 1])  # the state the first emitted token comes from
+            self.proposer.observe_prefill(hidden[:n])  # the last row is the state the first emitted token comes from
         if extra is not None:
             self.proposer.observe_rows(hidden[n:], n - 1)
         return pick_token(logits[0], sampling, generator)

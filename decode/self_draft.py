@@ -2,7 +2,9 @@
 
 No extra target forward per step. The engine's verification forward returns the hidden state of
 every tree node; after verification it calls `observe_verification(hidden [N, D], verdict)` (and
-after prefill `observe_prefill(hidden_last [D])`) on a proposer whose `self_drafting` is True.
+after prefill `observe_prefill(hidden [n, D])`, the prompt's) on a proposer whose `self_drafting` is True.
+Heads with a prefix layer (models.medusa, Hydra++) run it over the accepted rows in sequence order,
+with its own KV cache, and read its output at the last one.
 
 Offsets. Let t be the last accepted node. The target's head on h_t gives the bonus token (t + 1),
 which the engine emits and which becomes the next tree's root. Medusa head k on h_t predicts token
@@ -34,6 +36,7 @@ import torch
 from decode.proposers import Proposer
 from decode.sampling import SamplingConfig, Verdict
 from decode.tree import TokenTree
+from models.medusa import PrefixCache
 from models.packed_linear import PackedLinear, packing_supported
 
 __all__ = ["MedusaProposer", "choose_tree", "check_tree", "tree_from_ranks"]
@@ -63,15 +66,30 @@ class MedusaProposer(Proposer):
         self.hidden: torch.Tensor | None = None  # [D] the last accepted node's state (sequential heads)
         self.vocab_map = None if vocab_map is None else vocab_map.long().cpu()  # [M] head row -> target id
         self.projections = head_projections(heads, self.vocab_map)  # K x ([N, D] -> [N, M])
+        self.prefix = getattr(heads, "prefix", None)
+        self.prefix_cache: PrefixCache | None = None
 
     def begin(self, prompt_ids: list[int], capacity: int) -> None:
         self.topk = self.hidden = None
+        if self.prefix is not None:
+            weight = self.prefix.qkv.weight
+            self.prefix_cache = PrefixCache(self.prefix, capacity, weight.device, weight.dtype)
 
-    def observe_prefill(self, hidden_last: torch.Tensor) -> None:
-        self.observe_state(hidden_last)
+    def observe_prefill(self, hidden: torch.Tensor) -> None:
+        """hidden [n, D]: the target's states at the prompt's positions."""
+        self.observe_accepted(hidden)
 
     def observe_verification(self, hidden: torch.Tensor, verdict: Verdict) -> None:
-        self.observe_state(hidden[verdict.path[-1]])  # the last accepted node's state
+        self.observe_accepted(hidden[verdict.path])  # the accepted nodes' states, root first
+
+    @torch.no_grad()
+    def observe_accepted(self, rows: torch.Tensor) -> None:
+        """rows [n, D]: the target's states at the next n positions of the sequence, all accepted."""
+        if self.prefix is not None:
+            if self.prefix_cache is None:
+                raise RuntimeError("MedusaProposer: begin() must come before the prefix layer's first rows")
+            rows = self.prefix.extend(rows.to(self.prefix.qkv.weight.dtype), self.prefix_cache)
+        self.observe_state(rows[-1])
 
     def observe_state(self, hidden: torch.Tensor) -> None:
         if self.sequential:  # the heads' choices depend on the tree's tokens: drafted in propose

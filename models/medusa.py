@@ -15,13 +15,20 @@ so each node's children depend on the path to it. fuse_k starts at zero: the hea
 Drafting runs the heads depth by depth over the tree's inner nodes (decode.self_draft); the
 embeddings are the frozen target's own and are not stored.
 
+Prefix attention (`prefix`, Hydra++): the target's last hidden state is specialised for the next
+token. One extra causal decoder layer over the whole sequence of those states, h_0 .. h_t, re-reads
+the context for the heads: s_0 = PrefixLayer(h_0 .. h_t)[t] instead of h_t. Its attention and MLP
+outputs start at zero, so it starts as the identity. At decoding it keeps its own KV cache of the
+accepted positions (`PrefixCache`): one layer's work on the rows each step accepts.
+
 Every layer is its own module. `[ResBlock(h)] * n` would put one module n times in the list, sharing
 one set of weights, a known bug of the original code; `test_medusa.py` checks the parameter count.
 
 A drafter directory of kind `medusa`:
     manifest.json   config: {"num_heads", "num_layers", "hidden_size", "vocab_size"} plus the training
                     config; extra: {"tree": [[rank, ...], ...], "topk_accuracy": [[...], ...]}
-    model/medusa.safetensors   the heads' state dict
+                    config may carry "prefix": {"num_heads", "intermediate_size", "rope_theta"}
+    model/medusa.safetensors   the heads' state dict (the prefix layer's under "prefix.")
     vocab_map.safetensors      optional [M] target ids the heads may propose (config `draft_vocab`):
                                decoding projects onto these rows only; training keeps the full vocabulary
 """
@@ -37,7 +44,7 @@ from torch import nn
 from models.drafters import Drafter, checked_vocab_map, load_vocab_map, register_drafter_kind
 
 WEIGHTS_FILE = "medusa.safetensors"
-ARCH_KEYS = ("num_heads", "num_layers", "hidden_size", "vocab_size")  # "sequential" is optional (false)
+ARCH_KEYS = ("num_heads", "num_layers", "hidden_size", "vocab_size")  # "sequential", "prefix" optional
 
 
 class ResBlock(nn.Module):
@@ -51,6 +58,83 @@ class ResBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + nn.functional.silu(self.linear(x))
+
+
+class PrefixLayer(nn.Module):
+    """One pre-norm causal decoder layer (RoPE attention + SiLU-gated MLP) over hidden states.
+
+    forward(hidden [B, T, D]) -> [B, T, D] at positions 0 .. T-1 (training; right padding is harmless
+    under the causal mask); extend(hidden [n, D], cache) -> [n, D] for the next n positions of one
+    sequence, attending to the cached ones (decoding)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, intermediate_size: int, rope_theta: float):
+        super().__init__()
+        if hidden_size % num_heads or (hidden_size // num_heads) % 2:
+            raise ValueError(f"prefix layer: hidden size {hidden_size} needs an even head size for {num_heads} heads")
+        self.config = {"num_heads": num_heads, "intermediate_size": intermediate_size, "rope_theta": rope_theta}
+        self.num_heads, self.head_dim = num_heads, hidden_size // num_heads
+        self.attn_norm = nn.RMSNorm(hidden_size, eps=1e-5)
+        self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=False)
+        self.out = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.mlp_norm = nn.RMSNorm(hidden_size, eps=1e-5)
+        self.gate_up = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
+        nn.init.zeros_(self.out.weight)  # both residual branches start at zero: the layer is the identity
+        nn.init.zeros_(self.down.weight)
+        inv_freq = 1.0 / rope_theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [hd / 2]
+
+    def heads_of(self, hidden: torch.Tensor, positions: torch.Tensor):
+        """[..., T, D] -> q, k, v [..., H, T, hd], q and k rotated to their positions [T]."""
+        q, k, v = self.qkv(self.attn_norm(hidden)).unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(-3)
+        q, k, v = (x.transpose(-3, -2) for x in (q, k, v))  # [..., H, T, hd]
+        angles = positions.to(self.inv_freq.device, torch.float32)[:, None] * self.inv_freq  # [T, hd / 2]
+        cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(hidden.dtype) for f in (torch.cos, torch.sin))
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """hidden [..., T, D] + attention output [..., H, T, hd] -> the layer's output [..., T, D]."""
+        hidden = hidden + self.out(attended.transpose(-3, -2).flatten(-2))
+        gate, up = self.gate_up(self.mlp_norm(hidden)).chunk(2, dim=-1)
+        return hidden + self.down(nn.functional.silu(gate) * up)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.heads_of(hidden, torch.arange(hidden.shape[-2]))
+        return self.finish(hidden, nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+    def extend(self, hidden: torch.Tensor, cache: "PrefixCache") -> torch.Tensor:
+        n, start = hidden.shape[0], cache.length
+        q, k, v = self.heads_of(hidden, torch.arange(start, start + n))  # [H, n, hd]
+        keys, values = cache.append(k, v)  # [H, start + n, hd]
+        mask = None
+        if n > 1:  # row i sees the cache and new rows 0..i
+            mask = torch.arange(start + n, device=hidden.device) <= start + torch.arange(n, device=hidden.device)[:, None]
+        return self.finish(hidden, nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on [..., T, hd] (the rotate-half convention)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+class PrefixCache:
+    """The prefix layer's keys and values [H, capacity, hd] for one sequence's accepted positions."""
+
+    def __init__(self, layer: PrefixLayer, capacity: int, device, dtype):
+        shape = (layer.num_heads, capacity, layer.head_dim)
+        self.keys = torch.empty(shape, device=device, dtype=dtype)
+        self.values = torch.empty(shape, device=device, dtype=dtype)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor):
+        end = self.length + k.shape[-2]
+        if end > self.keys.shape[1]:
+            raise RuntimeError(f"prefix cache full: {end} positions, capacity {self.keys.shape[1]}")
+        self.keys[:, self.length:end] = k
+        self.values[:, self.length:end] = v
+        self.length = end
+        return self.keys[:, :end], self.values[:, :end]
 
 
 class MedusaHead(nn.Module):
@@ -83,7 +167,7 @@ class MedusaHeads(nn.Module):
     one before head k's), teacher-forced; see `states`."""
 
     def __init__(self, num_heads: int, num_layers: int, hidden_size: int, vocab_size: int,
-                 sequential: bool = False):
+                 sequential: bool = False, prefix: dict | None = None):
         super().__init__()
         if num_heads < 1 or num_layers < 0:
             raise ValueError(f"Medusa needs num_heads >= 1 and num_layers >= 0, got {num_heads}, {num_layers}")
@@ -91,6 +175,11 @@ class MedusaHeads(nn.Module):
                        "vocab_size": vocab_size, "sequential": bool(sequential)}
         self.heads = nn.ModuleList(MedusaHead(hidden_size, vocab_size, num_layers, sequential)
                                    for _ in range(num_heads))
+        self.prefix = None
+        if prefix:
+            self.prefix = PrefixLayer(hidden_size, int(prefix["num_heads"]), int(prefix["intermediate_size"]),
+                                      float(prefix["rope_theta"]))
+            self.config["prefix"] = dict(self.prefix.config)
 
     @property
     def num_heads(self) -> int:
@@ -100,8 +189,13 @@ class MedusaHeads(nn.Module):
     def sequential(self) -> bool:
         return self.config["sequential"]
 
+    def source(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The heads' input s_0 at every position of a sequence: [B, T, D] target states -> [B, T, D]
+        (the prefix layer's output, or the states themselves without one)."""
+        return hidden if self.prefix is None else self.prefix(hidden)
+
     def states(self, hidden: torch.Tensor, token_embeddings: torch.Tensor | None = None) -> torch.Tensor:
-        """[..., D] -> [K, ..., D], each head's input to its projection. Medusa heads each read hidden;
+        """s_0 [..., D] (see `source`) -> [K, ..., D], each head's input to its projection. Medusa heads each read hidden;
         sequential head k reads head k-1's state (hidden for head 1) and token_embeddings[k-1]."""
         if not self.sequential:
             return torch.stack([head.state(hidden) for head in self.heads])
@@ -119,10 +213,12 @@ class MedusaHeads(nn.Module):
 
     @classmethod
     def from_target(cls, target_model: nn.Module, num_heads: int, num_layers: int = 1,
-                    sequential: bool = False) -> "MedusaHeads":
-        """Heads for `target_model`: identity blocks and projections copied from its head."""
+                    sequential: bool = False, prefix_layer: bool = False) -> "MedusaHeads":
+        """Heads for `target_model`: identity blocks and projections copied from its head; with
+        prefix_layer, an identity prefix layer shaped like the target's layers (heads, MLP width, RoPE)."""
         head = target_model.get_output_embeddings().weight  # [V, D]
-        heads = cls(num_heads, num_layers, head.shape[1], head.shape[0], sequential).to(
+        prefix = prefix_config(target_model) if prefix_layer else None
+        heads = cls(num_heads, num_layers, head.shape[1], head.shape[0], sequential, prefix).to(
             device=head.device, dtype=head.dtype)
         with torch.no_grad():
             for medusa_head in heads.heads:
@@ -137,11 +233,21 @@ class MedusaHeads(nn.Module):
         save_file(state, str(directory / WEIGHTS_FILE), metadata={k: str(v) for k, v in self.config.items()})
 
 
+def prefix_config(target_model: nn.Module) -> dict:
+    """The prefix layer's shape from the target's config: its attention heads, MLP width and RoPE base."""
+    text = target_model.config.get_text_config()
+    rope = getattr(text, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta") or getattr(text, "rope_theta", None) or 10000.0
+    return {"num_heads": text.num_attention_heads, "intermediate_size": text.intermediate_size,
+            "rope_theta": float(theta)}
+
+
 def load_medusa_heads(model_dir: Path, config: dict, dtype: torch.dtype) -> MedusaHeads:
     missing = [key for key in ARCH_KEYS if key not in config]
     if missing:
         raise ValueError(f"{model_dir}: the medusa manifest config lacks {', '.join(missing)}")
-    heads = MedusaHeads(*(int(config[key]) for key in ARCH_KEYS), sequential=bool(config.get("sequential", False)))
+    heads = MedusaHeads(*(int(config[key]) for key in ARCH_KEYS), sequential=bool(config.get("sequential", False)),
+                        prefix=config.get("prefix"))
     heads.load_state_dict(load_file(str(model_dir / WEIGHTS_FILE)), strict=True)
     return heads.to(dtype)
 

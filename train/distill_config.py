@@ -58,6 +58,8 @@ class DistillConfig:
     medusa_layers: int = _f(1, "medusa: residual blocks per head")
     medusa_sequential: bool = _f(False, "medusa: sequential (Hydra-style) heads that also read the tree's tokens "
                                         "before their own")
+    medusa_prefix_layer: bool = _f(False, "medusa: a causal decoder layer over the target's states under the heads "
+                                           "(Hydra++'s prefix attention), trained with them")
     medusa_decay: float = _f(0.8, "medusa: head k's loss weight is decay**(k-1)")
     medusa_kl_weight: float = _f(1.0, "medusa: weight of KL(target || head) beside the CE on the target's tokens")
     medusa_tree_nodes: int = _f(24, "medusa: draft nodes of the calibrated sparse tree (root excluded)")

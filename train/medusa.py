@@ -15,9 +15,11 @@ With `draft_vocab` M > 0 the drafter also stores a candidate vocabulary (the tra
 frequent tokens): decoding projects the heads onto those rows only (V / M times cheaper per step), and
 training and calibration use the same restriction (CE and KL over the M candidates: what decoding ranks),
 which also makes a training step about V / M times cheaper.
-`medusa_sequential: true` trains sequential (Hydra-style) heads, see models.medusa.
-Config fields read here: medusa_heads, medusa_layers, medusa_sequential, medusa_decay, medusa_kl_weight,
-medusa_tree_nodes, medusa_topk, medusa_calibration, draft_vocab (see train.distill_config).
+`medusa_sequential: true` trains sequential (Hydra-style) heads, `medusa_prefix_layer: true` adds
+Hydra++'s prefix attention layer under them (trained jointly, over each record's whole sequence of
+target states), see models.medusa.
+Config fields read here: medusa_heads, medusa_layers, medusa_sequential, medusa_prefix_layer, medusa_decay,
+medusa_kl_weight, medusa_tree_nodes, medusa_topk, medusa_calibration, draft_vocab (see train.distill_config).
 """
 
 from __future__ import annotations
@@ -41,7 +43,10 @@ from train.colbt import config_dict, split_held_out
 
 log = logging.getLogger("specdistill.medusa")
 
-Example = tuple[torch.Tensor, torch.Tensor]  # hidden [R, D] at the positions predicting the response, labels [R]
+# hidden [T, D]: the target's states at a record's positions up to the last one that predicts a response
+# token; its last R rows are the positions predicting the response, labels [R] (the response tokens)
+Example = tuple[torch.Tensor, torch.Tensor]
+PREFIX_BATCH = 16  # records per prefix-layer forward outside training (calibration)
 
 
 def train_medusa(cfg, accelerator, target, records: list[dict]) -> Path:
@@ -49,7 +54,8 @@ def train_medusa(cfg, accelerator, target, records: list[dict]) -> Path:
     train_set = target_hidden_states(cfg, target, train_records, "train")
     calib_set = target_hidden_states(cfg, target, calibration, "calibration")
     heads = MedusaHeads.from_target(target.model, cfg.medusa_heads, cfg.medusa_layers,
-                                    sequential=cfg.medusa_sequential).float().train()
+                                    sequential=cfg.medusa_sequential,
+                                    prefix_layer=cfg.medusa_prefix_layer).float().train()
     heads.requires_grad_(True)
     vocab_map = candidate_vocab(cfg, target, train_records)
     embed = target.model.get_input_embeddings()  # sequential heads read the tree's tokens through it
@@ -77,10 +83,12 @@ def train_medusa(cfg, accelerator, target, records: list[dict]) -> Path:
 
 @torch.no_grad()
 def target_hidden_states(cfg, target, records: list[dict], name: str) -> list[Example]:
-    """(hidden [R, D], response [R]) per record: the target's final-norm hidden state at each position
-    whose next token is a response token. Cached in work_dir (the target is frozen)."""
+    """(hidden [T, D], response [R]) per record: the target's final-norm hidden states at every position
+    up to the last whose next token is a response token (the prefix layer reads the prompt's too; the
+    last R rows are the response's). Cached in work_dir (the target is frozen)."""
     cache = Path(cfg.work_dir) / f"medusa_hidden_{name}.pt"
-    key = (target.fingerprint, len(records), sum(len(r["response_ids"]) for r in records), cfg.max_seq_len)
+    key = (target.fingerprint, len(records), sum(len(r["response_ids"]) for r in records), cfg.max_seq_len,
+           "whole sequence")
     if cache.is_file():
         saved = torch.load(cache, weights_only=False)
         if saved.get("key") == key:
@@ -92,8 +100,11 @@ def target_hidden_states(cfg, target, records: list[dict], name: str) -> list[Ex
         hidden = target.model.get_decoder()(input_ids=batch.input_ids,
                                             attention_mask=batch.attention_mask).last_hidden_state  # [B, T, D]
         for row in range(hidden.shape[0]):
-            mask = batch.loss_mask[row]
-            examples.append((hidden[row][mask].float().cpu(), batch.labels[row][mask].cpu()))
+            positions = batch.loss_mask[row].nonzero().flatten()  # [R], consecutive
+            if positions.numel() and positions[-1] - positions[0] + 1 != positions.numel():
+                raise ValueError(f"record {start + row}: its response positions are not consecutive")
+            end = int(positions[-1]) + 1 if positions.numel() else 0
+            examples.append((hidden[row][:end].float().cpu(), batch.labels[row][positions].cpu()))
     cache.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"key": key, "examples": examples}, cache)
     return examples
@@ -101,20 +112,32 @@ def target_hidden_states(cfg, target, records: list[dict], name: str) -> list[Ex
 
 # ---- the loss ------------------------------------------------------------------------------------------
 
+def head_sources(heads, examples: list[Example]) -> list[torch.Tensor]:
+    """Per example s_0 [R, D] at its response rows: the target's states, or with a prefix layer its
+    output over the example's whole sequence (right-padded batches; causal, so padding is unseen)."""
+    device = next(heads.parameters()).device
+    dtype = heads.heads[0].proj.weight.dtype
+    if heads.prefix is None:
+        return [h[h.shape[0] - labels.shape[0]:].to(device, dtype) for h, labels in examples]
+    batch = torch.nn.utils.rnn.pad_sequence([h.to(device, dtype) for h, _ in examples], batch_first=True)  # [B, T, D]
+    out = heads.source(batch)  # [B, T, D]
+    return [out[b, h.shape[0] - labels.shape[0]:h.shape[0]] for b, (h, labels) in enumerate(examples)]
+
+
 def head_rows(heads, examples: list[Example], embed=None):
     """Per head k (1-based): (k, head, states [N, D], labels [N], examples used) teacher-forced.
 
-    Head k at row i of an example reads h_i (a sequential head: head k-1's state at row i and the
-    embedding of the target's token i + k - 1, the response token before its own) and predicts
-    label i + k; rows are consecutive positions, so an example of R rows gives R - k of them."""
+    Head k at response row i of an example reads s_0 at row i (`head_sources`; a sequential head:
+    head k-1's state at row i and the embedding of the target's token i + k - 1, the response token
+    before its own) and predicts label i + k; rows are consecutive positions, so an example of R
+    rows gives R - k of them."""
     device = next(heads.parameters()).device
-    dtype = heads.heads[0].proj.weight.dtype
-    previous = [h.to(device, dtype) for h, _ in examples]  # per example [R, D]: s_0 = h
+    previous = head_sources(heads, examples)  # per example [R, D]: s_0
     for k, head in enumerate(heads.heads, start=1):
-        keep = [e for e, (h, _) in enumerate(examples) if h.shape[0] > k]
+        keep = [e for e, (_, labels) in enumerate(examples) if labels.shape[0] > k]
         if not keep:
             return
-        source = torch.cat([previous[e][:examples[e][0].shape[0] - k] for e in keep])  # [N, D]
+        source = torch.cat([previous[e][:examples[e][1].shape[0] - k] for e in keep])  # [N, D]
         labels = torch.cat([examples[e][1][k:] for e in keep]).to(device)  # [N]
         tokens = None
         if heads.sequential:
@@ -122,7 +145,7 @@ def head_rows(heads, examples: list[Example], embed=None):
             tokens = embed(before)  # [N, D]
         states = head.state(source, tokens)  # [N, D]
         if heads.sequential:  # head k + 1 continues from these states
-            lengths = [examples[e][0].shape[0] - k for e in keep]
+            lengths = [examples[e][1].shape[0] - k for e in keep]
             previous = [None] * len(examples)
             for e, part in zip(keep, states.split(lengths)):
                 previous[e] = part
@@ -149,8 +172,8 @@ def medusa_loss(heads, target_head: torch.nn.Module, examples: list[Example], de
     target_logits = None
     if kl_weight:
         with torch.no_grad():
-            target_logits = [project(target_head.weight, h.to(device, target_head.weight.dtype), vocab_map)
-                             .float() for h, _ in examples]  # per example [R, V or M]
+            target_logits = [project(target_head.weight, h[h.shape[0] - labels.shape[0]:].to(
+                device, target_head.weight.dtype), vocab_map).float() for h, labels in examples]  # per example [R, V or M]
     total = torch.zeros((), device=device)
     for k, head, states, labels, used in head_rows(heads, examples, embed):
         logits = project(head.proj.weight, states, vocab_map)  # [N, V or M]
@@ -230,11 +253,18 @@ def topk_accuracy(heads, examples: list[Example], k_ranks: int, vocab_map: torch
     sequential head reads the target's own tokens before it, so this is its accuracy given that the
     path above it was right), the choices restricted to vocab_map's rows when given, as decoding
     restricts them."""
-    accuracy = []
-    for _, head, states, labels, _ in head_rows(heads, examples, embed):
-        logits = project(head.proj.weight, states, vocab_map)  # [N, V or M]
-        ranks = logits.topk(k_ranks, dim=-1).indices  # [N, ranks]
-        if vocab_map is not None:
-            ranks = vocab_map.to(ranks.device)[ranks]  # target ids
-        accuracy.append((ranks == labels[:, None]).float().mean(0).tolist())
-    return accuracy
+    hits: list[torch.Tensor] = []  # per head [ranks]: right choices at each rank
+    counts: list[int] = []
+    for start in range(0, len(examples), PREFIX_BATCH):  # the prefix layer's activations, a batch at a time
+        for k, head, states, labels, _ in head_rows(heads, examples[start:start + PREFIX_BATCH], embed):
+            logits = project(head.proj.weight, states, vocab_map)  # [N, V or M]
+            ranks = logits.topk(k_ranks, dim=-1).indices  # [N, ranks]
+            if vocab_map is not None:
+                ranks = vocab_map.to(ranks.device)[ranks]  # target ids
+            right = (ranks == labels[:, None]).float().sum(0).cpu()  # [ranks]
+            if k > len(hits):
+                hits.append(torch.zeros(k_ranks))
+                counts.append(0)
+            hits[k - 1] += right
+            counts[k - 1] += labels.shape[0]
+    return [(h / max(n, 1)).tolist() for h, n in zip(hits, counts)]

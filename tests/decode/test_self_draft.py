@@ -20,8 +20,8 @@ def target_greedy(model, prompt, n, eos=None):
     return out[0, len(prompt):].tolist()
 
 
-def random_heads(target, k=3, seed=0, scale=0.5, sequential=False):
-    heads = MedusaHeads.from_target(target, num_heads=k, num_layers=1, sequential=sequential)
+def random_heads(target, k=3, seed=0, scale=0.5, sequential=False, prefix=False):
+    heads = MedusaHeads.from_target(target, num_heads=k, num_layers=1, sequential=sequential, prefix_layer=prefix)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in heads.parameters():
@@ -52,14 +52,39 @@ def medusa_proposer(target, heads, tree=None, vocab_map=None):
     return MedusaProposer(heads, tree, vocab_map=vocab_map, embed=target.get_input_embeddings())
 
 
-@pytest.mark.parametrize("sequential", [False, True], ids=["medusa", "sequential"])
+KINDS = {"medusa": {}, "sequential": {"sequential": True}, "prefix": {"sequential": True, "prefix": True}}
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("tree", [None, BRANCHY], ids=["chain", "branchy"])
 @pytest.mark.parametrize("adaptive", [False, True])
-def test_greedy_is_the_targets_output(tiny_target, tree, adaptive, sequential):
+def test_greedy_is_the_targets_output(tiny_target, tree, adaptive, kind):
     ref = target_greedy(tiny_target, PROMPT, 60)
-    proposer = medusa_proposer(tiny_target, random_heads(tiny_target, sequential=sequential), tree)
+    proposer = medusa_proposer(tiny_target, random_heads(tiny_target, **KINDS[kind]), tree)
     gen = SpeculativeEngine(tiny_target, proposer, adaptive=adaptive).generate(PROMPT, 60)
     assert gen.tokens == ref
+
+
+def test_prefix_layer_reads_every_accepted_position_once_in_order(tiny_target):
+    """Before each proposal, the heads' s_0 is the prefix layer's output at the last processed position
+    of one causal pass over the target's states for the whole sequence so far (prompt and accepted
+    tokens; the root, the last emitted token, is not processed yet)."""
+    heads = random_heads(tiny_target, sequential=True, prefix=True)
+    seen = []
+
+    class Recording(MedusaProposer):
+        def propose(self, seq, max_depth, sampling, generator):
+            seen.append((list(seq), self.hidden.clone()))
+            return super().propose(seq, max_depth, sampling, generator)
+
+    proposer = Recording(heads, BRANCHY, embed=tiny_target.get_input_embeddings())
+    SpeculativeEngine(tiny_target, proposer, adaptive=False).generate(PROMPT, 30)
+    assert len(seen) > 3
+    with torch.no_grad():
+        for seq, state in seen:
+            out = tiny_target(input_ids=torch.tensor([seq[:-1]]), output_hidden_states=True)
+            expected = heads.source(out.hidden_states[-1])[0, -1]  # [D]
+            torch.testing.assert_close(state, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_sequential_tree_nodes_are_each_heads_choices_given_the_path_above(tiny_target):
@@ -68,7 +93,7 @@ def test_sequential_tree_nodes_are_each_heads_choices_given_the_path_above(tiny_
     heads = random_heads(tiny_target, sequential=True)
     proposer = medusa_proposer(tiny_target, heads, BRANCHY)
     hidden = torch.randn(tiny_target.config.hidden_size)
-    proposer.observe_prefill(hidden)
+    proposer.observe_prefill(hidden[None])  # [1, D]: a one-token prompt's states
     tree = proposer.propose(PROMPT, 3, SamplingConfig(), None)
     embed = tiny_target.get_input_embeddings()
     with torch.no_grad():

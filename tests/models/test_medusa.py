@@ -97,3 +97,56 @@ def test_sequential_round_trip_keeps_the_kind_of_head(tmp_path):
     assert loaded.sequential
     for (name, a), (_, b) in zip(heads.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def prefix_heads(target_model, seed=0, scale=0.2):
+    heads = MedusaHeads.from_target(target_model, num_heads=2, num_layers=1, sequential=True, prefix_layer=True)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.prefix.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+    return heads
+
+
+def test_prefix_layer_starts_as_the_identity():
+    target = make_tiny_llama(seed=3)
+    heads = MedusaHeads.from_target(target, num_heads=2, num_layers=1, sequential=True, prefix_layer=True)
+    hidden = torch.randn(2, 7, target.config.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(heads.source(hidden), hidden, rtol=0, atol=0)
+    assert heads.config["prefix"]["num_heads"] == target.config.num_attention_heads
+
+
+def test_prefix_layer_extended_piece_by_piece_is_one_causal_pass():
+    """Decoding feeds the prefix layer a few accepted rows at a time through its KV cache: the outputs
+    must be those of one causal pass over the whole sequence, and no row may see a later one."""
+    from models.medusa import PrefixCache
+
+    target = make_tiny_llama(seed=3)
+    heads = prefix_heads(target)
+    hidden = torch.randn(10, target.config.hidden_size)  # [T, D]
+    with torch.no_grad():
+        whole = heads.source(hidden[None])[0]  # [T, D]
+        cache = PrefixCache(heads.prefix, 12, hidden.device, hidden.dtype)
+        pieces = [heads.prefix.extend(hidden[a:b], cache) for a, b in ((0, 3), (3, 4), (4, 8), (8, 10))]
+        changed = hidden.clone()
+        changed[6:] += 1.0
+        after = heads.source(changed[None])[0]
+    torch.testing.assert_close(torch.cat(pieces), whole, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(whole, hidden)  # the layer does something
+    torch.testing.assert_close(after[:6], whole[:6], rtol=0, atol=0)  # causal
+    assert not torch.allclose(after[6:], whole[6:])
+    with pytest.raises(RuntimeError, match="prefix cache full"):
+        with torch.no_grad():
+            heads.prefix.extend(hidden[:3], cache)
+
+
+def test_prefix_round_trip_keeps_the_layer(tmp_path):
+    target = make_tiny_target(seed=0)
+    heads = prefix_heads(target.model)
+    save_drafter(tmp_path / "m", heads, target, "medusa", config=dict(heads.config), extra={"tree": [[0]]})
+    loaded = load_drafter(str(tmp_path / "m"), target).model
+    assert loaded.prefix is not None and loaded.config["prefix"] == heads.config["prefix"]
+    assert heads.state_dict().keys() == loaded.state_dict().keys()
+    for (name, a), (_, b) in zip(heads.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name

@@ -56,9 +56,16 @@ def trained_sequential(target, records, tmp_path_factory):
     return train_medusa(cfg, Accelerator(cpu=True), target, records), before
 
 
-@pytest.fixture(params=["medusa", "sequential"])
-def any_trained(request, trained, trained_sequential):
-    return trained if request.param == "medusa" else trained_sequential
+@pytest.fixture(scope="module")
+def trained_prefix(target, records, tmp_path_factory):
+    before = {k: v.clone() for k, v in target.model.state_dict().items()}
+    cfg = medusa_config(tmp_path_factory.mktemp("prefix"), medusa_sequential=True, medusa_prefix_layer=True)
+    return train_medusa(cfg, Accelerator(cpu=True), target, records), before
+
+
+@pytest.fixture(params=["medusa", "sequential", "prefix"])
+def any_trained(request, trained, trained_sequential, trained_prefix):
+    return {"medusa": trained, "sequential": trained_sequential, "prefix": trained_prefix}[request.param]
 
 
 def test_training_changes_only_the_heads(target, any_trained):
@@ -68,7 +75,8 @@ def test_training_changes_only_the_heads(target, any_trained):
     for name, tensor in before.items():
         assert torch.equal(tensor, after[name]), name  # bit for bit
     heads = load_drafter(str(out), target).model
-    fresh = MedusaHeads.from_target(target.model, 3, 1, sequential=heads.sequential)
+    fresh = MedusaHeads.from_target(target.model, 3, 1, sequential=heads.sequential,
+                                    prefix_layer=heads.prefix is not None)
     changed = [not torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), heads.state_dict().values())]
     assert all(changed)  # every block and projection of every head trained
 
@@ -96,6 +104,17 @@ def test_sequential_heads_learn_more_than_medusa_heads_past_head_1(target, recor
     assert sequential[1][0] > medusa[1][0] and sequential[2][0] > medusa[2][0]
 
 
+def test_a_prefix_layer_lifts_every_sequential_head(target, records, trained_sequential, trained_prefix, tmp_path):
+    """The tiny target's next tokens depend on more than its last state says about t + 2 .. t + 4: the
+    prefix layer re-reading the sequence lets every head do better with the same data and steps
+    (measured: 0.87 / 0.80 / 0.79 against 0.61 / 0.59 / 0.60)."""
+    examples = target_hidden_states(medusa_config(tmp_path), target, records, "check")
+    embed = target.model.get_input_embeddings()
+    sequential, prefix = (topk_accuracy(load_drafter(str(run[0]), target).model.float(), examples, 1, embed=embed)
+                          for run in (trained_sequential, trained_prefix))
+    assert all(p[0] > s[0] + 0.1 for p, s in zip(prefix, sequential)), (prefix, sequential)
+
+
 def test_sequential_rows_are_teacher_forced_on_the_targets_tokens(target):
     """head_rows gives head k at row i the state computed from h_i and tokens i .. i + k - 1, and the label i + k."""
     heads = MedusaHeads.from_target(target.model, 3, 1, sequential=True)
@@ -120,6 +139,26 @@ def test_sequential_rows_are_teacher_forced_on_the_targets_tokens(target):
                     assert labels[i] == y[row + k]
                     i += 1
             assert i == states.shape[0]
+
+
+def test_prefix_sources_are_one_pass_over_each_whole_sequence(target):
+    """With a prefix layer, the heads' s_0 at an example's response rows is the layer's output over
+    that example's whole sequence (prompt rows included), whatever else shares the padded batch."""
+    from train.medusa import head_sources
+
+    heads = MedusaHeads.from_target(target.model, 3, 1, sequential=True, prefix_layer=True)
+    with torch.no_grad():
+        for p in heads.prefix.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    gen = torch.Generator().manual_seed(0)
+    d = target.model.config.hidden_size
+    examples = [(torch.randn(t, d, generator=gen), torch.randint(0, VOCAB_SIZE, (r,), generator=gen))
+                for t, r in ((9, 4), (3, 3), (12, 2))]
+    with torch.no_grad():
+        batched = head_sources(heads, examples)
+        for (h, y), source in zip(examples, batched):
+            alone = heads.source(h[None])[0]  # [T, D]
+            torch.testing.assert_close(source, alone[h.shape[0] - y.shape[0]:], rtol=1e-5, atol=1e-5)
 
 
 def test_loss_over_a_candidate_vocabulary_of_every_token_is_the_full_loss(target):
