@@ -37,7 +37,7 @@ from decode.proposers import Proposer
 from decode.sampling import SamplingConfig, Verdict
 from decode.tree import TokenTree
 from models.medusa import PrefixCache
-from models.packed_linear import PackedLinear, packing_supported
+from models.packed_linear import PackedLinear, packed_for_inference, packing_supported
 
 __all__ = ["MedusaProposer", "choose_tree", "check_tree", "tree_from_ranks"]
 
@@ -66,14 +66,15 @@ class MedusaProposer(Proposer):
         self.hidden: torch.Tensor | None = None  # [D] the last accepted node's state (sequential heads)
         self.vocab_map = None if vocab_map is None else vocab_map.long().cpu()  # [M] head row -> target id
         self.projections = head_projections(heads, self.vocab_map)  # K x ([N, D] -> [N, M])
-        self.prefix = getattr(heads, "prefix", None)
+        prefix = getattr(heads, "prefix", None)  # decoding runs a few rows through it per step: packed too
+        self.prefix = None if prefix is None else packed_for_inference(prefix)
+        self.prefix_param = None if prefix is None else prefix.qkv.weight  # its device and dtype
         self.prefix_cache: PrefixCache | None = None
 
     def begin(self, prompt_ids: list[int], capacity: int) -> None:
         self.topk = self.hidden = None
         if self.prefix is not None:
-            weight = self.prefix.qkv.weight
-            self.prefix_cache = PrefixCache(self.prefix, capacity, weight.device, weight.dtype)
+            self.prefix_cache = PrefixCache(self.prefix, capacity, self.prefix_param.device, self.prefix_param.dtype)
 
     def observe_prefill(self, hidden: torch.Tensor) -> None:
         """hidden [n, D]: the target's states at the prompt's positions."""
@@ -88,7 +89,7 @@ class MedusaProposer(Proposer):
         if self.prefix is not None:
             if self.prefix_cache is None:
                 raise RuntimeError("MedusaProposer: begin() must come before the prefix layer's first rows")
-            rows = self.prefix.extend(rows.to(self.prefix.qkv.weight.dtype), self.prefix_cache)
+            rows = self.prefix.extend(rows.to(self.prefix_param.dtype), self.prefix_cache)
         self.observe_state(rows[-1])
 
     def observe_state(self, hidden: torch.Tensor) -> None:
