@@ -166,6 +166,49 @@ class PromptLookupProposer(Proposer):
         return TokenTree.chain(seq[-1], drafts)
 
 
+LOOKUP_SOURCE = 1 << 20  # the lookup chain's source index: after any member of an inner ensemble
+
+
+class WithPromptLookup(Proposer):
+    """Another proposer's tree plus a prompt-lookup chain from its root (drafter spec `DIR+prompt_lookup`).
+
+    The two draft different things: a trained drafter guesses what the target writes, n-gram lookup
+    finds what it copies (names, code, quoted text), and the lookup costs no model call, only the
+    verification rows of its drafts. The chain merges into the tree with shared prefixes once, as
+    source LOOKUP_SOURCE: greedy verification is lossless whatever the tree, and in sampling the
+    lookup drafts are deterministic functions of the sequence (q one-hot, proposal None), tried after
+    the inner proposer's drafts at each node, which the multi-draft rule (decode.ensemble) allows: a
+    draft only has to be independent of the sampled values decided before it, and these depend on
+    the context alone. Self-drafting proposers (Medusa) keep reading the target's hidden states
+    through this wrapper; [LA] proposers add rows of their own to each forward and are refused."""
+
+    name = "with_prompt_lookup"
+
+    def __init__(self, inner: Proposer, num_tokens: int = 10, max_ngram: int = 3):
+        if hasattr(inner, "verification_rows"):
+            raise ValueError("+prompt_lookup cannot wrap a lookahead ([LA]) drafter: its rows follow the tree's nodes")
+        self.inner = inner
+        self.lookup = PromptLookupProposer(num_tokens, max_ngram)
+        self.self_drafting = bool(getattr(inner, "self_drafting", False))
+        self.max_depth = max(inner.max_depth, num_tokens)
+
+    def begin(self, prompt_ids: list[int], capacity: int) -> None:
+        self.inner.begin(prompt_ids, capacity)
+
+    def observe_prefill(self, hidden: torch.Tensor) -> None:
+        self.inner.observe_prefill(hidden)
+
+    def observe_verification(self, hidden: torch.Tensor, verdict) -> None:
+        self.inner.observe_verification(hidden, verdict)
+
+    def propose(self, seq, max_depth, sampling, generator):
+        tree = self.inner.propose(seq, min(max_depth, self.inner.max_depth), sampling, generator)
+        depth = min(self.lookup.num_tokens, max_depth)
+        drafts = lookup_continuation(seq, depth, self.lookup.max_ngram, self.lookup.min_ngram) if depth > 0 else []
+        tree.add_chain(drafts, None, source=LOOKUP_SOURCE)  # shares the nodes the inner tree already has
+        return tree
+
+
 def lookup_continuation(seq: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
     """Up to k tokens that followed the latest earlier occurrence of seq's last n tokens."""
     n_seq = len(seq)
@@ -186,7 +229,16 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 
 def build_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: set[int] = frozenset(), **kw) -> Proposer:
-    """The proposer for a loaded drafter (models.drafters.Drafter), checked against the target."""
+    """The proposer for a loaded drafter (models.drafters.Drafter), checked against the target;
+    with the drafter's `with_lookup` (spec `...+prompt_lookup`), its trees gain a prompt-lookup chain."""
+    proposer = drafter_proposer(drafter, target_model, gamma, eos_token_ids, **kw)
+    if getattr(drafter, "with_lookup", False):
+        return WithPromptLookup(proposer, num_tokens=kw.get("num_tokens", max(gamma, 1) * 2),
+                                max_ngram=kw.get("max_ngram", 3))
+    return proposer
+
+
+def drafter_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: set[int] = frozenset(), **kw) -> Proposer:
     if drafter.kind == "prompt_lookup":
         return PromptLookupProposer(num_tokens=kw.get("num_tokens", max(gamma, 1) * 2),
                                     max_ngram=kw.get("max_ngram", 3))

@@ -48,7 +48,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 ACCEPTED_SPECS = ("'truncated:N' (the target's first N layers), "
                   "'small:layers=L,hidden=H[,heads=..,kv_heads=..,intermediate=..,seed=..]' (a fresh small Llama), "
                   "'prompt_lookup' (alias 'ngram'), a drafter directory (with manifest.json), "
-                  "or an HF causal LM directory (with config.json)")
+                  "or an HF causal LM directory (with config.json); any of these but prompt_lookup "
+                  "followed by '+prompt_lookup' adds a prompt-lookup chain to its trees")
+LOOKUP_SUFFIX = "+prompt_lookup"
 
 
 @dataclass
@@ -59,6 +61,7 @@ class Drafter:
     manifest: dict  # manifest.json contents, or a synthesized one for built-in specs
     path: str | None
     members: list["Drafter"] | None = None  # kind ensemble: the member drafters, in source order
+    with_lookup: bool = False  # spec "...+prompt_lookup": decoding adds a prompt-lookup chain to each tree
 
 
 DrafterLoader = Callable[[Path, dict, Target, str], Drafter]
@@ -76,6 +79,15 @@ def load_drafter(spec: str | Path, target: Target, device: str = "cpu",
                  allow_target_mismatch: bool = False) -> Drafter:
     """A drafter for `target` from a spec (see ACCEPTED_SPECS), on `device` in the target's dtype."""
     text = str(spec).strip()
+    if text.endswith(LOOKUP_SUFFIX):
+        base = text[:-len(LOOKUP_SUFFIX)]
+        if base in ("", "prompt_lookup", "ngram") or base.endswith(LOOKUP_SUFFIX):
+            raise ValueError(f"drafter spec {text!r}: '+prompt_lookup' follows another drafter's spec, once")
+        drafter = load_drafter(base, target, device, allow_target_mismatch)
+        if drafter.kind == "lookahead":
+            raise ValueError(f"drafter spec {text!r}: a lookahead ([LA]) drafter cannot take a prompt-lookup chain")
+        drafter.with_lookup = True
+        return drafter
     if text in ("prompt_lookup", "ngram"):
         return Drafter("prompt_lookup", None, None, synthesize_manifest(target, "prompt_lookup", text), None)
     if text.startswith("truncated:"):
