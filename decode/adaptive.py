@@ -3,10 +3,13 @@
 Drafting k tokens emits on average E(k) = 1 + sum_{i=1..k} prod_{j<=i} a_j tokens per target
 forward, where a_j is the acceptance rate of draft position j given that position j-1 was
 accepted; it costs k drafter steps plus a target forward over k + 1 nodes. The controller
-estimates a_j, the drafter's cost per token and the target's cost per tree size from the steps it
-has seen, and picks the k in [0, max_depth] that maximises E(k) / cost(k). A tree proposer (an
-ensemble, Medusa) verifies more than k + 1 nodes at depth k: the controller learns the tree's width
-(nodes per unit of depth) and prices depth k at the verification cost of 1 + width * k nodes. k = 0 is plain decoding:
+estimates a_j, the drafting cost and the target's cost per tree size from the steps it has seen,
+and picks the k in [0, max_depth] that maximises E(k) / cost(k). A tree proposer (an ensemble,
+Medusa) verifies more than k + 1 nodes at depth k, and not every proposer's drafting cost grows
+with k (Medusa's stops at its last head, a prompt-lookup chain costs nothing): the controller
+learns the tree size and the drafting time at each depth it has drafted, and prices a depth it
+has not by interpolating between measured ones, or beyond them by the tree's width (nodes per unit
+of depth) and the drafting time per token. k = 0 is plain decoding:
 a drafter that is almost never right should not slow the target down. While k = 0 wins it still
 drafts one token every `probe_every` steps, so that a drafter that starts agreeing is noticed; each
 probe that is rejected doubles the interval (up to `max_probe_every`), an accepted one resets it, so a
@@ -30,6 +33,8 @@ class DraftLengthController:
     draft_cost: float | None = None  # seconds per drafted token
     verify_cost: dict[int, float] = field(default_factory=dict)  # tree size -> seconds
     width: float = 1.0  # drafted nodes per unit of depth (1 for a chain), EMA
+    nodes_at: dict[int, float] = field(default_factory=dict)  # drafted depth -> tree size (root included), EMA
+    draft_at: dict[int, float] = field(default_factory=dict)  # drafted depth -> drafting seconds, EMA
     steps_without_draft: int = 0
     probe_interval: int = 0  # current interval between probes (starts at probe_every)
     probing: bool = False
@@ -61,11 +66,15 @@ class DraftLengthController:
         for j in range(k):
             reach *= self.accept[j]
             expected += reach
-        return expected / (k * (self.draft_cost or 0.0) + self.predicted_verify_cost(self.tree_nodes(k)))
+        return expected / (self.predicted_draft_cost(k) + self.predicted_verify_cost(self.tree_nodes(k)))
 
     def tree_nodes(self, k: int) -> int:
         """The expected size of a tree drafted at depth k, root included."""
-        return 1 + round(self.width * k)
+        return round(per_depth(self.nodes_at, k, 1.0, self.width))
+
+    def predicted_draft_cost(self, k: int) -> float:
+        """Seconds of drafting at depth k."""
+        return per_depth(self.draft_at, k, 0.0, self.draft_cost or 0.0)
 
     def predicted_verify_cost(self, nodes: int) -> float:
         """Measured cost for this tree size, else interpolated between measured sizes, else scaled
@@ -93,11 +102,27 @@ class DraftLengthController:
             per_token = draft_s / depth
             self.draft_cost = per_token if self.draft_cost is None else self._ema(self.draft_cost, per_token)
             self.width = self._ema(self.width, (tree_nodes - 1) / depth)
+            old_nodes, old_draft = self.nodes_at.get(depth), self.draft_at.get(depth)
+            self.nodes_at[depth] = tree_nodes if old_nodes is None else self._ema(old_nodes, tree_nodes)
+            self.draft_at[depth] = draft_s if old_draft is None else self._ema(old_draft, draft_s)
         old = self.verify_cost.get(tree_nodes)
         self.verify_cost[tree_nodes] = verify_s if old is None else self._ema(old, verify_s)
 
     def _ema(self, old: float, new: float) -> float:
         return self.decay * old + (1 - self.decay) * new
+
+
+def per_depth(measured: dict[int, float], k: int, at_zero: float, slope: float) -> float:
+    """A quantity at depth k: measured there, else interpolated between the nearest measured depths
+    (depth 0 is `at_zero`), else extrapolated from the deepest measured one by `slope` per depth."""
+    if k in measured:
+        return measured[k]
+    below = max((d for d in measured if d < k), default=0)
+    low = measured.get(below, at_zero)
+    above = min((d for d in measured if d > k), default=None)
+    if above is None:
+        return low + slope * (k - below)
+    return low + (measured[above] - low) * (k - below) / (above - below)
 
 
 def _prior(nodes: int) -> float:

@@ -62,3 +62,17 @@ def test_a_wide_tree_is_priced_at_its_own_size():
         ctl.accept = [0.7] * 5  # the same drafter quality; only the tree's size differs
     # by hand, from the costs above: a chain pays best at depth 3, the 4-wide tree at depth 1
     assert chain.choose(100) == 3 and wide.choose(100) == 1
+
+
+def test_costs_and_sizes_are_measured_per_depth_and_interpolated_between():
+    """A Medusa tree plus a prompt-lookup chain: drafting costs the same at any depth (the heads stop at
+    their own depth, the lookup is free) and the tree is 4 nodes plus one per depth. Measured at depths
+    1 and 6, depth 3 is priced between them, not at a per-token rate or a mean width."""
+    ctl = DraftLengthController(max_depth=8)
+    for depth in (1, 6) * 20:
+        ctl.observe(depth, 1, 4 + depth, 0.003, 0.05 + 0.004 * (3 + depth))
+    assert ctl.tree_nodes(1) == 5 and ctl.tree_nodes(6) == 10 and ctl.tree_nodes(3) == 7
+    assert abs(ctl.predicted_draft_cost(3) - 0.003) < 1e-9 and abs(ctl.predicted_draft_cost(6) - 0.003) < 1e-9
+    assert ctl.tree_nodes(0) == 1 and ctl.predicted_draft_cost(0) == 0.0
+    assert ctl.tree_nodes(8) == 10 + round(2 * ctl.width)  # beyond the deepest: extrapolated by the width
+    assert abs(ctl.predicted_draft_cost(8) - (0.003 + 2 * ctl.draft_cost)) < 1e-9
