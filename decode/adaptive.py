@@ -8,8 +8,8 @@ and picks the k in [0, max_depth] that maximises E(k) / cost(k). A tree proposer
 Medusa) verifies more than k + 1 nodes at depth k, and not every proposer's drafting cost grows
 with k (Medusa's stops at its last head, a prompt-lookup chain costs nothing): the controller
 learns the tree size and the drafting time at each depth it has drafted, and prices a depth it
-has not by interpolating between measured ones, or beyond them along the two deepest measured
-(before two are, by the tree's width in nodes per unit of depth and the drafting time per token). k = 0 is plain decoding:
+has not by interpolating between measured ones, or beyond them by the tree's width (nodes per unit
+of depth) and the drafting time per token. k = 0 is plain decoding:
 a drafter that is almost never right should not slow the target down. While k = 0 wins it still
 drafts one token every `probe_every` steps, so that a drafter that starts agreeing is noticed; each
 probe that is rejected doubles the interval (up to `max_probe_every`), an accepted one resets it, so a
@@ -114,21 +114,15 @@ class DraftLengthController:
 
 def per_depth(measured: dict[int, float], k: int, at_zero: float, slope: float) -> float:
     """A quantity at depth k: measured there, else interpolated between the nearest measured depths
-    (depth 0 is `at_zero`). Past the deepest measured depth it goes on along the line through the two
-    deepest measured ones (a Medusa tree's drafting time stops growing where its heads end; a draft
-    model's grows per token), or by `slope` per depth while only one depth is measured."""
+    (depth 0 is `at_zero`), else extrapolated from the deepest measured one by `slope` per depth."""
     if k in measured:
         return measured[k]
     below = max((d for d in measured if d < k), default=0)
     low = measured.get(below, at_zero)
     above = min((d for d in measured if d > k), default=None)
-    if above is not None:
-        return low + (measured[above] - low) * (k - below) / (above - below)
-    shallower = [d for d in measured if d < below]
-    if shallower:
-        previous = max(shallower)
-        slope = max(0.0, (low - measured[previous]) / (below - previous))
-    return low + slope * (k - below)
+    if above is None:
+        return low + slope * (k - below)
+    return low + (measured[above] - low) * (k - below) / (above - below)
 
 
 def _prior(nodes: int) -> float:

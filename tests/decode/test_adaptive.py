@@ -74,14 +74,5 @@ def test_costs_and_sizes_are_measured_per_depth_and_interpolated_between():
     assert ctl.tree_nodes(1) == 5 and ctl.tree_nodes(6) == 10 and ctl.tree_nodes(3) == 7
     assert abs(ctl.predicted_draft_cost(3) - 0.003) < 1e-9 and abs(ctl.predicted_draft_cost(6) - 0.003) < 1e-9
     assert ctl.tree_nodes(0) == 1 and ctl.predicted_draft_cost(0) == 0.0
-    # beyond the deepest: along the line through depths 1 and 6 (one node per depth, no drafting time),
-    # not by the mean width or the per-token drafting time, which would price depth 8 as wider and dearer
-    assert ctl.tree_nodes(8) == 12 and abs(ctl.predicted_draft_cost(8) - 0.003) < 1e-9
-    assert ctl.width > 1.5 and ctl.draft_cost > 0.0005
-
-
-def test_before_two_depths_are_measured_the_width_and_per_token_time_extrapolate():
-    ctl = DraftLengthController(max_depth=8)
-    ctl.observe(2, 1, 7, 0.004, 0.06)  # 3 nodes and 2 ms per depth
-    assert ctl.tree_nodes(4) == round(7 + 2 * ctl.width)  # the width's EMA, starting from a chain's 1
-    assert abs(ctl.predicted_draft_cost(4) - 0.008) < 1e-9
+    assert ctl.tree_nodes(8) == 10 + round(2 * ctl.width)  # beyond the deepest: extrapolated by the width
+    assert abs(ctl.predicted_draft_cost(8) - (0.003 + 2 * ctl.draft_cost)) < 1e-9
