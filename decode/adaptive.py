@@ -13,7 +13,10 @@ of depth) and the drafting time per token. k = 0 is plain decoding:
 a drafter that is almost never right should not slow the target down. While k = 0 wins it still
 drafts one token every `probe_every` steps, so that a drafter that starts agreeing is noticed; each
 probe that is rejected doubles the interval (up to `max_probe_every`), an accepted one resets it, so a
-useless drafter costs about 1% of the steps instead of one in eight.
+useless drafter costs about 1% of the steps instead of one in eight. Likewise, the estimate a_j only
+moves when a step drafts j deep, so a controller settled at depth k would never learn that position
+k + 1 got better (a prompt-lookup chain that starts matching): every `deeper_every` steps at a depth
+k > 0 below the limit it drafts k + 1 once.
 
 This only changes how much is drafted, never what is emitted: the output stays lossless.
 """
@@ -38,6 +41,8 @@ class DraftLengthController:
     steps_without_draft: int = 0
     probe_interval: int = 0  # current interval between probes (starts at probe_every)
     probing: bool = False
+    deeper_every: int = 16  # a step one deeper than the choice this often, while 0 < choice < limit
+    steps_since_deeper: int = 0
 
     def __post_init__(self):
         self.accept = [0.5] * self.max_depth
@@ -58,6 +63,11 @@ class DraftLengthController:
                 self.steps_without_draft = 0
                 self.probing = True
                 return 1
+        elif best < limit:
+            self.steps_since_deeper += 1
+            if self.steps_since_deeper >= self.deeper_every:
+                self.steps_since_deeper = 0
+                return best + 1
         return best
 
     def throughput(self, k: int) -> float:

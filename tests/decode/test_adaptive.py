@@ -76,3 +76,20 @@ def test_costs_and_sizes_are_measured_per_depth_and_interpolated_between():
     assert ctl.tree_nodes(0) == 1 and ctl.predicted_draft_cost(0) == 0.0
     assert ctl.tree_nodes(8) == 10 + round(2 * ctl.width)  # beyond the deepest: extrapolated by the width
     assert abs(ctl.predicted_draft_cost(8) - (0.003 + 2 * ctl.draft_cost)) < 1e-9
+
+
+def test_a_depth_never_drafted_is_still_learned():
+    """Estimates start wrong past depth 3 (as after a stretch where the lookup found nothing) while the
+    drafter is in fact always right: drafting one deeper now and then finds that out, and the controller
+    ends at full depth instead of staying at 3 forever."""
+    ctl = DraftLengthController(max_depth=6)
+    for depth in (6, 3):  # learn costs at two depths
+        ctl.observe(depth, depth, 1 + depth, 0.001 * depth, 0.05 + 0.002 * depth)
+    ctl.accept = [0.95, 0.95, 0.95, 0.02, 0.02, 0.02]
+    assert ctl.choose(100) == 3
+    depths = []
+    for _ in range(300):
+        depth = ctl.choose(100)
+        depths.append(depth)
+        ctl.observe(depth, depth, 1 + depth, 0.001 * depth, 0.05 + 0.002 * depth)  # every draft accepted
+    assert depths[-1] == 6 and depths[-20:].count(6) >= 18
