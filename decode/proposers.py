@@ -184,13 +184,12 @@ class WithPromptLookup(Proposer):
 
     name = "with_prompt_lookup"
 
-    def __init__(self, inner: Proposer, num_tokens: int = 10, max_ngram: int = 3):
+    def __init__(self, inner: Proposer, lookup: PromptLookupProposer):
         if hasattr(inner, "verification_rows"):
             raise ValueError("+prompt_lookup cannot wrap a lookahead ([LA]) drafter: its rows follow the tree's nodes")
-        self.inner = inner
-        self.lookup = PromptLookupProposer(num_tokens, max_ngram)
+        self.inner, self.lookup = inner, lookup
         self.self_drafting = bool(getattr(inner, "self_drafting", False))
-        self.max_depth = max(inner.max_depth, num_tokens)
+        self.max_depth = max(inner.max_depth, lookup.max_depth)
 
     def begin(self, prompt_ids: list[int], capacity: int) -> None:
         self.inner.begin(prompt_ids, capacity)
@@ -203,9 +202,8 @@ class WithPromptLookup(Proposer):
 
     def propose(self, seq, max_depth, sampling, generator):
         tree = self.inner.propose(seq, min(max_depth, self.inner.max_depth), sampling, generator)
-        depth = min(self.lookup.num_tokens, max_depth)
-        drafts = lookup_continuation(seq, depth, self.lookup.max_ngram, self.lookup.min_ngram) if depth > 0 else []
-        tree.add_chain(drafts, None, source=LOOKUP_SOURCE)  # shares the nodes the inner tree already has
+        chain = self.lookup.propose(seq, max_depth, sampling, generator)
+        tree.add_chain(chain.tokens[1:], None, source=LOOKUP_SOURCE)  # shares the nodes the inner tree already has
         return tree
 
 
@@ -233,15 +231,18 @@ def build_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: set[int
     with the drafter's `with_lookup` (spec `...+prompt_lookup`), its trees gain a prompt-lookup chain."""
     proposer = drafter_proposer(drafter, target_model, gamma, eos_token_ids, **kw)
     if getattr(drafter, "with_lookup", False):
-        return WithPromptLookup(proposer, num_tokens=kw.get("num_tokens", max(gamma, 1) * 2),
-                                max_ngram=kw.get("max_ngram", 3))
+        return WithPromptLookup(proposer, prompt_lookup_proposer(gamma, kw))
     return proposer
+
+
+def prompt_lookup_proposer(gamma: int, kw: dict) -> PromptLookupProposer:
+    """Prompt lookup drafting up to 2 x gamma tokens unless kw sets num_tokens / max_ngram."""
+    return PromptLookupProposer(num_tokens=kw.get("num_tokens", max(gamma, 1) * 2), max_ngram=kw.get("max_ngram", 3))
 
 
 def drafter_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: set[int] = frozenset(), **kw) -> Proposer:
     if drafter.kind == "prompt_lookup":
-        return PromptLookupProposer(num_tokens=kw.get("num_tokens", max(gamma, 1) * 2),
-                                    max_ngram=kw.get("max_ngram", 3))
+        return prompt_lookup_proposer(gamma, kw)
     if drafter.kind == "draft_model":
         check_vocab(drafter.model, target_model, drafter.vocab_map)
         use_gemv_friendly_head(drafter.model)

@@ -68,20 +68,21 @@ class MedusaProposer(Proposer):
         self.projections = head_projections(heads, self.vocab_map)  # K x ([N, D] -> [N, M])
         prefix = getattr(heads, "prefix", None)  # decoding runs a few rows through it per step: packed too
         self.prefix = None if prefix is None else packed_for_inference(prefix)
-        self.prefix_param = None if prefix is None else prefix.qkv.weight  # its device and dtype
         self.prefix_cache: PrefixCache | None = None
 
     def begin(self, prompt_ids: list[int], capacity: int) -> None:
         self.topk = self.hidden = None
         if self.prefix is not None:
-            self.prefix_cache = PrefixCache(self.prefix, capacity, self.prefix_param.device, self.prefix_param.dtype)
+            weight = self.prefix.attn_norm.weight  # shared with the unpacked layer: its device and dtype
+            self.prefix_cache = PrefixCache(self.prefix, capacity, weight.device, weight.dtype)
 
     def observe_prefill(self, hidden: torch.Tensor) -> None:
         """hidden [n, D]: the target's states at the prompt's positions."""
         self.observe_accepted(hidden)
 
     def observe_verification(self, hidden: torch.Tensor, verdict: Verdict) -> None:
-        self.observe_accepted(hidden[verdict.path])  # the accepted nodes' states, root first
+        # the accepted nodes' states, root first (without a prefix layer only the last one is read)
+        self.observe_accepted(hidden[verdict.path if self.prefix is not None else verdict.path[-1:]])
 
     @torch.no_grad()
     def observe_accepted(self, rows: torch.Tensor) -> None:
@@ -89,7 +90,7 @@ class MedusaProposer(Proposer):
         if self.prefix is not None:
             if self.prefix_cache is None:
                 raise RuntimeError("MedusaProposer: begin() must come before the prefix layer's first rows")
-            rows = self.prefix.extend(rows.to(self.prefix_param.dtype), self.prefix_cache)
+            rows = self.prefix.extend(rows.to(self.prefix_cache.keys.dtype), self.prefix_cache)
         self.observe_state(rows[-1])
 
     def observe_state(self, hidden: torch.Tensor) -> None:

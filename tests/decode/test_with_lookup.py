@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from decode.engine import SpeculativeEngine
-from decode.proposers import LOOKUP_SOURCE, DraftModelProposer, Proposer, WithPromptLookup, build_proposer
+from decode.proposers import (LOOKUP_SOURCE, DraftModelProposer, PromptLookupProposer, Proposer, WithPromptLookup,
+                              build_proposer)
 from decode.sampling import SamplingConfig
 from decode.self_draft import MedusaProposer
 from decode.tree import TokenTree
@@ -28,13 +29,13 @@ class FixedChain(Proposer):
 
 
 def test_lookup_chain_merges_into_the_inner_tree_with_shared_prefixes_once():
-    tree = WithPromptLookup(FixedChain(), num_tokens=4).propose(REPEATING, 4, SamplingConfig(), None)
+    tree = WithPromptLookup(FixedChain(), PromptLookupProposer(4)).propose(REPEATING, 4, SamplingConfig(), None)
     # inner: 7 -> 9 -> 8; lookup after "5 7": 9 3 5 7, sharing the 9
     assert tree.tokens == [7, 9, 8, 3, 5, 7]
     assert tree.parents == [-1, 0, 1, 1, 3, 4]
     assert [s for s, _ in tree.proposals[1]] == [0, LOOKUP_SOURCE]  # one node, both sources, inner first
     assert [s for s, _ in tree.proposals[3]] == [LOOKUP_SOURCE]
-    shallow = WithPromptLookup(FixedChain(), num_tokens=4).propose(REPEATING, 1, SamplingConfig(), None)
+    shallow = WithPromptLookup(FixedChain(), PromptLookupProposer(4)).propose(REPEATING, 1, SamplingConfig(), None)
     assert shallow.max_depth == 1  # the engine's depth binds both
 
 
@@ -53,7 +54,7 @@ def test_greedy_with_lookup_is_the_targets_output(tiny_target, inner, adaptive):
         proposer = DraftModelProposer(make_tiny_llama(seed=1, layers=1), gamma=3)
     else:
         proposer = random_medusa(tiny_target, sequential=True, prefix_layer=inner == "prefix")
-    wrapped = WithPromptLookup(proposer, num_tokens=6)
+    wrapped = WithPromptLookup(proposer, PromptLookupProposer(6))
     looked_up = []
     original = wrapped.propose
 
@@ -76,7 +77,7 @@ def test_sampled_drafts_and_lookup_drafts_keep_the_target_distribution():
     drafter = make_tiny_llama(vocab_size=vocab, seed=7, layers=1, peak=3.0)
     cfg = SamplingConfig(temperature=0.9, top_k=6)
     exp2, exp3 = exact_marginals(target, prompt, cfg, vocab)
-    engine = SpeculativeEngine(target, WithPromptLookup(DraftModelProposer(drafter, gamma=2), num_tokens=3))
+    engine = SpeculativeEngine(target, WithPromptLookup(DraftModelProposer(drafter, gamma=2), PromptLookupProposer(3)))
     outs = [engine.generate(prompt, 3, SamplingConfig(cfg.temperature, cfg.top_p, cfg.top_k, seed=s)).tokens
             for s in range(n)]
     assert chi2_pvalue([o[1] for o in outs], exp2) > 1e-3
