@@ -55,7 +55,7 @@ class DraftLengthController:
             return 0
         if self.draft_cost is None or not self.verify_cost:
             return limit  # nothing measured yet: draft fully once to learn the costs
-        best = max(range(limit + 1), key=self.throughput)
+        best = self.best_depth(limit)
         self.probing = False
         if best == 0:
             self.steps_without_draft += 1
@@ -68,6 +68,28 @@ class DraftLengthController:
             if self.steps_since_deeper >= self.deeper_every:
                 self.steps_since_deeper = 0
                 return best + 1
+        return best
+
+    def best_depth(self, limit: int) -> int:
+        """The depth in [0, limit] of highest expected throughput under the present estimates."""
+        return max(range(limit + 1), key=self.throughput)
+
+    def next_step_bound(self, limit: int) -> int:
+        """The deepest the next step can draft as things stand: the present choice, one more when a
+        deeper probe is due, 1 for a probe from depth 0 (at most `limit`). For a proposer whose next
+        drafts come out of this step's target forward ([LA] rows): rows past this bound would be
+        computed for nothing. The step after may choose deeper once its estimates moved; it drafts
+        what this bound let through, and the bound follows one step later."""
+        limit = min(limit, self.max_depth)
+        if limit <= 0:
+            return 0
+        if self.draft_cost is None or not self.verify_cost:
+            return limit
+        best = self.best_depth(limit)
+        if best == 0:
+            return 1
+        if best < limit and self.steps_since_deeper + 1 >= self.deeper_every:
+            return best + 1
         return best
 
     def throughput(self, k: int) -> float:

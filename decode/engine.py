@@ -90,12 +90,13 @@ class SpeculativeEngine:
         if self.proposer is not None:
             self.proposer.begin(prompt, capacity)
         extra = self.proposer.prefill_rows(n) if self.lookahead else None
-        hidden, logits = self.target.forward(prompt, logits_rows=slice(n - 1, n), extra=extra)  # [T(+L), D], [1, V]
+        # the last prompt row's logits, and the [LA] rows' in the same head call
+        hidden, logits = self.target.forward(prompt, logits_rows=slice(n - 1, None), extra=extra)  # [T(+L), D], [1(+L), V]
         self.target.cache.advance(n)  # the first emitted token becomes the first root; extra rows stay uncommitted
         if self.self_drafting:
             self.proposer.observe_prefill(hidden[:n])  # the last row is the state the first emitted token comes from
         if extra is not None:
-            self.proposer.observe_rows(hidden[n:], n - 1)
+            self.proposer.observe_rows(logits[1:], n - 1)
         return pick_token(logits[0], sampling, generator)
 
     def step(self, seq: list[int], remaining: int, sampling: SamplingConfig,
@@ -108,16 +109,17 @@ class SpeculativeEngine:
         tree = self.draft(seq, depth, sampling, generator)
         t1 = time.perf_counter()
         n = len(tree)
-        # [LA] chains one deeper than this step drafted: the next step's proposals, without rows it won't use
-        extra = self.proposer.verification_rows(tree, depth + 1) if self.lookahead else None
+        # [LA] chains as deep as the next step can draft: its proposals, without rows it won't use
+        extra = self.proposer.verification_rows(tree, self.next_depth_bound(depth, remaining, adapt)) \
+            if self.lookahead else None
         hidden, logits = self.target.forward(tree.tokens, tree.depths, tree.ancestor_mask(),
-                                             logits_rows=slice(0, n), extra=extra)  # [N(+L), D], [N, V]
-        verdict = verify(tree, logits, sampling, generator)
+                                             logits_rows=slice(0, None), extra=extra)  # [N(+L), D], [N(+L), V]
+        verdict = verify(tree, logits[:n], sampling, generator)
         self.target.cache.commit_path(verdict.path)  # tree nodes only: extra rows lie past them, uncommitted
         if self.self_drafting:  # Medusa: the next proposals come from this forward's hidden states
             self.proposer.observe_verification(hidden[:n], verdict)
         if extra is not None:  # [LA]: the next proposals come from the rows under the last accepted node
-            self.proposer.observe_rows(hidden[n:], verdict.path[-1])
+            self.proposer.observe_rows(logits[n:], verdict.path[-1])
         sync(self.target.device)
         t2 = time.perf_counter()
         stats.draft_time_s += t1 - t0
@@ -126,6 +128,13 @@ class SpeculativeEngine:
         if adapt:
             self.controller.observe(tree.max_depth, len(verdict.path) - 1, len(tree), t1 - t0, t2 - t1)
         return [tree.tokens[i] for i in verdict.path[1:]] + [verdict.bonus]
+
+    def next_depth_bound(self, depth: int, remaining: int, adapt: bool) -> int:
+        """How deep the next step may draft: what the controller would choose (its probes included),
+        else one deeper than this step, which drafts the proposer's full depth anyway."""
+        if adapt:
+            return self.controller.next_step_bound(remaining - 2)  # this step emits at least one token
+        return depth + 1
 
     def draft(self, seq: list[int], max_depth: int, sampling: SamplingConfig,
               generator: torch.Generator | None) -> TokenTree:

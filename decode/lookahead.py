@@ -2,7 +2,10 @@
 
 Every target forward carries, besides its token rows, chains of k [LA] rows (decode.runner.ExtraRows):
 the k learned embeddings LA_1..LA_k, fed by embedding, not by token id. The engine asks for them
-(`prefill_rows`, `verification_rows`) and hands back their hidden states (`observe_rows`).
+(`prefill_rows`, `verification_rows`) and hands back their logits (`observe_rows`): the target's head
+runs on the token rows and the [LA] rows in one call, a few more rows of a GEMM that reads the head's
+weights once, where a separate call for the [LA] rows would read them again (on a 2-core CPU the
+49k x 576 head costs 2.7 ms for one row, 0.3 ms more for two rows added to a call).
 
 Offsets. A chain hangs under a token row a at position P_a (P = absolute position). LA_j sits at
 position P_a + j, attends to the committed prefix, to a and a's ancestors, and to LA_1..LA_j of its
@@ -13,9 +16,10 @@ of them sees the root token itself. At prefill the chain hangs under the last pr
 
 Where chains go. A verification forward over a chain of drafts (root at depth 0, drafts 1..d) gets an
 [LA] chain under its `chains` shallowest nodes: (min(chains, d+1)) x k' extra rows, where k' =
-min(K, d + 1) is one row deeper than this step drafted (the next step rarely drafts deeper, and the
-trained LA_j beyond the first are rarely right: measured on MT-bench, 0.29 acceptance at LA_1, 0.04 at
-LA_2), so the rows it would not use are not computed. The shallow nodes
+min(K, b) and b is how deep the next step can draft: under the adaptive depth the controller's present
+choice, one more when its deeper probe is due (DraftLengthController.next_step_bound), else d + 1.
+The trained LA_j beyond the first are rarely right (measured on MT-bench: 0.29 acceptance at LA_1, 0.04
+at LA_2), so the controller settles at depth 1 and rows the next step would not use are not computed. The shallow nodes
 are the likely last accepted ones (P(stop at depth i) = a^i (1 - a) for acceptance a < 1). After
 verification the next proposals come from the chain under the last accepted node a. If a has none,
 from the chain under a's deepest ancestor o that has one, shifted: LA_j of o predicts position
@@ -39,7 +43,6 @@ from decode.proposers import Proposer
 from decode.runner import ExtraRows
 from decode.sampling import SamplingConfig
 from decode.tree import TokenTree
-from models.packed_linear import packed_for_inference
 
 __all__ = ["LookaheadProposer", "lookahead_rows"]
 
@@ -58,7 +61,6 @@ class LookaheadProposer(Proposer):
         if chains < 1:
             raise ValueError(f"chains must be >= 1 (the root always gets an [LA] chain), got {chains}")
         self.embeds = embeds.to(device=head.weight.device, dtype=head.weight.dtype)
-        self.head = packed_for_inference(head)  # the engine's target runner shares this packed copy
         self.k = self.max_depth = embeds.shape[0]
         self.active = self.k  # [LA] rows per chain in the last forward (LA_1..LA_active)
         self.chains = chains
@@ -80,8 +82,8 @@ class LookaheadProposer(Proposer):
 
     def verification_rows(self, tree: TokenTree, depth: int | None = None) -> ExtraRows:
         """[LA] chains under the tree's `chains` shallowest nodes, each LA_1..LA_d with d = min(depth, K)
-        (at least 1): the next step drafts at most about as deep as this one, so the engine passes this
-        step's depth + 1 and rows the next step would not use are not computed. LA_j attends only to
+        (at least 1): the engine passes how deep the next step can draft, so rows it would not use are
+        not computed. LA_j attends only to
         LA_1..LA_j of its chain, so a shorter chain's rows are exactly the first rows of a full one."""
         self.active = self.k if depth is None else max(1, min(depth, self.k))
         owners = sorted(range(len(tree)), key=lambda i: (tree.depths[i], i))[: self.chains]
@@ -91,15 +93,15 @@ class LookaheadProposer(Proposer):
         return lookahead_rows(self.embeds[:self.active], [tree.depths[i] for i in owners], sees)
 
     @torch.no_grad()
-    def observe_rows(self, hidden: torch.Tensor, last_node: int) -> None:
-        """hidden [L, D]: the [LA] rows of the last forward; last_node: the last accepted token row."""
+    def observe_rows(self, logits: torch.Tensor, last_node: int) -> None:
+        """logits [L, V]: the target's head on the [LA] rows of the last forward; last_node: the last
+        accepted token row."""
         owner, shift = self.nearest_owner(last_node)
         if owner is None or shift >= self.active:
             self.drafts = []
             return
         chain, k = self.owner_row[owner], self.active
-        rows = hidden[chain * k + shift:(chain + 1) * k]  # [k - shift, D]: LA_{shift+1}..LA_k
-        self.drafts = self.head(rows).argmax(-1).tolist()
+        self.drafts = logits[chain * k + shift:(chain + 1) * k].argmax(-1).tolist()  # LA_{shift+1}..LA_k
 
     def nearest_owner(self, node: int) -> tuple[int | None, int]:
         """The deepest node on the path to `node` with an [LA] chain, and the depth between them."""

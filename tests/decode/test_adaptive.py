@@ -93,3 +93,30 @@ def test_a_depth_never_drafted_is_still_learned():
         depths.append(depth)
         ctl.observe(depth, depth, 1 + depth, 0.001 * depth, 0.05 + 0.002 * depth)  # every draft accepted
     assert depths[-1] == 6 and depths[-20:].count(6) >= 18
+
+
+def test_the_next_step_bound_covers_every_choice_and_is_mostly_the_settled_depth():
+    """An [LA]-like drafter: position 1 right a third of the time, position 2 never. The bound the
+    engine reads before observing a step (how many [LA] rows to compute) covers the depth the next
+    step chooses, so no choice is cut short; it is the settled depth 1 on most steps, and one more
+    only when the controller's deeper probe is due."""
+    import random
+    rng = random.Random(0)
+    ctl = DraftLengthController(max_depth=4)
+    bounds, choices = [], []
+    for _ in range(400):
+        depth = ctl.choose(100)
+        choices.append(depth)
+        bounds.append(ctl.next_step_bound(100))
+        n_acc = 1 if depth >= 1 and rng.random() < 0.35 else 0
+        ctl.observe(depth, n_acc, depth + 1, 0.0005 * depth, 0.05 + 0.002 * depth)
+    settled = list(zip(bounds[100:-1], choices[101:]))
+    assert sum(nxt <= bound for bound, nxt in settled) >= 0.97 * len(settled)
+    assert choices[100:].count(1) > 0.8 * 300  # settled at depth 1
+    assert 0.8 * 300 < bounds[100:].count(1) < 300  # rows for depth 1 only, but not always:
+    assert any(b == 2 for b in bounds[100:])  # the deeper probe gets the rows it needs
+
+
+def test_the_next_step_bound_before_anything_is_measured_is_the_limit():
+    ctl = DraftLengthController(max_depth=4)
+    assert ctl.next_step_bound(100) == 4 and ctl.next_step_bound(2) == 2 and ctl.next_step_bound(0) == 0

@@ -121,7 +121,7 @@ def test_short_chains_draft_what_a_full_chain_drafts_first():
             runner.forward(PROMPTS[0])
             runner.cache.advance(len(PROMPTS[0]))
             hidden, _ = runner.forward(tree.tokens, tree.depths, tree.ancestor_mask(), extra=extra)
-        proposer.observe_rows(hidden[len(tree):], 0)  # the root was the last accepted node
+        proposer.observe_rows(target.lm_head(hidden[len(tree):]), 0)  # the root was the last accepted node
         drafts[depth] = proposer.drafts
     assert len(drafts[None]) == 3
     assert drafts[1] == drafts[None][:1] and drafts[2] == drafts[None][:2]
