@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from decode.attention import use_grouped_query_sdpa
 from decode.kv_cache import SpecCache
 from decode.tree import attention_bias
 from models.packed_linear import packed_for_inference
@@ -30,11 +31,14 @@ class ModelRunner:
     dominant cost of a small drafter) runs only on the rows whose logits are needed, and so that
     hidden states are available to heads that read them (Medusa). On CPU in fp32 both run on
     packed copies of the weights (models.packed_linear): the same values, about twice as fast at
-    batch size 1, and a few rows cost little more than one.
+    batch size 1, and a few rows cost little more than one. Grouped-query attention over several rows
+    runs without copying the key/value cache per group (decode.attention; the model's attention
+    implementation is switched from `sdpa`, the same attention).
     """
 
     def __init__(self, model: torch.nn.Module, static_shapes: bool = False):
         self.model = model
+        use_grouped_query_sdpa(model)
         self.decoder = packed_for_inference(model.get_decoder())
         self.head = packed_for_inference(model.get_output_embeddings())
         self.num_layers = model.config.get_text_config().num_hidden_layers
