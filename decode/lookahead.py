@@ -19,9 +19,10 @@ Where chains go. A verification forward over a chain of drafts (root at depth 0,
 min(K, b) and b is how deep the next step can draft: under the adaptive depth the controller's present
 choice, one more when its deeper probe is due (DraftLengthController.next_step_bound), else d + 1.
 The trained LA_j beyond the first are rarely right (measured on MT-bench: 0.29 acceptance at LA_1, 0.04
-at LA_2), so the controller settles at depth 1 and rows the next step would not use are not computed. The shallow nodes
-are the likely last accepted ones (P(stop at depth i) = a^i (1 - a) for acceptance a < 1). After
-verification the next proposals come from the chain under the last accepted node a. If a has none,
+at LA_2), so the controller settles at depth 1 and rows the next step would not use are not computed.
+The shallow nodes are the likely last accepted ones (P(stop at depth i) = a^i (1 - a) for acceptance
+a < 1). After verification the next proposals come from the chain under the last accepted node a. If a
+has none,
 from the chain under a's deepest ancestor o that has one, shifted: LA_j of o predicts position
 P_o + 1 + j, and the next tree needs P_a + 2 onwards, so LA_{s+1}..LA_k with s = P_a - P_o. They are
 predictions from less context, still a deterministic function of it. If s >= k nothing is proposed
@@ -83,8 +84,8 @@ class LookaheadProposer(Proposer):
     def verification_rows(self, tree: TokenTree, depth: int | None = None) -> ExtraRows:
         """[LA] chains under the tree's `chains` shallowest nodes, each LA_1..LA_d with d = min(depth, K)
         (at least 1): the engine passes how deep the next step can draft, so rows it would not use are
-        not computed. LA_j attends only to
-        LA_1..LA_j of its chain, so a shorter chain's rows are exactly the first rows of a full one."""
+        not computed. LA_j attends only to LA_1..LA_j of its chain, so a shorter chain's rows are
+        exactly the first rows of a full one."""
         self.active = self.k if depth is None else max(1, min(depth, self.k))
         owners = sorted(range(len(tree)), key=lambda i: (tree.depths[i], i))[: self.chains]
         self.owner_row = {node: i for i, node in enumerate(owners)}
