@@ -23,6 +23,7 @@ This only changes how much is drafted, never what is emitted: the output stays l
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 
@@ -75,22 +76,12 @@ class DraftLengthController:
         return max(range(limit + 1), key=self.throughput)
 
     def next_step_bound(self, limit: int) -> int:
-        """The deepest the next step can draft as things stand: the present choice, one more when a
-        deeper probe is due, 1 for a probe from depth 0 (at most `limit`). For a proposer whose next
-        drafts come out of this step's target forward ([LA] rows): rows past this bound would be
-        computed for nothing. The step after may choose deeper once its estimates moved; it drafts
-        what this bound let through, and the bound follows one step later."""
-        limit = min(limit, self.max_depth)
-        if limit <= 0:
-            return 0
-        if self.draft_cost is None or not self.verify_cost:
-            return limit
-        best = self.best_depth(limit)
-        if best == 0:
-            return 1
-        if best < limit and self.steps_since_deeper + 1 >= self.deeper_every:
-            return best + 1
-        return best
+        """The depth the next step would draft as things stand (its probes included): choose() on a
+        copy, so that no counter moves. For a proposer whose next drafts come out of this step's target
+        forward ([LA] rows): rows past this bound would be computed for nothing. The step after may
+        choose deeper once its estimates moved; it drafts what this bound let through, and the bound
+        follows one step later."""
+        return copy.copy(self).choose(limit)  # choose() only rebinds scalar fields: a shallow copy is enough
 
     def throughput(self, k: int) -> float:
         """Expected tokens per second when drafting k tokens."""
