@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from distill.losses import TopK
+from models.hf_compat import cache_argument, output_cache
 
 
 @torch.no_grad()
@@ -29,8 +30,8 @@ def sample_draft_responses(draft_model, prompts: list[list[int]], max_new_tokens
     for _ in range(max_new_tokens):
         positions = (attention.cumsum(-1) - 1).clamp_min(0)[:, -step_ids.shape[1]:]
         result = draft_model(input_ids=step_ids, attention_mask=attention, position_ids=positions,
-                             past_key_values=past, use_cache=True)
-        past = result.past_key_values
+                             **cache_argument(draft_model, past), use_cache=True)
+        past = output_cache(result)
         probs = torch.softmax(result.logits[:, -1].float() / max(temperature, 1e-5), dim=-1).cpu()  # [B, V_d]
         picked = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # [B]
         tokens = picked if vocab_map is None else vocab_map.cpu()[picked]

@@ -38,6 +38,7 @@ from distill.batching import Batch, collate
 from distill.generation import pad_token_id
 from distill.losses import cross_entropy_loss, forward_kl
 from models.drafters import save_drafter
+from models.hf_compat import cache_argument, output_cache
 from models.lookahead import LookaheadTokens
 from train import distill_steps as steps
 from train.colbt import config_dict
@@ -150,7 +151,7 @@ def lookahead_logits(target_model, embeds: torch.Tensor, batch: Batch, groups: I
     inputs = embeds.to(head.weight.dtype).repeat(g, 1)[None].expand(b, -1, -1)  # [B, GK, D]
     mask = lookahead_mask(groups.t, k, seq_len, head.weight.dtype)  # [B, 1, GK, T + GK]
     out = decoder(inputs_embeds=inputs, attention_mask=mask, position_ids=positions,
-                  past_key_values=real.past_key_values, use_cache=True)
+                  **cache_argument(decoder, output_cache(real)), use_cache=True)
     la_logits = head(out.last_hidden_state).float()  # [B, GK, V]
     if not with_target:
         return la_logits, None
