@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decode.attention import use_grouped_query_sdpa
+from decode.attention import grouped_mask_argument, use_grouped_query_sdpa
 from decode.kv_cache import SpecCache
 from decode.tree import attention_bias
 from models.hf_compat import cache_argument
@@ -85,7 +85,8 @@ class ModelRunner:
         total = self.cache.max_len if self.static_shapes else prefix + len(depths)
         mask = attention_bias(prefix, ancestors.to(self.device), total, self.dtype)  # [1, 1, N + L, total]
         out = self.decoder(**inputs, attention_mask=mask, position_ids=positions[None],
-                           **cache_argument(self.decoder, self.cache), use_cache=True)
+                           **cache_argument(self.decoder, self.cache), use_cache=True,
+                           **grouped_mask_argument(self.model, mask))
         hidden = out.last_hidden_state[0]  # [N + L, D]
         rows = hidden if logits_rows is None else hidden[logits_rows]
         return hidden, self.head(rows).float()  # [n_rows, V]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from decode.attention import GROUPED_SDPA, grouped_query_sdpa, use_grouped_query_sdpa
+from decode.attention import GROUPED_SDPA, grouped_mask_argument, grouped_query_sdpa, use_grouped_query_sdpa
 from decode.runner import ModelRunner
 from decode.tree import TokenTree, attention_bias
 from tests.conftest import make_tiny_llama
@@ -81,3 +81,28 @@ def test_padding_masks_still_apply_after_the_switch():
         padded = model(ids, attention_mask=mask).logits[0, -1]
     assert model.config._attn_implementation == GROUPED_SDPA
     assert torch.allclose(alone, padded, atol=1e-4)
+
+
+def test_a_mask_tiled_by_the_caller_is_used_and_gives_the_same_attention():
+    """grouped_mask_argument tiles once per forward what each layer would tile: the same result; and the
+    given tiled mask is the one applied (a different one changes the output), unless its shape does not fit."""
+    gen = torch.Generator().manual_seed(3)
+    groups, kv_heads, d, prefix, n = 3, 2, 16, 9, 5
+    query = torch.randn(1, kv_heads * groups, n, d, generator=gen)
+    key, value = (torch.randn(1, kv_heads, prefix + n, d, generator=gen) for _ in range(2))
+    mask = tree_mask(prefix, n)
+    model = make_tiny_llama(seed=1)  # 4 query heads over 2 K/V heads
+    ModelRunner(model)
+    (name, tiled), = grouped_mask_argument(model, mask).items()
+    assert tiled.shape == (1, 1, 2 * n, prefix + n)
+    tiled = mask.repeat(1, 1, groups, 1)
+    plain, _ = grouped_query_sdpa(Groups(groups), query, key, value, mask, scaling=d ** -0.5)
+    given, _ = grouped_query_sdpa(Groups(groups), query, key, value, mask, scaling=d ** -0.5, **{name: tiled})
+    assert torch.equal(given, plain)
+    wrong, _ = grouped_query_sdpa(Groups(groups), query, key, value, mask, scaling=d ** -0.5,
+                                  **{name: torch.zeros_like(tiled)})
+    assert not torch.allclose(wrong, plain, atol=1e-3)
+    misfit, _ = grouped_query_sdpa(Groups(groups), query, key, value, mask, scaling=d ** -0.5,
+                                   **{name: torch.zeros_like(mask)})
+    assert torch.equal(misfit, plain)
+    assert grouped_mask_argument(model, mask[:, :, :1]) == {}  # one row: transformers folds it itself
