@@ -51,8 +51,9 @@ __all__ = ["LookaheadProposer", "lookahead_rows"]
 class LookaheadProposer(Proposer):
     name = "lookahead"
 
-    def __init__(self, tokens: torch.nn.Module, target_model: torch.nn.Module, chains: int = 2):
-        """tokens: a module whose forward() gives the [K, D] lookahead embeddings (models.lookahead)."""
+    def __init__(self, tokens: torch.nn.Module, target_model: torch.nn.Module, chains: int = 2, branches: int = 1):
+        """tokens: a module whose forward() gives the [K, D] lookahead embeddings (models.lookahead);
+        branches: the first draft's b most likely tokens go into the tree as siblings (1: a chain)."""
         head = target_model.get_output_embeddings()
         embeds = tokens().detach()  # [K, D]
         width = target_model.get_input_embeddings().weight.shape[1]
@@ -61,18 +62,21 @@ class LookaheadProposer(Proposer):
                              f"size {width}")
         if chains < 1:
             raise ValueError(f"chains must be >= 1 (the root always gets an [LA] chain), got {chains}")
+        if branches < 1:
+            raise ValueError(f"branches must be >= 1 (1: a chain of top-1 drafts), got {branches}")
         self.embeds = embeds.to(device=head.weight.device, dtype=head.weight.dtype)
         self.k = self.max_depth = embeds.shape[0]
         self.active = self.k  # [LA] rows per chain in the last forward (LA_1..LA_active)
-        self.chains = chains
+        self.chains, self.branches = chains, branches
         self.max_extra_rows = self.chains * self.k
         self.drafts: list[int] = []  # the next tree's drafts, depth 1, 2, ...
+        self.alternates: list[int] = []  # the first draft row's next most likely tokens (branches - 1)
         self.owner_row: dict[int, int] = {}  # token row -> index of its [LA] chain in the last forward
         self.parents: list[int] = []  # the last forward's tree (prefill: just the owner, as a root)
         self.depths: list[int] = []
 
     def begin(self, prompt_ids: list[int], capacity: int) -> None:
-        self.drafts, self.owner_row = [], {}
+        self.drafts, self.alternates, self.owner_row = [], [], {}
 
     def prefill_rows(self, prompt_len: int) -> ExtraRows:
         """One chain under the last prompt token (row prompt_len - 1), which sees the whole prompt."""
@@ -99,10 +103,12 @@ class LookaheadProposer(Proposer):
         accepted token row."""
         owner, shift = self.nearest_owner(last_node)
         if owner is None or shift >= self.active:
-            self.drafts = []
+            self.drafts, self.alternates = [], []
             return
         chain, k = self.owner_row[owner], self.active
-        self.drafts = logits[chain * k + shift:(chain + 1) * k].argmax(-1).tolist()  # LA_{shift+1}..LA_k
+        rows = logits[chain * k + shift:(chain + 1) * k]  # [k - shift, V]: LA_{shift+1}..LA_k
+        self.drafts = rows.argmax(-1).tolist()
+        self.alternates = rows[0].topk(self.branches).indices[1:].tolist() if self.branches > 1 else []
 
     def nearest_owner(self, node: int) -> tuple[int | None, int]:
         """The deepest node on the path to `node` with an [LA] chain, and the depth between them."""
@@ -114,7 +120,13 @@ class LookaheadProposer(Proposer):
         return walk, self.depths[node] - self.depths[walk]
 
     def propose(self, seq: list[int], max_depth: int, sampling: SamplingConfig, generator) -> TokenTree:
-        return TokenTree.chain(seq[-1], self.drafts[:max_depth])  # proposals None: deterministic drafts
+        """The chain of top-1 drafts; with branches b > 1, the first draft's next b - 1 tokens as its
+        siblings (after the chain, so the chain's nodes are the shallowest that get [LA] chains)."""
+        tree = TokenTree.chain(seq[-1], self.drafts[:max_depth])  # proposals None: deterministic drafts
+        if max_depth >= 1 and self.drafts:
+            for token in self.alternates:
+                tree.add(token, 0)  # dedupe: a tie can make topk's runner-up the argmax
+        return tree
 
 
 def lookahead_rows(embeds: torch.Tensor, owner_depths: list[int], sees: torch.Tensor) -> ExtraRows:

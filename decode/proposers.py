@@ -269,8 +269,9 @@ def drafter_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: set[i
     if drafter.kind == "lookahead":
         from decode.lookahead import LookaheadProposer  # lookahead builds on this module
 
-        return LookaheadProposer(drafter.model, target_model,
-                                 chains=int((drafter.manifest.get("extra") or {}).get("chains", 2)))
+        extra = drafter.manifest.get("extra") or {}
+        return LookaheadProposer(drafter.model, target_model, chains=int(extra.get("chains", 2)),
+                                 branches=int(extra.get("branches", 1)))
     raise ValueError(f"no proposer for drafter kind {drafter.kind!r} "
                      "(known: draft_model, prompt_lookup, ensemble, medusa, lookahead)")
 

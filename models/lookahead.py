@@ -11,7 +11,8 @@ the target has seen, rather than an out-of-distribution vector) plus seeded Gaus
 
 A drafter directory of kind `lookahead`:
     manifest.json   config: {"num_tokens", "hidden_size"} plus the training config;
-                    extra: {"chains": int} (how many tree nodes get an [LA] chain when decoding)
+                    extra: {"chains": int, "branches": int} (how many tree nodes get an [LA] chain when
+                    decoding; how many of LA_1's most likely tokens the tree holds, 1 if absent)
     model/lookahead.safetensors   {"embeddings": [K, D]}
 """
 

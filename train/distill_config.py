@@ -72,6 +72,7 @@ class DistillConfig:
     lookahead_decay: float = _f(0.8, "lookahead: LA_j's loss weight is decay**(j-1)")
     lookahead_kl_weight: float = _f(1.0, "lookahead: weight of KL(target || LA) beside the CE on the target's tokens")
     lookahead_chains: int = _f(2, "lookahead: when decoding, the shallowest tree nodes that get an [LA] chain in each verification forward (stored in the drafter)")
+    lookahead_branches: int = _f(1, "lookahead: when decoding, the first draft's b most likely tokens go into the tree as siblings (1: a chain; stored in the drafter)")
     lookahead_init_noise: float = _f(0.1, "lookahead: initial noise around the mean token embedding, in units of its per-dimension std")
 
     # loss
@@ -164,7 +165,7 @@ class DistillConfig:
             raise ConfigError("lora_r: Medusa-2 (LoRA on the target) is not implemented; set lora_r: 0")
 
     def check_lookahead(self) -> None:
-        for name in ("lookahead_tokens", "lookahead_insertions", "lookahead_chains"):
+        for name in ("lookahead_tokens", "lookahead_insertions", "lookahead_chains", "lookahead_branches"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if not 0 < self.lookahead_decay <= 1:

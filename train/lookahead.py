@@ -18,7 +18,7 @@ computed (real rows never attend to [LA] rows, so it is the plain target's), wei
 Backpropagation runs through the [LA] rows only: the first pass holds no graph.
 
 Config fields read here: lookahead_tokens, lookahead_insertions, lookahead_decay, lookahead_kl_weight,
-lookahead_chains, lookahead_init_noise, and the common optimisation and eval_* fields.
+lookahead_chains, lookahead_branches, lookahead_init_noise, and the common optimisation and eval_* fields.
 """
 
 from __future__ import annotations
@@ -183,9 +183,10 @@ class BestTokens:
 
 
 @torch.no_grad()
-def measure_acceptance(target, tokens, prompts: list[list[int]], max_new_tokens: int, chains: int) -> dict:
+def measure_acceptance(target, tokens, prompts: list[list[int]], max_new_tokens: int, chains: int,
+                       branches: int = 1) -> dict:
     """Greedy [LA] decoding of each prompt with the real engine at full depth (no adaptation)."""
-    proposer = LookaheadProposer(tokens, target.model, chains=chains)
+    proposer = LookaheadProposer(tokens, target.model, chains=chains, branches=branches)
     engine = SpeculativeEngine(target.model, proposer, target.eos_token_ids, adaptive=False)
     return aggregate_stats([engine.generate(p, max_new_tokens).stats for p in prompts])
 
@@ -197,7 +198,8 @@ def measure_and_keep(cfg, accelerator, target, tokens, prompts, step: int, best:
         module = accelerator.unwrap_model(tokens)
         tau = None
         if prompts:
-            result = measure_acceptance(target, module, prompts, cfg.eval_max_new_tokens, cfg.lookahead_chains)
+            result = measure_acceptance(target, module, prompts, cfg.eval_max_new_tokens, cfg.lookahead_chains,
+                                        cfg.lookahead_branches)
             tau = result["tau"]
             best.history.append({"step": step, "tau": tau, "alpha": result["alpha"]})
             log.info("step %d held-out tau %.3f alpha %.3f", step, tau, result["alpha"] or 0.0)
@@ -212,7 +214,7 @@ def save_best(cfg, accelerator, target, best: BestTokens, losses: list) -> Path:
         tokens = LookaheadTokens(cfg.lookahead_tokens, target.model.get_input_embeddings().weight.shape[1])
         tokens.load_state_dict(best.state)
         save_drafter(out, tokens.to(target.dtype), target, "lookahead", config={**tokens.config, **config_dict(cfg)},
-                     extra={"chains": cfg.lookahead_chains, "best_step": best.step, "held_out_tau": best.tau,
+                     extra={"chains": cfg.lookahead_chains, "branches": cfg.lookahead_branches, "best_step": best.step, "held_out_tau": best.tau,
                             "history": best.history, "loss_history": losses})
         log.info("lookahead drafter written to %s (step %d, held-out tau %s)", out, best.step, best.tau)
     accelerator.wait_for_everyone()

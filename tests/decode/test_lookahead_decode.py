@@ -53,11 +53,11 @@ class RecordingProposer(LookaheadProposer):
         return super().propose(seq, max_depth, sampling, generator)
 
 
-@pytest.mark.parametrize("chains", [1, 2, 4])
+@pytest.mark.parametrize("chains,branches", [(1, 1), (2, 1), (4, 1), (2, 2), (3, 3)])
 @pytest.mark.parametrize("adaptive", [False, True])
-def test_greedy_is_the_targets_output(chains, adaptive):
+def test_greedy_is_the_targets_output(chains, branches, adaptive):
     target = make_tiny_llama(seed=2, vocab_size=16, peak=3.0)  # peaked, small vocabulary: drafts often right
-    proposer = LookaheadProposer(random_tokens(target), target, chains=chains)
+    proposer = LookaheadProposer(random_tokens(target), target, chains=chains, branches=branches)
     engine = SpeculativeEngine(target, proposer, adaptive=adaptive)
     accepted = 0
     for prompt in PROMPTS:
@@ -160,15 +160,36 @@ def test_bad_lookahead_inputs_are_refused():
         LookaheadProposer(LookaheadTokens(3, 16), target)
     with pytest.raises(ValueError, match="chains"):
         LookaheadProposer(random_tokens(target), target, chains=0)
+    with pytest.raises(ValueError, match="branches"):
+        LookaheadProposer(random_tokens(target), target, branches=0)
 
 
-def test_sampling_follows_the_targets_distribution():
+def test_branches_put_the_first_rows_runners_up_beside_the_first_draft():
+    """With branches b the tree holds the chain of top-1 drafts and, as siblings of the first draft, the
+    first [LA] row's next b - 1 tokens in rank order; the chain's nodes come first, so they get the chains."""
+    target = make_tiny_llama(seed=2, vocab_size=16, peak=3.0)
+    proposer = LookaheadProposer(random_tokens(target, k=3), target, chains=2, branches=3)
+    proposer.begin([1, 5, 7], 64)
+    logits = torch.randn(3, 16, generator=torch.Generator().manual_seed(0))  # one chain's LA_1..LA_3
+    proposer.owner_row, proposer.active, proposer.parents, proposer.depths = {0: 0}, 3, [-1], [0]
+    proposer.observe_rows(logits, 0)
+    tree = proposer.propose([1, 5, 7], 3, None, None)
+    ranked = logits[0].argsort(descending=True).tolist()
+    assert tree.tokens == [7] + logits.argmax(-1).tolist() + ranked[1:3]
+    assert tree.parents == [-1, 0, 1, 2, 0, 0]
+    assert proposer.propose([1, 5, 7], 0, None, None).tokens == [7]  # depth 0: no drafts, no siblings
+    rows = proposer.verification_rows(tree, 1)
+    assert rows.mask[:, :len(tree)].any(0).tolist() == [True, True, False, False, False, False]
+
+
+@pytest.mark.parametrize("branches", [1, 2])
+def test_sampling_follows_the_targets_distribution(branches):
     vocab = 8
     target = make_tiny_llama(seed=4, vocab_size=vocab, hidden_size=16, layers=1, peak=6.0)
-    engine = SpeculativeEngine(target, LookaheadProposer(random_tokens(target, k=2), target, chains=2),
-                               adaptive=False)
+    engine = SpeculativeEngine(target, LookaheadProposer(random_tokens(target, k=2), target, chains=2,
+                                                         branches=branches), adaptive=False)
     prompt = [1, 5, 7]
-    second, third, accepted = sample_second_and_third(engine, prompt, 1200)
+    second, third, accepted = sample_second_and_third(engine, prompt, 2000)
     p2, p3 = exact_marginals(target, prompt, vocab)
     assert accepted > 100  # the drafts were really used, not all rejected
     assert chi2_pvalue(second, p2) > 1e-3
