@@ -69,7 +69,8 @@ def grouped_mask_argument(model: torch.nn.Module, mask: torch.Tensor) -> dict:
     """{GROUPED_MASK: `mask` [B, 1, N, T] tiled} for a forward of `model` whose attention is grouped_query_sdpa
     over several rows, else {}. Pass it to the model with that mask, so each layer does not tile it again."""
     config = model.config.get_text_config()
-    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if getattr(model.config, "_attn_implementation", None) != GROUPED_SDPA or mask.shape[-2] == 1 or heads == kv_heads:
         return {}
     return {GROUPED_MASK: tile_mask(mask, heads // kv_heads)}

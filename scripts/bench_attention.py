@@ -77,7 +77,8 @@ def measure(runner: ModelRunner, model, context: int, rows: int, reps: int) -> d
     same_argmax = bool(torch.equal(logits["sdpa"].argmax(-1), logits[GROUPED_SDPA].argmax(-1)))
     return {"context": context, "rows": rows, "sdpa_ms": ms["sdpa"], "grouped_ms": ms[GROUPED_SDPA],
             "grouped_per_layer_ms": ms[PER_LAYER], "speedup": ms["sdpa"] / ms[GROUPED_SDPA],
-            "tile_once_speedup": ms[PER_LAYER] / ms[GROUPED_SDPA], "max_abs_logit_diff": diff, "same_argmax": same_argmax}
+            "tile_once_speedup": ms[PER_LAYER] / ms[GROUPED_SDPA], "max_abs_logit_diff": diff,
+            "same_argmax": same_argmax}
 
 
 def main(argv=None) -> None:
