@@ -39,7 +39,7 @@ def records(target):
 def lookahead_config(tmp_path, **overrides):
     fields = {f.name: getattr(DistillConfig(), f.name) for f in dataclasses.fields(DistillConfig)}
     fields.update(method="lookahead", lookahead_tokens=K, lookahead_insertions=6, lookahead_chains=K + 1,
-                  lookahead_kl_weight=0.0, output_dir=str(tmp_path / "lookahead"), work_dir=str(tmp_path / "work"),
+                  lookahead_branches=2, lookahead_kl_weight=0.0, output_dir=str(tmp_path / "lookahead"), work_dir=str(tmp_path / "work"),
                   batch_size=8, max_steps=60, lr=0.05, warmup_steps=2, log_every=10, max_seq_len=48, seed=0,
                   eval_every=20, eval_max_new_tokens=16)
     fields.update(overrides)
@@ -119,7 +119,8 @@ def test_trained_drafter_decodes_losslessly(target, records, trained):
     out, _ = trained
     drafter = load_drafter(str(out), target)
     proposer = build_proposer(drafter, target.model)
-    assert isinstance(proposer, LookaheadProposer) and proposer.chains == K + 1  # stored in the manifest
+    assert isinstance(proposer, LookaheadProposer)
+    assert (proposer.chains, proposer.branches) == (K + 1, 2)  # stored in the manifest
     plain = SpeculativeEngine(target.model, None, target.eos_token_ids)
     engine = SpeculativeEngine(target.model, proposer, target.eos_token_ids)
     accepted = 0
@@ -135,6 +136,8 @@ def test_lookahead_config_is_checked():
         DistillConfig(method="lookahead", lookahead_decay=1.5)
     with pytest.raises(ConfigError, match="lookahead_tokens"):
         DistillConfig(method="lookahead", lookahead_tokens=0)
+    with pytest.raises(ConfigError, match="lookahead_branches"):
+        DistillConfig(method="lookahead", lookahead_branches=0)
     with pytest.raises(ConfigError, match="lora_r"):
         DistillConfig(method="lookahead", lora_r=4)
     with pytest.raises(ConfigError, match="loss"):
