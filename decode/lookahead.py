@@ -28,8 +28,8 @@ P_o + 1 + j, and the next tree needs P_a + 2 onwards, so LA_{s+1}..LA_k with s =
 predictions from less context, still a deterministic function of it. If s >= k nothing is proposed
 and the next step is a plain decode step (with a chain under its root).
 
-Branches. LA_1 is the target's top-1 token at depth 1 only 28% of the time on MT-bench, but one of its
-top 2 39%, top 3 47%. With `branches` b the tree also holds LA_1's next b - 1 tokens as siblings of the
+Branches. LA_1's top-1 is the target's token only 30% of the time on MT-bench, but one of its top 2
+41%, top 3 48% (the shipped 1-token drafter; scripts/lookahead_topk.py). With `branches` b the tree also holds LA_1's next b - 1 tokens as siblings of the
 first draft: one verification row each, placed after the chain so that the chain's nodes stay the
 shallowest and get the [LA] chains (a sibling gets one only when `chains` reaches it; otherwise, when
 it is accepted, the next drafts come from the root's chain shifted by one, as above, if it has LA_2).
