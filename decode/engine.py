@@ -91,7 +91,8 @@ class SpeculativeEngine:
             self.proposer.begin(prompt, capacity)
         extra = self.proposer.prefill_rows(n) if self.lookahead else None
         # the last prompt row's logits, and the [LA] rows' in the same head call
-        hidden, logits = self.target.forward(prompt, logits_rows=slice(n - 1, None), extra=extra)  # [T(+L), D], [1(+L), V]
+        hidden, logits = self.target.forward(prompt, logits_rows=slice(n - 1, None),
+                                             extra=extra)  # [T(+L), D], [1(+L), V]
         self.target.cache.advance(n)  # the first emitted token becomes the first root; extra rows stay uncommitted
         if self.self_drafting:
             self.proposer.observe_prefill(hidden[:n])  # the last row is the state the first emitted token comes from

@@ -21,18 +21,18 @@ choice, one more when its deeper probe is due (DraftLengthController.next_step_b
 The trained LA_j beyond the first are rarely right (measured on MT-bench: 0.29 acceptance at LA_1, 0.04
 at LA_2), so the controller settles at depth 1 and rows the next step would not use are not computed.
 The shallow nodes are the likely last accepted ones (P(stop at depth i) = a^i (1 - a) for acceptance
-a < 1). After verification the next proposals come from the chain under the last accepted node a. If a
-has none,
-from the chain under a's deepest ancestor o that has one, shifted: LA_j of o predicts position
+a < 1). After verification the next proposals come from the chain under the last accepted node a; if a
+has none, from the chain under a's deepest ancestor o that has one, shifted: LA_j of o predicts position
 P_o + 1 + j, and the next tree needs P_a + 2 onwards, so LA_{s+1}..LA_k with s = P_a - P_o. They are
 predictions from less context, still a deterministic function of it. If s >= k nothing is proposed
 and the next step is a plain decode step (with a chain under its root).
 
 Branches. LA_1's top-1 is the target's token only 30% of the time on MT-bench, but one of its top 2
-41%, top 3 48% (the shipped 1-token drafter; scripts/lookahead_topk.py). With `branches` b the tree also holds LA_1's next b - 1 tokens as siblings of the
-first draft: one verification row each, placed after the chain so that the chain's nodes stay the
-shallowest and get the [LA] chains (a sibling gets one only when `chains` reaches it; otherwise, when
-it is accepted, the next drafts come from the root's chain shifted by one, as above, if it has LA_2).
+41%, top 3 48% (the shipped 1-token drafter; scripts/lookahead_topk.py). With `branches` b the tree also
+holds LA_1's next b - 1 tokens as siblings of the first draft: one verification row each, placed after
+the chain so that the chain's nodes stay the shallowest and get the [LA] chains (a sibling gets one only
+when `chains` reaches it; otherwise, when it is accepted, the next drafts come from the root's chain
+shifted by one, as above, if it has LA_2).
 
 Losslessness. [LA] rows are written after the token rows and no token row attends to them (the mask
 gives token rows their ancestors only), so the verified logits are those of the plain tree forward;
@@ -52,7 +52,13 @@ from decode.runner import ExtraRows
 from decode.sampling import SamplingConfig
 from decode.tree import TokenTree
 
-__all__ = ["LookaheadProposer", "lookahead_rows"]
+__all__ = ["LookaheadProposer", "decoding_options", "lookahead_rows"]
+
+
+def decoding_options(manifest: dict) -> dict:
+    """The LookaheadProposer keywords a lookahead drafter's manifest stores (older drafters: defaults)."""
+    extra = manifest.get("extra") or {}
+    return {"chains": int(extra.get("chains", 2)), "branches": int(extra.get("branches", 1))}
 
 
 class LookaheadProposer(Proposer):

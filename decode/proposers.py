@@ -267,11 +267,9 @@ def drafter_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: set[i
         return MedusaProposer(drafter.model, tree=(drafter.manifest.get("extra") or {}).get("tree"),
                               vocab_map=drafter.vocab_map, embed=target_model.get_input_embeddings())
     if drafter.kind == "lookahead":
-        from decode.lookahead import LookaheadProposer  # lookahead builds on this module
+        from decode.lookahead import LookaheadProposer, decoding_options  # lookahead builds on this module
 
-        extra = drafter.manifest.get("extra") or {}
-        return LookaheadProposer(drafter.model, target_model, chains=int(extra.get("chains", 2)),
-                                 branches=int(extra.get("branches", 1)))
+        return LookaheadProposer(drafter.model, target_model, **decoding_options(drafter.manifest))
     raise ValueError(f"no proposer for drafter kind {drafter.kind!r} "
                      "(known: draft_model, prompt_lookup, ensemble, medusa, lookahead)")
 

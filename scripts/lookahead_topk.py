@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from decode.engine import SpeculativeEngine  # noqa: E402  (ROOT on sys.path first)
-from decode.lookahead import LookaheadProposer  # noqa: E402
+from decode.lookahead import LookaheadProposer, decoding_options  # noqa: E402
 from decode.questions import load_questions  # noqa: E402
 from models.drafters import load_drafter  # noqa: E402
 from models.target import load_target  # noqa: E402
@@ -40,7 +40,7 @@ class RankingProposer(LookaheadProposer):
         super().observe_rows(logits, last_node)
         owner, shift = self.nearest_owner(last_node)
         self.first_row_topk = None
-        if owner is not None and shift == 0 and shift < self.active:  # drafts from LA_1 itself
+        if owner is not None and shift == 0:  # drafts from LA_1 itself
             row = self.owner_row[owner] * self.active
             self.first_row_topk = logits[row].topk(self.topk_k).indices.tolist()
 
@@ -69,9 +69,7 @@ def main(argv=None) -> dict:
     drafter = load_drafter(args.drafter, target)
     if drafter.kind != "lookahead":
         raise SystemExit(f"{args.drafter}: a drafter of kind {drafter.kind!r}, not lookahead")
-    extra = drafter.manifest.get("extra") or {}
-    proposer = RankingProposer(drafter.model, target.model, chains=int(extra.get("chains", 2)),
-                               branches=int(extra.get("branches", 1)), k=args.k)
+    proposer = RankingProposer(drafter.model, target.model, **decoding_options(drafter.manifest), k=args.k)
     engine = SpeculativeEngine(target.model, proposer, target.eos_token_ids, adaptive=False)
     hits, positions = [0] * args.k, 0
     for question in load_questions(args.questions)[::args.every][:args.limit]:

@@ -214,8 +214,9 @@ def save_best(cfg, accelerator, target, best: BestTokens, losses: list) -> Path:
         tokens = LookaheadTokens(cfg.lookahead_tokens, target.model.get_input_embeddings().weight.shape[1])
         tokens.load_state_dict(best.state)
         save_drafter(out, tokens.to(target.dtype), target, "lookahead", config={**tokens.config, **config_dict(cfg)},
-                     extra={"chains": cfg.lookahead_chains, "branches": cfg.lookahead_branches, "best_step": best.step, "held_out_tau": best.tau,
-                            "history": best.history, "loss_history": losses})
+                     extra={"chains": cfg.lookahead_chains, "branches": cfg.lookahead_branches,
+                            "best_step": best.step, "held_out_tau": best.tau, "history": best.history,
+                            "loss_history": losses})
         log.info("lookahead drafter written to %s (step %d, held-out tau %s)", out, best.step, best.tau)
     accelerator.wait_for_everyone()
     return out

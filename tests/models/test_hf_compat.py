@@ -34,7 +34,7 @@ def test_a_forward_returns_its_cache_under_either_field(tiny_target):
     ids = torch.tensor([[1, 2, 3]])
     out = tiny_target(input_ids=ids, use_cache=True)
     again = tiny_target(input_ids=torch.tensor([[4]]), **cache_argument(tiny_target, output_cache(out)),
-                              use_cache=True)
+                        use_cache=True)
     assert output_cache(again).get_seq_length() == 4
 
 

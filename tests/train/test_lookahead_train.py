@@ -39,7 +39,8 @@ def records(target):
 def lookahead_config(tmp_path, **overrides):
     fields = {f.name: getattr(DistillConfig(), f.name) for f in dataclasses.fields(DistillConfig)}
     fields.update(method="lookahead", lookahead_tokens=K, lookahead_insertions=6, lookahead_chains=K + 1,
-                  lookahead_branches=2, lookahead_kl_weight=0.0, output_dir=str(tmp_path / "lookahead"), work_dir=str(tmp_path / "work"),
+                  lookahead_branches=2, lookahead_kl_weight=0.0, output_dir=str(tmp_path / "lookahead"),
+                  work_dir=str(tmp_path / "work"),
                   batch_size=8, max_steps=60, lr=0.05, warmup_steps=2, log_every=10, max_seq_len=48, seed=0,
                   eval_every=20, eval_max_new_tokens=16)
     fields.update(overrides)
