@@ -218,6 +218,28 @@ def test_cli_writes_the_report_and_prints_the_table(tmp_path, target_dir, capsys
     assert "[writing]" in printed and "[overall]" in printed and "speculative" in printed
 
 
+def test_speedup_model_script_reads_an_evaluation_report(tmp_path, target_dir, capsys):
+    """scripts/speedup_model.py on a real report: one row per drafter, each answer a probability or None."""
+    import importlib.util
+
+    questions = write_lines(tmp_path / "q.jsonl", MT_BENCH_LINES)
+    assert main(["--target", str(target_dir), "--drafter", "truncated:1", "--drafter", "prompt_lookup",
+                 "--questions", str(questions), "--limit", "2", "--max-new-tokens", "12", "--warmup", "0",
+                 "--fixed-depth", "--out", str(tmp_path / "run")]) == 0
+    spec = importlib.util.spec_from_file_location("speedup_model", ROOT / "scripts" / "speedup_model.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    result = script.main([str(tmp_path / "run" / "report.json"), "--target", str(target_dir), "--rows", "1", "2", "4",
+                          "--reps", "1", "--out", str(tmp_path / "model")])
+    assert sorted(row["method"] for row in result["methods"]) == ["speculative[prompt_lookup]", "speculative[truncated:1]"]
+    assert result["verify_cost"][1] == 1.0 and set(result["verify_cost"]) == {1, 2, 4}
+    for row in result["methods"]:
+        assert row["draft_cost"] >= 0 and row["modelled_speedup"] > 0
+        assert all(a is None or 0 <= a <= 1 for a in [*row["needed"].values(), *row["needed_free_drafter"].values()])
+    assert (tmp_path / "model" / "speedup_model.json").is_file()
+    assert "a for 1.5x" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("args, argument", [
     (["--drafter", "no_such_drafter"], "--drafter"),
     (["--drafter", "truncated:9"], "--drafter"),
