@@ -1,6 +1,6 @@
 """What each drafter of an evaluation would need to reach a speedup on this machine (decode.cost_model).
 
-    .venv/bin/python scripts/speedup_model.py REPORT.json [--goal 1.5] [--rows 1 2 3 4 6 8 12 16]
+    .venv/bin/python scripts/speedup_model.py REPORT.json [--goal 1.2 1.5] [--rows 1 2 3 4 6 8 12 16]
         [--verify-costs FILE.json] [--out DIR]
 
 Measures the target's forward by row count on this machine (r rows after a 300-token context, the
@@ -12,8 +12,10 @@ every speculative method in the report (`python -m decode.evaluate --out DIR` wr
 - the conditional acceptance per position it would need, at its drafting cost, for `--goal`;
 - the same for a drafter that costs nothing (verification alone: no drafter can do better).
 
-Chains only: a tree's extra rows are not modelled (Medusa and [LA] rows show as their chain). Prints a
-table; writes DIR/speedup_model.json.
+Chains only: a tree's extra rows are not modelled (Medusa and [LA] rows show as their chain), so for
+tree drafters the modelled speedup is an upper bound. Feed it a `--fixed-depth` evaluation: with the
+adaptive depth, deep positions are measured on confident steps only and an idle drafter's catch-up
+counts as drafting cost (the script says so). Prints a table; writes DIR/speedup_model.json.
 """
 
 from __future__ import annotations
@@ -79,12 +81,19 @@ def measure_verify_costs(args) -> dict[int, float]:
     return {r: statistics.median(t) / unit for r, t in times.items()}
 
 
-def load_report(path: str) -> dict:
+ADAPTIVE_NOTE = ("note: this report used the adaptive depth. Its deep positions were measured only on steps\n"
+                 "confident enough to draft there (P_k reads high), and a drafter left idle for a while catches\n"
+                 "up on the skipped tokens when it drafts again (its cost per drafted token reads high).\n"
+                 "For the model's inputs, evaluate with --fixed-depth.")
+
+
+def load_report(path: str) -> tuple[dict, bool]:
+    """(methods, whether the evaluation drafted the full depth at every step)."""
     report = json.loads(Path(path).read_text())
     methods = report.get("methods")
     if not isinstance(methods, dict) or BASELINE not in methods:
         raise SystemExit(f"{path}: not an evaluation report with a {BASELINE!r} method (decode.evaluate --out DIR)")
-    return methods
+    return methods, bool((report.get("config") or {}).get("fixed_depth"))
 
 
 def model_method(name: str, entry: dict, baseline: dict, verify: list[float], goals: list[float]) -> dict:
@@ -121,7 +130,7 @@ def print_table(rows: list[dict], verify: dict[int, float], goals: list[float]) 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    methods = load_report(args.report)
+    methods, fixed_depth = load_report(args.report)
     if args.verify_costs:
         measured = {int(r): v for r, v in json.loads(Path(args.verify_costs).read_text())["verify_cost"].items()}
     else:
@@ -131,9 +140,11 @@ def main(argv=None) -> dict:
             for name, entry in methods.items() if name != BASELINE and entry.get("tau") is not None
             and entry.get("draft_time_s") is not None]
     print_table(rows, measured, args.goal)
+    if not fixed_depth:
+        print(ADAPTIVE_NOTE)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"report": args.report, "verify_cost": measured, "methods": rows}
+    result = {"report": args.report, "fixed_depth": fixed_depth, "verify_cost": measured, "methods": rows}
     (out / "speedup_model.json").write_text(json.dumps(result, indent=1, default=str))
     print(f"wrote {out / 'speedup_model.json'}")
     return result
