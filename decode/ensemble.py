@@ -72,6 +72,9 @@ class EnsembleProposer(Proposer):
         for member in self.members:
             member.begin(prompt_ids, capacity)
 
+    def last_catch_up_s(self) -> float:
+        return sum(member.last_catch_up_s() for member in self.members)
+
     def propose(self, seq: list[int], max_depth: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> TokenTree:
         chains, alternates = [], []

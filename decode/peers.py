@@ -5,7 +5,6 @@ prompt ids -> new token ids, the wall time, and the engine's statistics when the
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,6 +14,7 @@ from transformers import GenerationConfig
 from decode.engine import SpeculativeEngine, truncate_at_eos
 from decode.metrics import RequestStats
 from decode.proposers import Proposer
+from decode.runner import synchronized_clock
 from decode.sampling import SamplingConfig
 from models.draft_models import full_vocab_view
 
@@ -107,9 +107,3 @@ def assistant_model_of(drafter, target) -> torch.nn.Module:
         return drafter.model
     return full_vocab_view(drafter.model, drafter.vocab_map, target.model.get_output_embeddings().weight.shape[0])
 
-
-def synchronized_clock(device: torch.device) -> float:
-    """perf_counter after queued kernels finish, so that CUDA timings are honest."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()

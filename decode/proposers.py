@@ -12,13 +12,14 @@ import torch
 
 import models.medusa  # noqa: F401  (registers the drafter kind "medusa" with models.drafters)
 import models.lookahead  # noqa: F401  (registers the drafter kind "lookahead")
-from decode.runner import ModelRunner
+from decode.runner import ModelRunner, synchronized_clock
 from decode.sampling import SamplingConfig, logits_to_probs, sample
 from decode.tree import TokenTree
 from models.packed_linear import packing_supported
 
 
 Alternate = tuple[int, int, float]  # (depth in the chain, target token id, log path probability)
+CATCH_UP_SPLIT = 8  # a draft model fed more tokens than this at once is resuming after steps without drafting
 
 
 class Proposer(ABC):
@@ -27,6 +28,10 @@ class Proposer(ABC):
 
     def begin(self, prompt_ids: list[int], capacity: int) -> None:
         """A new request starts; `capacity` bounds the sequence length it will reach."""
+
+    def last_catch_up_s(self) -> float:
+        """Seconds of the last propose() spent catching up on tokens emitted while it did not draft."""
+        return 0.0
 
     @abstractmethod
     def propose(
@@ -41,6 +46,13 @@ class DraftModelProposer(Proposer):
     Its cache holds `cached` = the tokens it has processed. After verification the sequence is the
     old one plus the accepted drafts plus the bonus token, so the cache is valid up to the longest
     common prefix with the new sequence: roll back to it (a length move) and feed the rest.
+
+    After steps without drafting (the adaptive depth chose plain decoding) the rest is long: every
+    token emitted meanwhile. Feeding it is a one-off cost of resuming, not a cost of the depth being
+    drafted, so beyond CATCH_UP_SPLIT tokens it runs as its own forward, timed (`last_catch_up_s`),
+    and the engine leaves it out of what the adaptive depth learns drafting costs. Charged to the
+    probe that resumes, it made a 4-layer drafter's one-token probe cost a third of a target forward
+    after 64 idle steps, and kept a drafter that pays when drafting steadily from ever starting.
     """
 
     name = "draft_model"
@@ -62,10 +74,12 @@ class DraftModelProposer(Proposer):
         self.prompt_vocab = prompt_vocab
         self.extra_rows: torch.Tensor | None = None  # [N, D] head rows of this request's prompt-only tokens
         self.cached: list[int] = []
+        self.catch_up_s = 0.0  # of the last draft_chain
 
     def begin(self, prompt_ids: list[int], capacity: int) -> None:
         self.runner.start(capacity + self.gamma + 1)
         self.cached = []
+        self.catch_up_s = 0.0
         if self.prompt_vocab:
             self.extend_head_by_prompt(prompt_ids)
 
@@ -100,11 +114,16 @@ class DraftModelProposer(Proposer):
         itself expects acceptance (as EAGLE-2 does). Sampling drafts no alternates: a deterministic
         top-k is not a draw from q, which the multi-draft rule needs."""
         depth = min(self.gamma, max_depth)
+        self.catch_up_s = 0.0
         if depth <= 0:
             return [], [], []
         keep = min(common_prefix_len(self.cached, seq), len(seq) - 1)
         self.runner.cache.truncate(keep)
-        logits = self._feed(seq[keep:])
+        behind = seq[keep:]
+        if len(behind) > CATCH_UP_SPLIT:
+            self.catch_up_s = self._catch_up(behind[:-1])
+            behind = behind[-1:]
+        logits = self._feed(behind)
         branching = alternates > 0 and sampling.greedy
         drafts, probs, others, path_logq = [], [], [], 0.0
         for i in range(depth):
@@ -129,6 +148,16 @@ class DraftModelProposer(Proposer):
         for token, lq in zip(ids[1:].tolist(), top.values[1:].tolist()):
             out.append((depth, int(token), path_logq + lq))
         return path_logq + float(top.values[0])
+
+    def last_catch_up_s(self) -> float:
+        return self.catch_up_s
+
+    def _catch_up(self, tokens: list[int]) -> float:
+        """Feed `tokens` into the cache without computing logits; the seconds it took."""
+        start = synchronized_clock(self.runner.device)
+        self.runner.forward(tokens, logits_rows=slice(0, 0))
+        self.runner.cache.advance(len(tokens))
+        return synchronized_clock(self.runner.device) - start
 
     def _feed(self, tokens: list[int]) -> torch.Tensor:
         hidden, logits = self.runner.forward(tokens, logits_rows=slice(-1, None))
@@ -193,6 +222,9 @@ class WithPromptLookup(Proposer):
 
     def begin(self, prompt_ids: list[int], capacity: int) -> None:
         self.inner.begin(prompt_ids, capacity)
+
+    def last_catch_up_s(self) -> float:
+        return self.inner.last_catch_up_s()
 
     def observe_prefill(self, hidden: torch.Tensor) -> None:
         self.inner.observe_prefill(hidden)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass
 
 import torch
@@ -110,3 +112,10 @@ def with_extra_mask(ancestors: torch.Tensor, extra: ExtraRows) -> torch.Tensor:
 
 def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
+
+
+def synchronized_clock(device: torch.device) -> float:
+    """perf_counter after queued kernels finish, so that CUDA timings are honest."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

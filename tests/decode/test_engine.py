@@ -150,3 +150,62 @@ def test_gemv_friendly_head_changes_layout_not_values(tiny_target, monkeypatch):
                               tiny_target, 4)
     gen = SpeculativeEngine(tiny_target, proposer).generate(PROMPT, 30)
     assert gen.tokens == target_greedy(tiny_target, PROMPT, 30)
+
+
+def test_a_resuming_drafter_catches_up_in_a_forward_of_its_own(tiny_target):
+    """After steps without drafting, the tokens emitted meanwhile are fed as a separate, timed forward;
+    the chain drafted after it is the one a drafter fed everything at once drafts."""
+    import decode.proposers as proposers_module
+
+    drafter = make_tiny_llama(seed=1, layers=1)
+    seq = PROMPT + target_greedy(tiny_target, PROMPT, 30)
+    split, whole = DraftModelProposer(drafter, gamma=3), DraftModelProposer(drafter, gamma=3)
+    torch.set_grad_enabled(False)  # as the engine drafts (inference mode); restored below
+    try:
+        check_catch_up(split, whole, seq, proposers_module)
+    finally:
+        torch.set_grad_enabled(True)
+
+
+def check_catch_up(split, whole, seq, proposers_module):
+    for proposer in (split, whole):
+        proposer.begin(PROMPT, 64)
+        proposer.propose(PROMPT, 3, SamplingConfig(), None)  # caches the prompt
+    chain = split.propose(seq, 3, SamplingConfig(), None)  # 30 tokens behind: more than CATCH_UP_SPLIT
+    assert len(seq) - len(PROMPT) > proposers_module.CATCH_UP_SPLIT and split.last_catch_up_s() > 0
+    old = proposers_module.CATCH_UP_SPLIT
+    proposers_module.CATCH_UP_SPLIT = 10 ** 9  # as before the split: everything in one forward
+    try:
+        assert whole.propose(seq, 3, SamplingConfig(), None).tokens == chain.tokens
+    finally:
+        proposers_module.CATCH_UP_SPLIT = old
+    assert whole.last_catch_up_s() == 0.0
+    split.propose(seq + chain.tokens[1:2], 3, SamplingConfig(), None)  # steady drafting: a token or two behind
+    assert split.last_catch_up_s() == 0.0
+
+
+class CatchingUpProposer(PromptLookupProposer):
+    """Drafts a fixed chain at no cost but `catch_up` seconds per draft, all of it catching up."""
+
+    def __init__(self, catch_up: float):
+        super().__init__(num_tokens=3)
+        self.catch_up = catch_up
+
+    def propose(self, seq, max_depth, sampling, generator):
+        import time
+
+        from decode.tree import TokenTree
+
+        time.sleep(self.catch_up)
+        return TokenTree.chain(seq[-1], [3, 3, 3][:max_depth])
+
+    def last_catch_up_s(self):
+        return self.catch_up
+
+
+def test_the_adaptive_depth_does_not_learn_catch_up_as_drafting_cost(tiny_target):
+    engine = SpeculativeEngine(tiny_target, CatchingUpProposer(0.03))
+    gen = engine.generate(PROMPT, 12)
+    assert gen.stats.draft_time_s >= 0.03  # the time was spent and is reported
+    controller = engine.controller
+    assert controller.draft_at and max(controller.draft_at.values()) < 0.01  # but not charged to any depth
