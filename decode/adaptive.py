@@ -18,6 +18,11 @@ moves when a step drafts j deep, so a controller settled at depth k would never 
 k + 1 got better (a prompt-lookup chain that starts matching): every `deeper_every` steps at a depth
 k > 0 below the limit it drafts k + 1 once.
 
+The drafting time it learns from leaves out a draft model's catch-up after such plain-decoding steps
+(the tokens emitted meanwhile, fed in a forward of their own: decode.proposers.CATCH_UP_SPLIT): that is
+paid once when drafting resumes, and charged to the probe it kept a drafter that pays when drafting
+steadily from ever starting.
+
 This only changes how much is drafted, never what is emitted: the output stays lossless.
 """
 
