@@ -204,8 +204,9 @@ class CatchingUpProposer(PromptLookupProposer):
 
 
 def test_the_adaptive_depth_does_not_learn_catch_up_as_drafting_cost(tiny_target):
-    engine = SpeculativeEngine(tiny_target, CatchingUpProposer(0.03))
+    engine = SpeculativeEngine(tiny_target, CatchingUpProposer(0.05))
     gen = engine.generate(PROMPT, 12)
-    assert gen.stats.draft_time_s >= 0.03  # the time was spent and is reported
+    assert gen.stats.draft_time_s >= 0.05  # the time was spent and is reported
     controller = engine.controller
-    assert controller.draft_at and max(controller.draft_at.values()) < 0.01  # but not charged to any depth
+    # but not charged to any depth (what remains is sleep's overshoot; charged, each would be >= 0.05)
+    assert controller.draft_at and max(controller.draft_at.values()) < 0.025
