@@ -84,8 +84,10 @@ def interpolate(measured: Mapping[int, float], rows: int) -> list[float]:
     for r in range(1, rows + 1):
         lower = [p for p in points if p[0] <= r][-1]
         upper = next((p for p in points if p[0] >= r), None)
-        if upper is None:  # extrapolate
-            (r0, v0), (r1, v1) = points[-2:] if len(points) > 1 else (points[0], (points[0][0] + 1, points[0][1]))
+        if upper is None and len(points) == 1:  # only v(1) known: flat
+            out.append(points[0][1])
+        elif upper is None:  # extrapolate along the two largest
+            (r0, v0), (r1, v1) = points[-2:]
             out.append(v1 + (v1 - v0) / (r1 - r0) * (r - r1))
         elif upper[0] == lower[0]:
             out.append(lower[1])

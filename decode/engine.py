@@ -44,7 +44,6 @@ class SpeculativeEngine:
         # a lookahead proposer (decode.lookahead) adds rows fed by embedding to every target forward
         # and reads the next proposals from them: `prefill_rows`, `verification_rows`, `observe_rows`
         self.lookahead = hasattr(proposer, "verification_rows")
-        self.catch_up_s = 0.0
         self.controller = None
         if proposer is not None and adaptive:
             self.controller = DraftLengthController(max_depth=proposer.max_depth)
@@ -128,7 +127,7 @@ class SpeculativeEngine:
         stats.verify_time_s += t2 - t1
         stats.record_step(tree.max_depth, len(verdict.path) - 1)
         if adapt:  # resuming after plain-decoding steps is a one-off, not a cost of this depth
-            draft_s = t1 - t0 - self.catch_up_s
+            draft_s = t1 - t0 - (self.proposer.last_catch_up_s() if depth > 0 else 0.0)  # drafted iff depth > 0
             self.controller.observe(tree.max_depth, len(verdict.path) - 1, len(tree), draft_s, t2 - t1)
         return [tree.tokens[i] for i in verdict.path[1:]] + [verdict.bonus]
 
@@ -141,11 +140,9 @@ class SpeculativeEngine:
 
     def draft(self, seq: list[int], max_depth: int, sampling: SamplingConfig,
               generator: torch.Generator | None) -> TokenTree:
-        self.catch_up_s = 0.0  # of this step's drafting: see Proposer.last_catch_up_s
         if self.proposer is None or max_depth <= 0:
             return TokenTree.root(seq[-1])
         tree = self.proposer.propose(seq, max_depth, sampling, generator)
-        self.catch_up_s = self.proposer.last_catch_up_s()
         if len(tree) > self.max_tree_nodes:
             raise ValueError(f"proposer {self.proposer.name} drafted {len(tree)} nodes, "
                              f"more than max_tree_nodes={self.max_tree_nodes}")

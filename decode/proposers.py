@@ -79,7 +79,6 @@ class DraftModelProposer(Proposer):
     def begin(self, prompt_ids: list[int], capacity: int) -> None:
         self.runner.start(capacity + self.gamma + 1)
         self.cached = []
-        self.catch_up_s = 0.0
         if self.prompt_vocab:
             self.extend_head_by_prompt(prompt_ids)
 

@@ -101,7 +101,7 @@ def model_method(name: str, entry: dict, baseline: dict, verify: list[float], go
     if not math.isfinite(costs["draft_cost"]):  # it never drafted: its cost per draft is unknown
         costs["draft_cost"] = 0.0
     cumulative = costs["cumulative"]
-    depth, modelled = best_depth(cumulative, costs["draft_cost"], verify) if cumulative else (0, 1.0)
+    depth, modelled = best_depth(cumulative, costs["draft_cost"], verify)  # depth 0 when it never drafted
     needed = {g: acceptance_needed(g, costs["draft_cost"], verify, MAX_DEPTH) for g in goals}
     free = {g: acceptance_needed(g, 0.0, verify, MAX_DEPTH) for g in goals}
     first = cumulative[0] if cumulative else 0.0
