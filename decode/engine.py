@@ -41,6 +41,8 @@ class SpeculativeEngine:
         self.max_tree_nodes = max_tree_nodes
         # a self-drafting proposer (decode.self_draft) reads the target's hidden states after each forward
         self.self_drafting = bool(getattr(proposer, "self_drafting", False))
+        # an EAGLE-3 proposer (decode.eagle3) reads the inputs of some target layers instead of the last state
+        self.target.feature_layers = list(getattr(proposer, "feature_layers", None) or [])
         # a lookahead proposer (decode.lookahead) adds rows fed by embedding to every target forward
         # and reads the next proposals from them: `prefill_rows`, `verification_rows`, `observe_rows`
         self.lookahead = hasattr(proposer, "verification_rows")
@@ -95,7 +97,7 @@ class SpeculativeEngine:
                                              extra=extra)  # [T(+L), D], [1(+L), V]
         self.target.cache.advance(n)  # the first emitted token becomes the first root; extra rows stay uncommitted
         if self.self_drafting:
-            self.proposer.observe_prefill(hidden[:n])  # the last row is the state the first emitted token comes from
+            self.proposer.observe_prefill(self.drafting_states(hidden)[:n])  # the last row is the state the first emitted token comes from
         if extra is not None:
             self.proposer.observe_rows(logits[1:], n - 1)
         return pick_token(logits[0], sampling, generator)
@@ -117,8 +119,8 @@ class SpeculativeEngine:
                                              logits_rows=slice(0, None), extra=extra)  # [N(+L), D], [N(+L), V]
         verdict = verify(tree, logits[:n], sampling, generator)
         self.target.cache.commit_path(verdict.path)  # tree nodes only: extra rows lie past them, uncommitted
-        if self.self_drafting:  # Medusa: the next proposals come from this forward's hidden states
-            self.proposer.observe_verification(hidden[:n], verdict)
+        if self.self_drafting:  # Medusa, EAGLE-3: the next proposals come from this forward's hidden states
+            self.proposer.observe_verification(self.drafting_states(hidden)[:n], verdict)
         if extra is not None:  # [LA]: the next proposals come from the rows under the last accepted node
             self.proposer.observe_rows(logits[n:], verdict.path[-1])
         sync(self.target.device)
@@ -130,6 +132,11 @@ class SpeculativeEngine:
             draft_s = t1 - t0 - (self.proposer.last_catch_up_s() if depth > 0 else 0.0)  # drafted iff depth > 0
             self.controller.observe(tree.max_depth, len(verdict.path) - 1, len(tree), draft_s, t2 - t1)
         return [tree.tokens[i] for i in verdict.path[1:]] + [verdict.bonus]
+
+    def drafting_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What a self-drafting proposer reads per row: the last hidden states [N, D] (Medusa), or the
+        fused layers' inputs [N, 3 x D] (EAGLE-3), both from the forward just run."""
+        return self.target.features if self.target.feature_layers else hidden
 
     def next_depth_bound(self, depth: int, remaining: int, adapt: bool) -> int:
         """How deep the next step may draft: what the controller would choose (its probes included),

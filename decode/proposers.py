@@ -12,6 +12,7 @@ import torch
 
 import models.medusa  # noqa: F401  (registers the drafter kind "medusa" with models.drafters)
 import models.lookahead  # noqa: F401  (registers the drafter kind "lookahead")
+import models.eagle3  # noqa: F401  (registers the drafter kind "eagle3")
 from decode.runner import ModelRunner, synchronized_clock
 from decode.sampling import SamplingConfig, logits_to_probs, sample
 from decode.tree import TokenTree
@@ -217,6 +218,7 @@ class WithPromptLookup(Proposer):
             raise ValueError("+prompt_lookup cannot wrap a lookahead ([LA]) drafter: its rows follow the tree's nodes")
         self.inner, self.lookup = inner, lookup
         self.self_drafting = bool(getattr(inner, "self_drafting", False))
+        self.feature_layers = getattr(inner, "feature_layers", None)  # EAGLE-3 reads these target layers
         self.max_depth = max(inner.max_depth, lookup.max_depth)
 
     def begin(self, prompt_ids: list[int], capacity: int) -> None:
@@ -301,8 +303,17 @@ def drafter_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: set[i
         from decode.lookahead import LookaheadProposer, decoding_options  # lookahead builds on this module
 
         return LookaheadProposer(drafter.model, target_model, **decoding_options(drafter.manifest))
+    if drafter.kind == "eagle3":
+        from decode.eagle3 import Eagle3Proposer  # eagle3 builds on this module
+
+        options = (drafter.manifest.get("extra") or {}).get("decoding") or {}
+        return Eagle3Proposer(drafter.model, target_model.get_input_embeddings(),
+                              depth=kw.get("eagle3_depth") or options.get("depth"),
+                              topk=kw.get("eagle3_topk") or options.get("topk"),
+                              tree_nodes=kw.get("eagle3_tree_nodes") or options.get("tree_nodes"),
+                              eos_token_ids=eos_token_ids)
     raise ValueError(f"no proposer for drafter kind {drafter.kind!r} "
-                     "(known: draft_model, prompt_lookup, ensemble, medusa, lookahead)")
+                     "(known: draft_model, prompt_lookup, ensemble, medusa, lookahead, eagle3)")
 
 
 def check_medusa_vocab(heads, target_model) -> None:

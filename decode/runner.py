@@ -46,6 +46,9 @@ class ModelRunner:
         self.num_layers = model.config.get_text_config().num_hidden_layers
         self.static_shapes = static_shapes
         self.cache = SpecCache(self.num_layers, 0, static_shapes)
+        # EAGLE-3 reads the inputs of these layers at every row (decode.eagle3): `features` after a forward
+        self.feature_layers: list[int] = []
+        self.features: torch.Tensor | None = None  # [N + L, len(feature_layers) x D]
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
 
@@ -85,10 +88,13 @@ class ModelRunner:
         positions = torch.tensor(depths, dtype=torch.long, device=self.device) + prefix  # [N + L]
         total = self.cache.max_len if self.static_shapes else prefix + len(depths)
         mask = attention_bias(prefix, ancestors.to(self.device), total, self.dtype)  # [1, 1, N + L, total]
+        capture = {"output_hidden_states": True} if self.feature_layers else {}
         out = self.decoder(**inputs, attention_mask=mask, position_ids=positions[None],
                            **cache_argument(self.decoder, self.cache), use_cache=True,
-                           **grouped_mask_argument(self.model, mask))
+                           **grouped_mask_argument(self.model, mask), **capture)
         hidden = out.last_hidden_state[0]  # [N + L, D]
+        if self.feature_layers:  # hidden_states[i] is the input of layer i (0: the embeddings)
+            self.features = torch.cat([out.hidden_states[i][0] for i in self.feature_layers], dim=-1)
         rows = hidden if logits_rows is None else hidden[logits_rows]
         return hidden, self.head(rows).float()  # [n_rows, V]
 

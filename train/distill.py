@@ -30,6 +30,7 @@ from accelerate.utils import DataLoaderConfiguration, set_seed  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from train.colbt import train_colbt  # noqa: E402
+from train.eagle3 import train_eagle3  # noqa: E402
 from train.lookahead import train_lookahead  # noqa: E402
 from train.medusa import train_medusa  # noqa: E402
 from train.checkpoints import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
@@ -39,6 +40,17 @@ from train import distill_steps as steps  # noqa: E402
 
 log = logging.getLogger("specdistill.distill")
 
+# Methods with a training loop of their own: train(cfg, accelerator, target, records, eval_prompts) ->
+# the drafter directory, or None when stopped early (stop_at_step); and whether it measures held-out
+# prompts with the engine (building them costs target generation for self:N). seqkd and kd run the loop below.
+OWN_LOOP_METHODS = {
+    "colbt": (train_colbt, True),  # several drafters, boost-tuned in sequence, saved as one ensemble
+    "medusa": (lambda cfg, accelerator, target, records, _: train_medusa(cfg, accelerator, target, records),
+               False),  # heads on the frozen target's hidden states, with a calibrated tree
+    "lookahead": (train_lookahead, True),  # [LA] embeddings for the frozen target
+    "eagle3": (train_eagle3, True),  # one decoder layer over the frozen target's hidden states
+}
+
 
 def main(argv: list[str] | None = None) -> Path | None:
     cfg = load_config(DistillConfig, argv)
@@ -46,18 +58,10 @@ def main(argv: list[str] | None = None) -> Path | None:
     set_seed(cfg.seed)
     target = steps.load_target_for(cfg, accelerator)
     records = steps.teacher_records(cfg, target, accelerator)
-    if cfg.method == "colbt":  # several drafters, boost-tuned in sequence, saved as one ensemble
-        eval_prompts = steps.eval_prompt_ids(cfg, target) if accelerator.is_main_process else []
-        out = train_colbt(cfg, accelerator, target, records, eval_prompts)
-        steps.end_run(accelerator)
-        return out
-    if cfg.method == "medusa":  # heads on the frozen target's hidden states, with a calibrated tree
-        out = train_medusa(cfg, accelerator, target, records)
-        steps.end_run(accelerator)
-        return out
-    if cfg.method == "lookahead":  # [LA] embeddings for the frozen target, measured with the engine
-        eval_prompts = steps.eval_prompt_ids(cfg, target) if accelerator.is_main_process else []
-        out = train_lookahead(cfg, accelerator, target, records, eval_prompts)
+    if cfg.method in OWN_LOOP_METHODS:
+        trainer, measures = OWN_LOOP_METHODS[cfg.method]
+        eval_prompts = steps.eval_prompt_ids(cfg, target) if measures and accelerator.is_main_process else []
+        out = trainer(cfg, accelerator, target, records, eval_prompts)
         steps.end_run(accelerator)
         return out
     drafter, vocab_map = steps.build_drafter(cfg, target, records)

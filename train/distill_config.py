@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from train.config import ConfigError, check_choice
 
-METHODS = ("seqkd", "kd", "colbt", "medusa", "lookahead")
+METHODS = ("seqkd", "kd", "colbt", "medusa", "lookahead", "eagle3")
 LOSSES = ("ce", "fkl", "rkl", "jsd", "tvd")
 TRACKERS = ("none", "wandb")
 
@@ -74,6 +74,15 @@ class DistillConfig:
     lookahead_chains: int = _f(2, "lookahead: when decoding, the shallowest tree nodes that get an [LA] chain in each verification forward (stored in the drafter)")
     lookahead_branches: int = _f(1, "lookahead: when decoding, the first draft's b most likely tokens go into the tree as siblings (1: a chain; stored in the drafter)")
     lookahead_init_noise: float = _f(0.1, "lookahead: initial noise around the mean token embedding, in units of its per-dimension std")
+
+    # eagle3: one decoder layer over the frozen target's hidden states at three layers (train/eagle3.py)
+    eagle3_layers: list[int] = _f([], "eagle3: the three target layers whose inputs are fused (low, middle, high); "
+                                      "empty: EAGLE-3's choice, 2, L // 2 and L - 3 of an L-layer target")
+    eagle3_steps: int = _f(7, "eagle3: drafting steps unrolled per position in training (the training-time test)")
+    eagle3_decay: float = _f(0.8, "eagle3: step j's loss weight is decay**j")
+    eagle3_depth: int = _f(0, "eagle3: decoding's deepest draft (stored in the drafter); 0: the per-device default")
+    eagle3_topk: int = _f(0, "eagle3: decoding's top-k per expanded node and nodes expanded per depth; 0: default")
+    eagle3_tree_nodes: int = _f(0, "eagle3: decoding's tree size (nodes besides the root); 0: the per-device default")
 
     # loss
     loss: str = _f("ce", f"loss, one of {LOSSES}; seqkd uses ce on the target's tokens")
@@ -146,6 +155,8 @@ class DistillConfig:
             self.check_medusa()
         if self.method == "lookahead":
             self.check_lookahead()
+        if self.method == "eagle3":
+            self.check_eagle3()
         if not self.work_dir:
             self.work_dir = self.output_dir.rstrip("/") + ".work"
 
@@ -177,3 +188,20 @@ class DistillConfig:
             raise ConfigError(f"loss: lookahead trains with ce + lookahead_kl_weight * KL, got {self.loss!r}")
         if self.lora_r:
             raise ConfigError("lora_r: lookahead trains only the [LA] embeddings, the target stays frozen; set lora_r: 0")
+
+    def check_eagle3(self) -> None:
+        if self.eagle3_layers and len(self.eagle3_layers) != 3:
+            raise ConfigError(f"eagle3_layers: three target layers (low, middle, high) or none, got {self.eagle3_layers}")
+        if any(int(i) < 0 for i in self.eagle3_layers):
+            raise ConfigError(f"eagle3_layers: layer indices must be >= 0, got {self.eagle3_layers}")
+        if self.eagle3_steps < 1:
+            raise ConfigError(f"eagle3_steps: must be >= 1, got {self.eagle3_steps}")
+        if not 0 < self.eagle3_decay <= 1:
+            raise ConfigError(f"eagle3_decay: must be in (0, 1], got {self.eagle3_decay}")
+        for name in ("eagle3_depth", "eagle3_topk", "eagle3_tree_nodes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0 (0: the default), got {getattr(self, name)}")
+        if self.loss != "ce":
+            raise ConfigError(f"loss: eagle3 trains with ce against the target's distribution, got {self.loss!r}")
+        if self.lora_r:
+            raise ConfigError("lora_r: eagle3 trains its own layer fully, the target stays frozen; set lora_r: 0")

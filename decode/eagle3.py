@@ -1,0 +1,221 @@
+"""The EAGLE-3 proposer: feature-level drafting from the target's own hidden states (models.eagle3).
+
+No extra target pass. The engine captures, in every target forward, the inputs of the drafter's three
+target layers (ModelRunner.feature_layers) and hands the accepted rows' features to
+`observe_prefill` / `observe_verification`. Position p's feature pairs with the token at p + 1, which is
+known once the step's tokens are emitted, so `propose` first feeds the pending features with the last
+tokens of the sequence as the drafter's context rows (kept in its own KV cache: rollback of the tree
+rows is a length move), then drafts from the last one.
+
+Greedy: a dynamic tree as EAGLE-2 builds it. Depth 1 is the top-K tokens after the root; at each further
+depth the K candidates of highest path probability (product of the drafter's probabilities along the
+path) are expanded, in one drafter forward over K rows, each row attending to the committed context and
+to its own ancestors' rows; finally the `tree_nodes` candidates of highest path probability over all
+depths make the tree (a child is never more probable than its parent, so the set is closed under
+ancestors). The engine's adaptive controller chooses the depth per step from measured costs; the tree
+size follows from it (at most K per depth, at most `tree_nodes`).
+
+Sampling: a chain, each token drawn from the drafter's distribution q (scattered into the target's
+vocabulary) and proposed with q, so the multi-draft rule (decode.sampling) keeps the target's
+distribution exactly. A top-K tree would not be a draw from q.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+from decode.proposers import CATCH_UP_SPLIT, Proposer
+from decode.runner import synchronized_clock
+from decode.sampling import SamplingConfig, logits_to_probs, sample
+from decode.tree import TokenTree
+from models.eagle3 import DraftCache, Eagle3Drafter
+from models.packed_linear import packed_for_inference
+
+__all__ = ["Eagle3Proposer", "DEFAULT_TREE"]
+
+# (depth, top-K per expansion, tree nodes): measured on the 2-core CPU, where verifying 8 rows costs
+# 1.16x one row and 16 rows 1.42x (BENCHMARKS.md); a GPU verifies 32-64 nodes for about one forward.
+DEFAULT_TREE = {"cpu": (6, 4, 10), "cuda": (8, 8, 48)}
+
+
+@dataclass
+class Candidate:
+    token: int  # target id
+    parent: int  # index of the parent candidate, -1 for the root
+    depth: int
+    score: float  # log path probability under the drafter
+    row: int = -1  # the drafter cache row that expanded it (its children's logits), -1 if not expanded
+
+
+class Eagle3Proposer(Proposer):
+    name = "eagle3"
+    self_drafting = True
+
+    def __init__(self, drafter: Eagle3Drafter, embed: torch.nn.Module, depth: int | None = None,
+                 topk: int | None = None, tree_nodes: int | None = None,
+                 eos_token_ids: set[int] = frozenset()):
+        device = drafter.fc.weight.device
+        default = DEFAULT_TREE["cuda" if device.type == "cuda" else "cpu"]
+        self.max_depth = depth or default[0]
+        self.topk = topk or default[1]
+        self.tree_nodes = tree_nodes or default[2]
+        if min(self.max_depth, self.topk, self.tree_nodes) < 1:
+            raise ValueError(f"eagle3: depth, topk and tree_nodes must be >= 1, got "
+                             f"{self.max_depth}, {self.topk}, {self.tree_nodes}")
+        self.drafter = drafter
+        self.net = packed_for_inference(drafter)  # the same weights, oneDNN-packed on CPU in fp32
+        self.embed = embed
+        self.feature_layers = drafter.target_layers
+        self.vocab_map = drafter.vocab_map.to(device)  # [M] target id of each draft index
+        self.target_vocab = drafter.config["vocab_size"]
+        self.eos_token_ids = set(eos_token_ids)
+        self.device, self.dtype = device, drafter.fc.weight.dtype
+        self.cache: DraftCache | None = None
+        self.pending: list[torch.Tensor] = []  # [k, 3D] features of positions not yet fed
+        self.position = 0  # the position of the next context row
+        self.catch_up_s = 0.0
+
+    def begin(self, prompt_ids: list[int], capacity: int) -> None:
+        rows = capacity + self.topk * self.max_depth + 2
+        self.cache = DraftCache(self.drafter, rows, self.device, self.dtype)
+        self.pending, self.position = [], 0
+
+    def last_catch_up_s(self) -> float:
+        return self.catch_up_s
+
+    def observe_prefill(self, features: torch.Tensor) -> None:
+        """features [n, 3D]: the prompt's positions."""
+        self.pending.append(features)
+
+    def observe_verification(self, features: torch.Tensor, verdict) -> None:
+        """features [N, 3D] of the verified tree; the accepted path's rows are the next positions."""
+        self.pending.append(features[verdict.path])
+
+    @torch.no_grad()
+    def propose(self, seq: list[int], max_depth: int, sampling: SamplingConfig, generator) -> TokenTree:
+        if self.cache is None:
+            raise RuntimeError("Eagle3Proposer.propose before begin(): the engine must start the request")
+        out = self.feed_context(seq)  # [D]: the last context row's output, whose head drafts depth 1
+        depth = min(max_depth, self.max_depth)
+        if sampling.greedy:
+            return self.draft_tree(seq[-1], out, depth)
+        return self.draft_chain(seq[-1], out, depth, sampling, generator)
+
+    def feed_context(self, seq: list[int]) -> torch.Tensor:
+        """Feed the pending features, each with the token after its position, as committed context rows."""
+        if not self.pending:
+            raise RuntimeError("Eagle3Proposer.propose before observe_prefill: the engine must feed it features")
+        self.cache.drop_uncommitted()  # the previous tree's rows
+        features = torch.cat(self.pending)  # [k, 3D]
+        self.pending = []
+        tokens = seq[len(seq) - features.shape[0]:]
+        self.catch_up_s = 0.0
+        if len(tokens) > CATCH_UP_SPLIT:  # resuming after plain-decoding steps: a one-off, timed apart
+            start = synchronized_clock(self.device)
+            self.context_rows(tokens[:-1], features[:-1])
+            self.catch_up_s = synchronized_clock(self.device) - start
+            tokens, features = tokens[-1:], features[-1:]
+        return self.context_rows(tokens, features)[-1]
+
+    def context_rows(self, tokens: list[int], features: torch.Tensor) -> torch.Tensor:
+        """Rows (e(token), fc(feature)) at the next positions, causal; committed. Returns their outputs [k, D]."""
+        k = len(tokens)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(self.position, self.position + k, device=self.device)
+        visible = torch.ones(k, self.cache.length + k, dtype=torch.bool, device=self.device)
+        visible[:, self.cache.length:] = torch.ones(k, k, dtype=torch.bool, device=self.device).tril()
+        out = self.net.rows(self.embed(ids).to(self.dtype), self.net.fuse(features), positions, self.cache, visible)
+        self.cache.commit()
+        self.position += k
+        return out
+
+    def expand(self, nodes: list[Candidate], states: torch.Tensor, base: int) -> torch.Tensor:
+        """One drafter forward over `nodes` (all of one depth d >= 1): row i reads node i's token and
+        its parent's output states[i]; it attends to the context and its ancestors' rows. Returns the
+        children's log-probabilities [n, M] and the rows' outputs [n, D]; sets each node's row."""
+        n, start = len(nodes), self.cache.used
+        visible = torch.zeros(n, start + n, dtype=torch.bool)
+        visible[:, :self.cache.length] = True
+        for i, node in enumerate(nodes):
+            visible[i, start + i] = True
+            node.row = start + i
+        for i, node in enumerate(nodes):
+            for row in self.ancestor_rows(node):
+                visible[i, row] = True
+        ids = torch.tensor([node.token for node in nodes], dtype=torch.long, device=self.device)
+        positions = torch.full((n,), base + nodes[0].depth, dtype=torch.long, device=self.device)
+        out = self.net.rows(self.embed(ids).to(self.dtype), states, positions, self.cache, visible.to(self.device))
+        return torch.log_softmax(self.net.logits(out).float(), dim=-1), out  # [n, M], [n, D]
+
+    def ancestor_rows(self, node: Candidate) -> list[int]:
+        rows, parent = [], node.parent
+        while parent >= 0:
+            rows.append(self.candidates[parent].row)
+            parent = self.candidates[parent].parent
+        return rows
+
+    def draft_tree(self, root: int, out: torch.Tensor, depth: int) -> TokenTree:
+        """EAGLE-2's dynamic tree (see the module docstring), at most `depth` deep."""
+        self.candidates: list[Candidate] = []
+        base = self.position - 1  # the last context row's position
+        logq = torch.log_softmax(self.net.logits(out[None]).float(), dim=-1)  # [1, M]
+        frontier = self.add_children([-1], logq, [0.0], 1)
+        parent_out = out[None].expand(len(frontier), -1)  # [n, D]: the root row's output for every child
+        for d in range(2, depth + 1):
+            expandable = [i for i in frontier if self.candidates[i].token not in self.eos_token_ids]
+            if not expandable:
+                break
+            states = parent_out[[frontier.index(i) for i in expandable]]
+            logq, outs = self.expand([self.candidates[i] for i in expandable], states, base)
+            children = self.add_children(expandable, logq, [self.candidates[i].score for i in expandable], d)
+            best = heapq.nlargest(self.topk, children, key=lambda i: self.candidates[i].score)
+            row_of = {i: r for r, i in enumerate(expandable)}
+            parent_out = outs[[row_of[self.candidates[i].parent] for i in best]]
+            frontier = best
+        return self.select_tree(root)
+
+    def add_children(self, parents: list[int], logq: torch.Tensor, scores: list[float], depth: int) -> list[int]:
+        """Each parent's top-K children (logq [P, M]) as candidates; returns their indices."""
+        top = logq.topk(min(self.topk, logq.shape[-1]), dim=-1)
+        tokens = self.vocab_map[top.indices].tolist()  # [P, K] target ids
+        added = []
+        for p, parent in enumerate(parents):
+            for token, lq in zip(tokens[p], top.values[p].tolist()):
+                self.candidates.append(Candidate(int(token), parent, depth, scores[p] + lq))
+                added.append(len(self.candidates) - 1)
+        return added
+
+    def select_tree(self, root: int) -> TokenTree:
+        """The `tree_nodes` most probable candidates (ties: shallower first), parents before children."""
+        order = sorted(range(len(self.candidates)), key=lambda i: (-self.candidates[i].score, self.candidates[i].depth))
+        chosen: set[int] = set()
+        for i in order:
+            if len(chosen) >= self.tree_nodes:
+                break
+            if self.candidates[i].parent < 0 or self.candidates[i].parent in chosen:
+                chosen.add(i)
+        tree, node_of = TokenTree.root(root), {-1: 0}
+        for i in sorted(chosen, key=lambda i: (self.candidates[i].depth, -self.candidates[i].score)):
+            node_of[i] = tree.add(self.candidates[i].token, node_of[self.candidates[i].parent], None, dedupe=False)
+        return tree
+
+    def draft_chain(self, root: int, out: torch.Tensor, depth: int, sampling: SamplingConfig, generator) -> TokenTree:
+        """Sampling: each token drawn from q (over the target's vocabulary) and proposed with it."""
+        drafts, probs, base = [], [], self.position - 1
+        self.candidates = []
+        for d in range(1, depth + 1):
+            q_draft = logits_to_probs(self.net.logits(out[None])[0].float().cpu(), sampling)  # [M]
+            q = q_draft.new_zeros(self.target_vocab).scatter_(0, self.vocab_map.cpu(), q_draft)  # [V]
+            token = sample(q, generator)
+            drafts.append(token)
+            probs.append(q)
+            if d == depth or token in self.eos_token_ids:
+                break
+            node = Candidate(token, len(self.candidates) - 1, d, 0.0)
+            self.candidates.append(node)
+            _, outs = self.expand([node], out[None], base)
+            out = outs[0]
+        return TokenTree.chain(root, drafts, probs)

@@ -1,0 +1,188 @@
+"""The target's hidden states for the teacher records, computed once and cached on disk (EAGLE-3's data).
+
+For every record (prompt + response, cut to max_seq_len as training cuts it) the frozen target runs once,
+in batches, and the cache keeps per position:
+    ids       [T] int64   the tokens
+    features  [T, 3D]     bf16, the inputs of the drafter's three target layers (what decoding captures)
+    final     [T, D]      bf16, the target's final normed state: its next-token distribution, via its head
+    mask      [T] bool    positions whose next token is a response token (where the loss goes)
+
+Layout: $SPECDISTILL_CACHE/features/<key>/ with shard-NNNNN.safetensors (SHARD_RECORDS records each) and
+COMPLETE.json. The key is a sha256 over the target's fingerprint, the records' tokens, the layers, the
+cut and the format, so another target or other data never meets this cache. While being built it lives in
+a `.partial` sibling: every shard file is written to a temporary name and renamed (a killed job keeps the
+shards it finished and resumes after them), and only when all are there is the marker written and the
+directory renamed into place. A directory without its marker, or with a missing shard, is never read.
+Reading is one shard at a time (`FeatureCache.shard`): memory holds a shard, not the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from distill.batching import collate
+from models.cache import MARKER, cache_root, publish_dir, write_marker
+
+FORMAT_VERSION = 1
+SHARD_RECORDS = 64
+STORE_DTYPE = torch.bfloat16
+
+
+class FeatureCacheError(RuntimeError):
+    """A feature cache that cannot be used: incomplete, or made for another target or data."""
+
+
+@dataclass
+class FeatureRecord:
+    ids: torch.Tensor  # [T]
+    features: torch.Tensor  # [T, 3D]
+    final: torch.Tensor  # [T, D]
+    mask: torch.Tensor  # [T] bool
+
+
+def feature_cache_key(target_fingerprint: str, records: list[dict], layers: list[int], max_seq_len: int) -> str:
+    digest = hashlib.sha256()
+    head = {"format_version": FORMAT_VERSION, "target": target_fingerprint, "layers": list(layers),
+            "max_seq_len": max_seq_len, "dtype": str(STORE_DTYPE), "records": len(records)}
+    digest.update(json.dumps(head, sort_keys=True).encode())
+    for record in records:
+        digest.update(repr((list(record["prompt_ids"]), list(record["response_ids"]))).encode())
+    return digest.hexdigest()[:32]
+
+
+def feature_cache_dir(key: str, root: str | Path | None = None) -> Path:
+    return Path(root or cache_root()) / "features" / key
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+def num_shards(n_records: int) -> int:
+    return -(-n_records // SHARD_RECORDS)
+
+
+def build_feature_cache(target, records: list[dict], layers: list[int], max_seq_len: int, batch_size: int,
+                        pad_id: int, out_dir: Path, process_index: int = 0, num_processes: int = 1) -> None:
+    """Compute this process's shards (index % num_processes == process_index) into the `.partial`
+    directory; the caller publishes it (`publish_feature_cache`) once every process is done."""
+    if (out_dir / MARKER).is_file():
+        return
+    partial = partial_dir(out_dir)
+    partial.mkdir(parents=True, exist_ok=True)
+    check_layers(target.model, layers)
+    mine = [i for i in range(num_shards(len(records))) if i % num_processes == process_index]
+    for index in tqdm(mine, desc="target hidden states", disable=process_index != 0):
+        if (partial / shard_name(index)).is_file():
+            continue  # finished by an earlier, interrupted run of the same key
+        shard = records[index * SHARD_RECORDS:(index + 1) * SHARD_RECORDS]
+        write_shard(partial / shard_name(index), compute_shard(target, shard, layers, max_seq_len, batch_size, pad_id))
+
+
+def publish_feature_cache(out_dir: Path, key: str, target_fingerprint: str, n_records: int) -> None:
+    """Mark the finished `.partial` directory complete and rename it into place (main process)."""
+    if (out_dir / MARKER).is_file():
+        return
+    partial = partial_dir(out_dir)
+    missing = [shard_name(i) for i in range(num_shards(n_records)) if not (partial / shard_name(i)).is_file()]
+    if missing:
+        raise FeatureCacheError(f"{partial}: shards {missing[:3]}... were not written; not publishing")
+    write_marker(partial, {"key": key, "target_fingerprint": target_fingerprint, "records": n_records,
+                           "shards": num_shards(n_records), "format_version": FORMAT_VERSION})
+    publish_dir(partial, out_dir)
+
+
+def partial_dir(out_dir: Path) -> Path:
+    return out_dir.parent / f".{out_dir.name}.partial"
+
+
+def check_layers(model, layers: list[int]) -> None:
+    """The target must expose per-layer hidden states, and every index must be a layer of it."""
+    config = model.config.get_text_config()
+    n = getattr(config, "num_hidden_layers", None)
+    if n is None:
+        raise ValueError(f"eagle3_layers: the target ({type(model).__name__}) has no num_hidden_layers in its "
+                         "config; EAGLE-3 needs a decoder whose per-layer hidden states it can read")
+    bad = [i for i in layers if not 0 <= int(i) < n]
+    if bad:
+        raise ValueError(f"eagle3_layers: {bad} out of range for a target of {n} layers (0..{n - 1})")
+
+
+@torch.no_grad()
+def compute_shard(target, records: list[dict], layers: list[int], max_seq_len: int, batch_size: int,
+                  pad_id: int) -> list[FeatureRecord]:
+    out = []
+    decoder = target.model.get_decoder()
+    for start in range(0, len(records), batch_size):
+        batch = collate(records[start:start + batch_size], pad_id, max_seq_len).to(target.device)
+        result = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True)
+        if getattr(result, "hidden_states", None) is None:
+            raise ValueError(f"eagle3: the target's decoder ({type(decoder).__name__}) returned no hidden "
+                             "states for output_hidden_states=True")
+        features = torch.cat([result.hidden_states[i] for i in layers], dim=-1)  # [B, T, 3D]
+        for row, length in enumerate(batch.attention_mask.sum(-1).tolist()):
+            out.append(FeatureRecord(batch.input_ids[row, :length].cpu(), features[row, :length].to("cpu", STORE_DTYPE),
+                                     result.last_hidden_state[row, :length].to("cpu", STORE_DTYPE),
+                                     batch.loss_mask[row, :length].cpu()))
+    return out
+
+
+def write_shard(path: Path, records: list[FeatureRecord]) -> None:
+    tensors = {}
+    for i, r in enumerate(records):
+        tensors.update({f"{i}.ids": r.ids.contiguous(), f"{i}.features": r.features.contiguous(),
+                        f"{i}.final": r.final.contiguous(), f"{i}.mask": r.mask.contiguous()})
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file(tensors, str(tmp), metadata={"records": str(len(records))})
+    os.replace(tmp, path)
+
+
+class FeatureCache:
+    """A complete feature cache, read one shard at a time."""
+
+    def __init__(self, directory: Path, key: str, target_fingerprint: str):
+        marker = directory / MARKER
+        if not marker.is_file():
+            raise FeatureCacheError(f"{directory} is not a complete feature cache (no {MARKER}); delete it to rebuild")
+        info = json.loads(marker.read_text())
+        if info.get("target_fingerprint") != target_fingerprint:
+            raise FeatureCacheError(f"{directory} holds hidden states of another target (fingerprint "
+                                    f"{info.get('target_fingerprint')}, this one {target_fingerprint})")
+        if info.get("key") != key:
+            raise FeatureCacheError(f"{directory} was made for other records or settings (key {info.get('key')})")
+        self.directory, self.num_records, self.num_shards = directory, int(info["records"]), int(info["shards"])
+        missing = [shard_name(i) for i in range(self.num_shards) if not (directory / shard_name(i)).is_file()]
+        if missing:
+            raise FeatureCacheError(f"{directory} is incomplete: {missing[:3]} missing; delete it to rebuild")
+
+    def shard_size(self, index: int) -> int:
+        return min(SHARD_RECORDS, self.num_records - index * SHARD_RECORDS)
+
+    def shard(self, index: int) -> list[FeatureRecord]:
+        tensors = load_file(str(self.directory / shard_name(index)))
+        return [FeatureRecord(tensors[f"{i}.ids"], tensors[f"{i}.features"], tensors[f"{i}.final"],
+                              tensors[f"{i}.mask"]) for i in range(self.shard_size(index))]
+
+
+def open_or_build(target, records: list[dict], layers: list[int], max_seq_len: int, batch_size: int, pad_id: int,
+                  accelerator=None, root: str | Path | None = None) -> FeatureCache:
+    """The cache for these records, built first when absent (shards split across processes)."""
+    key = feature_cache_key(target.fingerprint, records, layers, max_seq_len)
+    out_dir = feature_cache_dir(key, root)
+    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
+    build_feature_cache(target, records, layers, max_seq_len, batch_size, pad_id, out_dir, rank, world)
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
+    if rank == 0:
+        publish_feature_cache(out_dir, key, target.fingerprint, len(records))
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
+    return FeatureCache(out_dir, key, target.fingerprint)

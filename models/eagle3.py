@@ -1,0 +1,322 @@
+"""EAGLE-3 drafters (Li et al. 2025): one decoder layer over the target's own hidden states.
+
+The target already computed, at every position t, hidden states at many layers. EAGLE-3 fuses three of
+them (low, middle, high: the inputs of layers 2, L // 2 and L - 3 of an L-layer target, as EAGLE-3 and
+vLLM choose) into one feature g_t = fc([h_t^low; h_t^mid; h_t^high]) and runs ONE Llama-style decoder
+layer whose input at position t is the target's input embedding of token t + 1 (the token sampled
+from h_t) beside g_t:
+
+    step 0:  o_t^0 = Layer(e(x_{t+1}), g_t)                  -> logits of x_{t+2}
+    step j:  o_t^j = Layer(e(x_{t+1+j}), o_t^{j-1})          -> logits of x_{t+2+j}
+
+Step j > 0 is what drafting does: the drafter feeds its own output back with the token it drafted,
+because the target's features of drafted positions do not exist yet. The layer concatenates the two
+inputs (each RMS-normed: `input_layernorm` on the embedding, `hidden_norm` on the state) to [2D] before
+q/k/v; the residual stream is the state. Step j's query at t attends to the step-0 keys at positions
+<= t (the real context) and to the step-1..j keys at t itself (its own chain so far): exactly what a
+drafted node sees at inference (the committed context in the drafter's cache and its ancestors in the
+tree). Positions: step j at t sits at position t + j. `Eagle3Drafter.unroll` (training, every step
+over whole sequences) and `Eagle3Drafter.rows` (decoding, a few rows against a cache) share
+`Eagle3Layer.project` and `Eagle3Layer.finish`; only how the attention's keys are gathered differs,
+and tests pin the two together.
+
+The head covers the M draft tokens (`d2t`: target id of draft index i is i + d2t[i], EAGLE-3's offset
+form; `t2d`: [V] bool, whether a target token is draftable). The embedding is the target's, frozen,
+and is not saved. Module names follow vLLM's `llama_eagle3` and speculators' Eagle3 checkpoints
+(`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`), so an export is a rename at most.
+
+A drafter directory of kind `eagle3`:
+    manifest.json                config: ARCH_KEYS (+ the training config); extra: decoding options
+    model/eagle3.safetensors     the state dict above
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.nn import functional as F
+
+from models.drafters import Drafter, register_drafter_kind
+
+WEIGHTS_FILE = "eagle3.safetensors"
+ARCH_KEYS = ("hidden_size", "target_hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+             "intermediate_size", "rms_norm_eps", "rope_theta", "draft_vocab_size", "vocab_size",
+             "target_layers")
+
+
+def default_target_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low, middle and high layers (vLLM's choice): the inputs of layers 2, L // 2, L - 3."""
+    return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
+
+
+def eagle3_config(target_model: nn.Module, draft_vocab_size: int, target_layers: list[int] | None = None) -> dict:
+    """The drafter's shape from the target's config (its attention and MLP shapes, RoPE base)."""
+    text = target_model.config.get_text_config()
+    vocab = target_model.get_output_embeddings().weight.shape[0]
+    layers = list(target_layers) if target_layers else default_target_layers(text.num_hidden_layers)
+    rope = getattr(text, "rope_parameters", None) or {}
+    heads = text.num_attention_heads
+    config = {"hidden_size": text.hidden_size, "target_hidden_size": text.hidden_size,
+              "num_attention_heads": heads, "num_key_value_heads": getattr(text, "num_key_value_heads", heads),
+              "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
+              "intermediate_size": text.intermediate_size, "rms_norm_eps": float(text.rms_norm_eps),
+              "rope_theta": float(rope.get("rope_theta") or getattr(text, "rope_theta", None) or 10000.0),
+              "draft_vocab_size": int(draft_vocab_size or vocab), "vocab_size": int(vocab),
+              "target_layers": layers}
+    check_config(config, text.num_hidden_layers)
+    return config
+
+
+def check_config(config: dict, target_num_layers: int | None = None) -> None:
+    """Errors that name the field: layer indices, vocabulary sizes, head shapes."""
+    missing = [key for key in ARCH_KEYS if key not in config]
+    if missing:
+        raise ValueError(f"eagle3 config lacks {', '.join(missing)}")
+    layers = config["target_layers"]
+    if len(layers) != 3:
+        raise ValueError(f"eagle3_layers: EAGLE-3 fuses 3 target layers (low, middle, high), got {layers}")
+    if target_num_layers is not None and not all(0 <= int(i) < target_num_layers for i in layers):
+        raise ValueError(f"eagle3_layers: {layers} out of range for a target of {target_num_layers} layers "
+                         f"(indices 0..{target_num_layers - 1}: the input of that layer)")
+    if not 0 < config["draft_vocab_size"] <= config["vocab_size"]:
+        raise ValueError(f"draft_vocab: {config['draft_vocab_size']} must be in 1..{config['vocab_size']} "
+                         "(the target's vocabulary)")
+    if config["num_attention_heads"] % config["num_key_value_heads"]:
+        raise ValueError(f"eagle3: {config['num_attention_heads']} attention heads are not a multiple of "
+                         f"{config['num_key_value_heads']} key/value heads")
+    if config["head_dim"] % 2:
+        raise ValueError(f"eagle3: head_dim {config['head_dim']} must be even for RoPE")
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on [..., T, hd] (rotate-half, as Llama)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+class Eagle3Attention(nn.Module):
+    """q/k/v read the [2D] concatenation of the normed embedding and normed state (hence 2 x hidden)."""
+
+    def __init__(self, config: dict):
+        super().__init__()
+        d, hd = config["hidden_size"], config["head_dim"]
+        self.num_heads, self.num_kv_heads, self.head_dim = (config["num_attention_heads"],
+                                                            config["num_key_value_heads"], hd)
+        self.q_proj = nn.Linear(2 * d, self.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(2 * d, self.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(2 * d, self.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        d, i = config["hidden_size"], config["intermediate_size"]
+        self.gate_proj = nn.Linear(d, i, bias=False)
+        self.up_proj = nn.Linear(d, i, bias=False)
+        self.down_proj = nn.Linear(i, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3Layer(nn.Module):
+    """The decoder layer, split at the attention so that training and decoding gather keys their own way."""
+
+    def __init__(self, config: dict):
+        super().__init__()
+        d, eps = config["hidden_size"], config["rms_norm_eps"]
+        self.input_layernorm = nn.RMSNorm(d, eps=eps)
+        self.hidden_norm = nn.RMSNorm(d, eps=eps)
+        self.self_attn = Eagle3Attention(config)
+        self.post_attention_layernorm = nn.RMSNorm(d, eps=eps)
+        self.mlp = Eagle3MLP(config)
+        hd = config["head_dim"]
+        inv_freq = 1.0 / config["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [hd / 2]
+
+    def project(self, embeds: torch.Tensor, state: torch.Tensor, positions: torch.Tensor):
+        """embeds, state [..., T, D], positions [T] -> q [..., H, T, hd], k, v [..., Hkv, T, hd] (q, k rotated)."""
+        attn = self.self_attn
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(state)], dim=-1)  # [..., T, 2D]
+        q = attn.q_proj(x).unflatten(-1, (attn.num_heads, attn.head_dim)).transpose(-3, -2)
+        k = attn.k_proj(x).unflatten(-1, (attn.num_kv_heads, attn.head_dim)).transpose(-3, -2)
+        v = attn.v_proj(x).unflatten(-1, (attn.num_kv_heads, attn.head_dim)).transpose(-3, -2)
+        angles = positions.to(self.inv_freq.device, torch.float32)[:, None] * self.inv_freq  # [T, hd / 2]
+        cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(x.dtype) for f in (torch.cos, torch.sin))
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def finish(self, state: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """state [..., T, D] (the residual) + attention output [..., H, T, hd] -> the layer's output [..., T, D]."""
+        hidden = state + self.self_attn.o_proj(attended.transpose(-3, -2).flatten(-2))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        check_config(config)
+        self.config = dict(config)
+        d, m = config["hidden_size"], config["draft_vocab_size"]
+        self.fc = nn.Linear(3 * config["target_hidden_size"], d, bias=False)
+        self.midlayer = Eagle3Layer(config)
+        self.norm = nn.RMSNorm(d, eps=config["rms_norm_eps"])
+        self.lm_head = nn.Linear(d, m, bias=False)
+        self.register_buffer("d2t", torch.zeros(m, dtype=torch.long))  # draft index i -> target id i + d2t[i]
+        self.register_buffer("t2d", torch.zeros(config["vocab_size"], dtype=torch.bool))  # [V] draftable
+
+    @property
+    def target_layers(self) -> list[int]:
+        return list(self.config["target_layers"])
+
+    @property
+    def vocab_map(self) -> torch.Tensor:
+        """[M] target id of each draft index."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def set_vocab(self, vocab_map: torch.Tensor) -> None:
+        """vocab_map [M]: sorted distinct target ids (EAGLE-3's d2t offsets need them increasing)."""
+        vocab_map = vocab_map.long().to(self.d2t.device)
+        if vocab_map.numel() != self.d2t.numel() or bool((vocab_map[1:] <= vocab_map[:-1]).any()):
+            raise ValueError(f"vocab map: {self.d2t.numel()} increasing target ids needed")
+        self.d2t.copy_(vocab_map - torch.arange(vocab_map.numel(), device=vocab_map.device))
+        self.t2d.zero_()
+        self.t2d[vocab_map] = True
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's three layers' states [..., 3 x D_target] -> g [..., D]."""
+        return self.fc(features.to(self.norm.weight.dtype))  # fc may be a packed copy: no .weight
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """The layer's output [..., D] -> draft logits [..., M]."""
+        return self.lm_head(self.norm(out))
+
+    def unroll(self, embeds: list[torch.Tensor], features: torch.Tensor) -> list[torch.Tensor]:
+        """Training-time test over whole (right-padded) sequences.
+
+        embeds: per step j, [B, T, D] the embedding of token t + 1 + j at row t (anything past the end);
+        features: [B, T, 3 x D_target]. Returns per step j the outputs o^j [B, T, D]. Row t of step j
+        attends to step-0 rows <= t and to its own rows of steps 1..j (see the module docstring)."""
+        layer = self.midlayer
+        t = features.shape[1]
+        positions = torch.arange(t, device=features.device)
+        causal = torch.ones(t, t, dtype=torch.bool, device=features.device).tril()  # [T, T]
+        scale = 1.0 / math.sqrt(layer.self_attn.head_dim)
+        groups = layer.self_attn.num_heads // layer.self_attn.num_kv_heads
+        state, keys, values, outputs = self.fuse(features), [], [], []
+        for j, embed in enumerate(embeds):
+            q, k, v = layer.project(embed, state, positions + j)  # [B, H, T, hd], [B, Hkv, T, hd]
+            keys.append(k.repeat_interleave(groups, dim=-3))
+            values.append(v.repeat_interleave(groups, dim=-3))
+            scores = (q @ keys[0].transpose(-1, -2)).masked_fill(~causal, float("-inf"))  # [B, H, T, T]
+            own = [(q * key).sum(-1, keepdim=True) for key in keys[1:]]  # j x [B, H, T, 1]: the chain, diagonal
+            weights = torch.softmax(torch.cat([scores, *own], dim=-1) * scale, dim=-1)  # [B, H, T, T + j]
+            attended = weights[..., :t] @ values[0]
+            for i, value in enumerate(values[1:]):
+                attended = attended + weights[..., t + i:t + i + 1] * value
+            state = layer.finish(state, attended)  # [B, T, D]
+            outputs.append(state)
+        return outputs
+
+    def rows(self, embeds: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, cache: "DraftCache",
+             visible: torch.Tensor) -> torch.Tensor:
+        """Decoding: n new rows against the drafter's cache. embeds, states [n, D]; positions [n];
+        visible [n, cache.length + n] bool: which cached rows and new rows each new row attends to.
+        The new rows' keys are appended to the cache (uncommitted until the caller commits them).
+        Returns the outputs [n, D]."""
+        layer = self.midlayer
+        q, k, v = layer.project(embeds, states, positions)  # [H, n, hd], [Hkv, n, hd]
+        keys, values = cache.append(k, v)  # [Hkv, L + n, hd]
+        groups = layer.self_attn.num_heads // layer.self_attn.num_kv_heads
+        if groups > 1:
+            keys, values = keys.repeat_interleave(groups, dim=0), values.repeat_interleave(groups, dim=0)
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)  # [H, n, hd]
+        return layer.finish(states, attended)
+
+    @classmethod
+    def for_target(cls, target_model: nn.Module, vocab_map: torch.Tensor | None,
+                   target_layers: list[int] | None = None, seed: int = 0) -> "Eagle3Drafter":
+        """A fresh drafter for `target_model`: the layer and fc initialised as Llama's (normal, std 0.02,
+        seeded), the head the target's own rows for the draft vocabulary, the norm the target's final norm
+        (the head starts reading the target's way)."""
+        head = target_model.get_output_embeddings().weight  # [V, D]
+        vocab_map = torch.arange(head.shape[0]) if vocab_map is None else vocab_map.long().cpu()
+        config = eagle3_config(target_model, vocab_map.numel(), target_layers)
+        generator = torch.Generator().manual_seed(seed)
+        drafter = cls(config)
+        with torch.no_grad():
+            for module in drafter.modules():
+                if isinstance(module, nn.Linear):
+                    module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * 0.02)
+            drafter.lm_head.weight.copy_(head.detach()[vocab_map.to(head.device)].float().cpu())
+            final_norm = getattr(target_model.get_decoder(), "norm", None)
+            if final_norm is not None and final_norm.weight.shape == drafter.norm.weight.shape:
+                drafter.norm.weight.copy_(final_norm.weight.detach().float().cpu())
+        drafter.set_vocab(vocab_map)
+        return drafter.to(device=head.device)
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Called by models.drafters.save_drafter inside its atomic temporary directory."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {name: t.detach().to("cpu").contiguous() for name, t in self.state_dict().items()}
+        save_file(state, str(directory / WEIGHTS_FILE))
+
+
+class DraftCache:
+    """The drafter layer's keys and values [Hkv, capacity, hd] for one sequence: `length` committed rows,
+    then the rows of the tree being drafted (rolled back by moving `length`, as the target's cache)."""
+
+    def __init__(self, drafter: Eagle3Drafter, capacity: int, device, dtype):
+        attn = drafter.midlayer.self_attn
+        shape = (attn.num_kv_heads, capacity, attn.head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0  # committed rows
+        self.used = 0  # committed + this step's tree rows
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.used + k.shape[-2]
+        if end > self.keys.shape[1]:
+            raise RuntimeError(f"EAGLE-3 draft cache overflow: {end} rows, capacity {self.keys.shape[1]}")
+        self.keys[:, self.used:end] = k
+        self.values[:, self.used:end] = v
+        self.used = end
+        return self.keys[:, :end], self.values[:, :end]
+
+    def commit(self) -> None:
+        """Keep every row appended so far (the context rows of the accepted positions)."""
+        self.length = self.used
+
+    def drop_uncommitted(self) -> None:
+        self.used = self.length
+
+
+def load_eagle3_drafter(model_dir: Path, config: dict, dtype: torch.dtype) -> Eagle3Drafter:
+    try:
+        drafter = Eagle3Drafter(config)
+    except ValueError as err:
+        raise ValueError(f"{model_dir}: {err}") from err
+    drafter.load_state_dict(load_file(str(model_dir / WEIGHTS_FILE)), strict=True)
+    return drafter.to(dtype)
+
+
+def load_eagle3_kind(path: Path, manifest: dict, target, device: str) -> Drafter:
+    config = {key: value for key, value in (manifest.get("config") or {}).items() if key in ARCH_KEYS}
+    drafter = load_eagle3_drafter(path / (manifest.get("model") or "model"), config, target.dtype)
+    if config["vocab_size"] != target.vocab_size:
+        raise ValueError(f"eagle3 drafter {path} was built for a {config['vocab_size']}-token vocabulary but "
+                         f"target {target.name!r} has {target.vocab_size} tokens")
+    num_layers = target.model.config.get_text_config().num_hidden_layers
+    try:
+        check_config(config, num_layers)
+    except ValueError as err:
+        raise ValueError(f"eagle3 drafter {path}: {err}") from err
+    return Drafter("eagle3", drafter.to(device).eval(), drafter.vocab_map.cpu(), manifest, str(path))
+
+
+register_drafter_kind("eagle3", load_eagle3_kind)

@@ -1,0 +1,113 @@
+"""EAGLE-3 decoding: lossless with chains and dynamic trees, and the training unroll is what decoding computes."""
+
+import pytest
+import torch
+
+from decode.eagle3 import Candidate, Eagle3Proposer
+from decode.engine import SpeculativeEngine
+from decode.proposers import PromptLookupProposer, WithPromptLookup
+from decode.sampling import SamplingConfig
+from models.eagle3 import Eagle3Drafter
+from tests.conftest import make_tiny_llama
+from tests.decode.test_engine import PROMPT, target_greedy
+
+
+def tiny_eagle(target, vocab=None, layers=(0, 1, 1), seed=3):
+    vocab_map = None if vocab is None else torch.tensor(vocab)
+    return Eagle3Drafter.for_target(target, vocab_map, list(layers), seed=seed).eval()
+
+
+def features_of(target, ids: list[int], layers) -> torch.Tensor:
+    """[T, 3D]: the inputs of `layers` at every position (hidden_states[i] is layer i's input)."""
+    out = target.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    return torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)
+
+
+@pytest.mark.parametrize("shape", [dict(depth=1, topk=1, tree_nodes=1), dict(depth=4, topk=1, tree_nodes=4),
+                                   dict(depth=5, topk=3, tree_nodes=9), dict(depth=6, topk=4, tree_nodes=16)])
+def test_greedy_output_is_the_targets(shape):
+    target = make_tiny_llama(seed=0, layers=4, peak=4.0)
+    ref = target_greedy(target, PROMPT, 40)
+    proposer = Eagle3Proposer(tiny_eagle(target, layers=(1, 2, 3)), target.get_input_embeddings(), **shape)
+    for adaptive in (False, True):
+        gen = SpeculativeEngine(target, proposer, adaptive=adaptive).generate(PROMPT, 40)
+        assert gen.tokens == ref
+    assert gen.stats.new_tokens == 40
+
+
+def test_trees_are_closed_and_within_budget():
+    target = make_tiny_llama(seed=0, layers=2)
+    proposer = Eagle3Proposer(tiny_eagle(target), target.get_input_embeddings(), depth=5, topk=3, tree_nodes=7)
+    engine = SpeculativeEngine(target, proposer, adaptive=False)
+    sizes = []
+    original = proposer.draft_tree
+
+    def recording(root, out, depth):
+        tree = original(root, out, depth)
+        sizes.append((len(tree), tree.max_depth))
+        assert all(p < i for i, p in enumerate(tree.parents) if i)  # parents before children
+        return tree
+
+    proposer.draft_tree = recording
+    engine.generate(PROMPT, 20)
+    assert sizes and all(n == 8 for n, _ in sizes) and max(d for _, d in sizes) > 1
+
+
+def test_eos_and_max_new_tokens_inside_a_draft():
+    target = make_tiny_llama(seed=0, layers=2, peak=4.0)
+    ref = target_greedy(target, PROMPT, 40)
+    eos = ref[13]
+    proposer = Eagle3Proposer(tiny_eagle(target), target.get_input_embeddings(), depth=6, topk=4,
+                              tree_nodes=12, eos_token_ids={eos})
+    gen = SpeculativeEngine(target, proposer, {eos}, adaptive=False).generate(PROMPT, 40)
+    assert gen.tokens == ref[:ref.index(eos) + 1]
+    for max_new in (1, 2, 7):
+        assert SpeculativeEngine(target, proposer, adaptive=False).generate(PROMPT, max_new).tokens == ref[:max_new]
+
+
+def test_with_prompt_lookup_stays_lossless():
+    target = make_tiny_llama(seed=0, layers=2, peak=4.0)
+    ref = target_greedy(target, PROMPT, 40)
+    inner = Eagle3Proposer(tiny_eagle(target), target.get_input_embeddings(), depth=4, topk=2, tree_nodes=6)
+    engine = SpeculativeEngine(target, WithPromptLookup(inner, PromptLookupProposer(num_tokens=6)), adaptive=False)
+    assert engine.generate(PROMPT, 40).tokens == ref
+
+
+def test_reduced_vocabulary_drafts_only_its_tokens():
+    target = make_tiny_llama(seed=0, layers=2)
+    vocab = list(range(2, 40))
+    proposer = Eagle3Proposer(tiny_eagle(target, vocab), target.get_input_embeddings(), depth=3, topk=3, tree_nodes=8)
+    engine = SpeculativeEngine(target, proposer, adaptive=False)
+    trees = []
+    original = proposer.draft_tree
+    proposer.draft_tree = lambda *a: trees.append(original(*a)) or trees[-1]
+    assert engine.generate(PROMPT, 12).tokens == target_greedy(target, PROMPT, 12)
+    assert all(2 <= t < 40 for tree in trees for t in tree.tokens[1:])
+
+
+def test_unroll_step_j_is_what_decoding_computes():
+    """Training's step j at row t equals the proposer's depth-j row over the same context and tokens."""
+    target = make_tiny_llama(seed=0, layers=3)
+    drafter = tiny_eagle(target, layers=(0, 1, 2))
+    ids = [1, 5, 7, 9, 11, 5, 7, 13, 17, 19, 23, 29]
+    feats = features_of(target, ids, drafter.target_layers)  # [T, 3D]
+    steps, t_len = 4, len(ids)
+    embed = target.get_input_embeddings()
+    padded = torch.tensor(ids + [0] * steps)
+    embeds = [embed(padded[1 + j:1 + j + t_len])[None] for j in range(steps)]  # step j: e(x_{t+1+j})
+    with torch.no_grad():
+        outputs = drafter.unroll(embeds, feats[None])  # steps x [1, T, D]
+    for t in (3, 6):
+        proposer = Eagle3Proposer(drafter, embed, depth=steps, topk=1, tree_nodes=steps)
+        proposer.begin(ids, 64)
+        with torch.no_grad():
+            out = proposer.context_rows(ids[1:t + 2], feats[:t + 1])[-1]  # rows 0..t, last one = step 0 at t
+            torch.testing.assert_close(out, outputs[0][0, t], atol=1e-5, rtol=1e-4)
+            proposer.candidates, parent = [], -1
+            for d in range(1, steps):  # depth d: the token x_{t+1+d}, drafted as if accepted
+                node = Candidate(ids[t + 1 + d], parent, d, 0.0)
+                proposer.candidates.append(node)
+                parent = len(proposer.candidates) - 1
+                _, outs = proposer.expand([node], out[None], t)
+                out = outs[0]
+                torch.testing.assert_close(out, outputs[d][0, t], atol=1e-5, rtol=1e-4)

@@ -1,0 +1,162 @@
+"""EAGLE-3 training end to end on a tiny peaked target: the hidden-state cache is reused or refused as it
+should be, only the drafter trains, acceptance rises, resume is exact, and the published drafter decodes
+losslessly through the drafter directory."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from decode.engine import SpeculativeEngine
+from decode.proposers import build_proposer
+from distill.feature_cache import (FeatureCache, FeatureCacheError, feature_cache_dir, feature_cache_key,
+                                   open_or_build, partial_dir)
+from models.drafters import load_drafter
+from models.eagle3 import Eagle3Drafter
+from tests.train.support import greedy_records, peaked_tiny_target
+from train.config import ConfigError
+from train.distill_config import DistillConfig
+from train.eagle3 import eagle3_loss, measure_acceptance, train_eagle3
+
+VOCAB = 32
+LAYERS = [0, 1, 1]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return peaked_tiny_target(VOCAB, seed=1)
+
+
+@pytest.fixture(scope="module")
+def records(target):
+    return greedy_records(target, VOCAB, n=48, new_tokens=20)
+
+
+def eagle3_config(tmp_path, **overrides):
+    fields = {f.name: getattr(DistillConfig(), f.name) for f in dataclasses.fields(DistillConfig)}
+    fields.update(method="eagle3", eagle3_layers=LAYERS, eagle3_steps=3, eagle3_depth=4, eagle3_topk=2,
+                  eagle3_tree_nodes=6, draft_vocab=0, output_dir=str(tmp_path / "eagle3"),
+                  work_dir=str(tmp_path / "work"), batch_size=8, max_steps=80, lr=3e-3, warmup_steps=2,
+                  log_every=20, max_seq_len=48, seed=0, eval_every=40, eval_max_new_tokens=16,
+                  checkpoint_every=0, gen_batch_size=8)
+    fields.update(overrides)
+    return SimpleNamespace(**fields)
+
+
+def held_out_prompts(records):
+    return [r["prompt_ids"] for r in records[40:]]
+
+
+@pytest.fixture(scope="module")
+def trained(target, records, tmp_path_factory, monkeypatch_module):
+    root = tmp_path_factory.mktemp("eagle3")
+    monkeypatch_module.setenv("SPECDISTILL_CACHE", str(root / "cache"))
+    before = {k: v.clone() for k, v in target.model.state_dict().items()}
+    cfg = eagle3_config(root)
+    out = train_eagle3(cfg, Accelerator(cpu=True), target, records[:40], held_out_prompts(records))
+    return out, before, cfg
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+def test_only_the_drafter_trains_and_acceptance_rises(trained, target):
+    out, before, cfg = trained
+    for name, value in target.model.state_dict().items():
+        assert torch.equal(value, before[name]), f"target weight {name} changed"
+    drafter = load_drafter(out, target)
+    fresh = Eagle3Drafter.for_target(target.model, None, LAYERS, seed=0)
+    assert not torch.equal(drafter.model.midlayer.self_attn.q_proj.weight, fresh.midlayer.self_attn.q_proj.weight)
+    history = json.loads((Path(out) / "manifest.json").read_text())["extra"]["history"]
+    assert history[0]["step"] == 0 and max(h["tau"] for h in history[1:]) > history[0]["tau"] + 0.5
+
+
+def test_published_drafter_decodes_losslessly(trained, target, records):
+    out, _, _ = trained
+    drafter = load_drafter(out, target)
+    assert drafter.kind == "eagle3"
+    for spec in (str(out), f"{out}+prompt_lookup"):
+        proposer = build_proposer(load_drafter(spec, target), target.model, eos_token_ids=target.eos_token_ids)
+        engine = SpeculativeEngine(target.model, proposer, target.eos_token_ids)
+        for prompt in held_out_prompts(records):
+            ref = target.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                        eos_token_id=sorted(target.eos_token_ids), pad_token_id=0)[0, len(prompt):]
+            assert engine.generate(prompt, 24).tokens == ref.tolist()
+
+
+def test_the_loss_is_lower_for_the_trained_drafter(trained, target, records):
+    out, _, cfg = trained
+    cache = open_or_build(target, records[:40], LAYERS, cfg.max_seq_len, 8, 0)
+    batch = cache.shard(0)[:8]
+    head = target.model.get_output_embeddings().weight.float()
+    embed = target.model.get_input_embeddings()
+    fresh = Eagle3Drafter.for_target(target.model, None, LAYERS, seed=0)
+    with torch.no_grad():
+        trained_loss, accuracy = eagle3_loss(load_drafter(out, target).model, embed, head, batch, 3, 0.8)
+        fresh_loss, _ = eagle3_loss(fresh, embed, head, batch, 3, 0.8)
+    assert trained_loss < 0.5 * fresh_loss and accuracy[0] > 0.5
+
+
+def test_feature_cache_is_reused_and_refused_for_another_target(trained, target, records, tmp_path):
+    _, _, cfg = trained
+    key = feature_cache_key(target.fingerprint, records[:40], LAYERS, cfg.max_seq_len)
+    directory = feature_cache_dir(key)
+    assert directory.is_dir()
+    stamp = [(p.name, p.stat().st_mtime_ns) for p in sorted(directory.iterdir())]
+    open_or_build(target, records[:40], LAYERS, cfg.max_seq_len, 8, 0)  # valid: reused, nothing rewritten
+    assert [(p.name, p.stat().st_mtime_ns) for p in sorted(directory.iterdir())] == stamp
+    with pytest.raises(FeatureCacheError, match="another target"):
+        FeatureCache(directory, key, "not-this-target")
+    other = feature_cache_key("other-target", records[:40], LAYERS, cfg.max_seq_len)
+    assert other != key  # another target never even looks in this directory
+
+
+def test_an_incomplete_feature_cache_is_never_used(target, records, tmp_path):
+    key = feature_cache_key(target.fingerprint, records[:8], LAYERS, 48)
+    directory = feature_cache_dir(key, tmp_path)
+    partial_dir(directory).mkdir(parents=True)  # an interrupted build: no marker, never published
+    with pytest.raises(FeatureCacheError, match="not a complete"):
+        FeatureCache(directory, key, target.fingerprint)
+    cache = open_or_build(target, records[:8], LAYERS, 48, 4, 0, root=tmp_path)  # finishes the build
+    (directory / "shard-00000.safetensors").unlink()
+    with pytest.raises(FeatureCacheError, match="incomplete"):
+        FeatureCache(directory, key, target.fingerprint)
+    assert cache.num_records == 8
+
+
+def test_resume_ends_where_an_uninterrupted_run_does(target, records, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
+    short = dict(max_steps=12, eval_every=0, checkpoint_every=4)
+    whole = train_eagle3(eagle3_config(tmp_path / "a", **short), Accelerator(cpu=True), target, records[:40], [])
+    stopped = eagle3_config(tmp_path / "b", stop_at_step=8, **short)
+    assert train_eagle3(stopped, Accelerator(cpu=True), target, records[:40], []) is None
+    resumed = train_eagle3(eagle3_config(tmp_path / "b", resume=True, **short), Accelerator(cpu=True), target,
+                           records[:40], [])
+    a, b = load_drafter(whole, target).model.state_dict(), load_drafter(resumed, target).model.state_dict()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("override, field", [(dict(eagle3_layers=[1, 2]), "eagle3_layers"),
+                                             (dict(eagle3_steps=0), "eagle3_steps"),
+                                             (dict(eagle3_decay=1.5), "eagle3_decay"),
+                                             (dict(loss="fkl"), "loss")])
+def test_bad_configs_name_the_field(override, field):
+    with pytest.raises(ConfigError, match=field):
+        DistillConfig(method="eagle3", **override)
+
+
+def test_layer_out_of_range_and_oversized_vocabulary_name_the_field(target, records, tmp_path):
+    with pytest.raises(ValueError, match="eagle3_layers"):
+        Eagle3Drafter.for_target(target.model, None, [0, 1, 7])
+    with pytest.raises(ValueError, match="draft_vocab"):
+        train_eagle3(eagle3_config(tmp_path, draft_vocab=VOCAB + 1), Accelerator(cpu=True), target, records[:8], [])

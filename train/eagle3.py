@@ -1,0 +1,260 @@
+"""EAGLE-3 training (method `eagle3`): one decoder layer over the frozen target's hidden states.
+
+    train_eagle3(cfg, accelerator, target, records, eval_prompts) -> the drafter directory (kind "eagle3")
+
+Reads top to bottom: choose the draft vocabulary (the teacher responses' `draft_vocab` most frequent
+tokens); compute the target's states at the three layers for every record once (distill.feature_cache:
+on disk, content-addressed, streamed a shard at a time); build the drafter (models.eagle3); train it with
+the training-time test: each batch is unrolled `eagle3_steps` drafting steps (Eagle3Drafter.unroll), step j
+feeding the drafter its own step j-1 output with the token j further on, as decoding does, and its loss
+is the cross-entropy of the drafter's distribution against the target's next-token distribution (the
+target's head on its final state, restricted to the draft vocabulary and renormalised) on the response
+positions, weighted by eagle3_decay**j; every `eval_every` steps decode held-out prompts with the real
+engine (decode.eagle3, full depth, no adaptation) and keep the drafter of best measured tau, published
+atomically at the end. `--resume` continues exactly from the last checkpoint (data order is a function
+of the seed, the epoch and the batch index).
+
+Config fields read here: eagle3_layers, eagle3_steps, eagle3_decay, eagle3_depth, eagle3_topk,
+eagle3_tree_nodes, draft_vocab, and the common optimisation, eval_* and checkpoint fields.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from decode.eagle3 import Eagle3Proposer
+from decode.engine import SpeculativeEngine
+from decode.metrics import aggregate_stats
+from distill.feature_cache import FeatureCache, FeatureRecord, open_or_build
+from distill.generation import pad_token_id
+from distill.vocab import count_response_tokens, coverage, select_draft_vocab
+from models.drafters import save_drafter
+from models.eagle3 import Eagle3Drafter, default_target_layers
+from train import distill_steps as steps
+from train.checkpoints import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from train.colbt import config_dict
+from train.medusa import average_gradients
+
+log = logging.getLogger("specdistill.eagle3")
+
+
+def train_eagle3(cfg, accelerator, target, records: list[dict], eval_prompts: list[list[int]]) -> Path:
+    vocab_map = draft_vocabulary(cfg, target, records)
+    layers = cfg.eagle3_layers or default_target_layers(target.model.config.get_text_config().num_hidden_layers)
+    drafter = Eagle3Drafter.for_target(target.model, vocab_map, layers, seed=cfg.seed).float().train()
+    pad_id = pad_token_id(target.tokenizer, target.eos_token_ids)
+    cache = open_or_build(target, records, drafter.target_layers, cfg.max_seq_len, cfg.gen_batch_size, pad_id,
+                          accelerator)
+    plan = BatchPlan(cache, cfg.batch_size, cfg.seed)
+    total = cfg.max_steps or cfg.epochs * -(-plan.batches_per_epoch // accelerator.num_processes)
+    optimizer, scheduler = steps.make_optimizer(cfg, drafter, total)
+    drafter, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
+    state = resume_or_start(cfg, accelerator)
+    head_rows = target_head_rows(target, vocab_map)
+    if cfg.eval_every and state.step == 0:  # the untrained start, so that the gain is visible
+        evaluate(cfg, accelerator, target, drafter, state, eval_prompts)
+    bar = tqdm(total=total, initial=state.step, desc="eagle3", disable=not accelerator.is_local_main_process)
+    while state.step < total:
+        batch = plan.batch(state.step * accelerator.num_processes + accelerator.process_index)
+        loss, accuracy = train_step(cfg, accelerator, target, drafter, head_rows, batch, optimizer, scheduler)
+        state.step += 1
+        bar.update(1)
+        after_step(cfg, accelerator, target, drafter, state, eval_prompts, loss, accuracy, scheduler, total)
+        if state.step == cfg.stop_at_step and state.step < total:
+            save_checkpoint(accelerator, state, cfg.work_dir)
+            log.info("stopped at step %d as asked; continue with --resume", state.step)
+            return None
+    bar.close()
+    if not state.history or state.history[-1]["step"] != state.step:
+        evaluate(cfg, accelerator, target, drafter, state, eval_prompts)
+    steps.write_summary(cfg, accelerator, drafter, state, True)
+    return steps.publish_best(cfg, accelerator, target, None, state)
+
+
+def draft_vocabulary(cfg, target, records: list[dict]) -> torch.Tensor | None:
+    if not cfg.draft_vocab:
+        return None
+    counts = count_response_tokens(records)
+    vocab_map = select_draft_vocab(counts, cfg.draft_vocab, target.vocab_size, always=target.eos_token_ids)
+    log.info("draft vocabulary: %d tokens, %.1f%% of the teacher responses' tokens", cfg.draft_vocab,
+             100 * coverage(counts, vocab_map))
+    return vocab_map
+
+
+def target_head_rows(target, vocab_map: torch.Tensor | None) -> torch.Tensor:
+    """[M, D] the target's output rows of the draft vocabulary (its logits restricted to it), fp32."""
+    weight = target.model.get_output_embeddings().weight.detach()
+    rows = weight if vocab_map is None else weight[vocab_map.to(weight.device)]
+    return rows.float()
+
+
+def resume_or_start(cfg, accelerator) -> TrainState:
+    if not cfg.resume:
+        return TrainState()
+    path = latest_checkpoint(cfg.work_dir)
+    if path is None:
+        raise FileNotFoundError(f"--resume: no complete checkpoint under {cfg.work_dir}/checkpoints")
+    state = load_checkpoint(accelerator, path)
+    log.info("resumed from %s at step %d", path, state.step)
+    return state
+
+
+# ---- data order ------------------------------------------------------------------------------------------
+
+class BatchPlan:
+    """Batch b of the run, a pure function of (seed, b): epochs of shards in a seeded order, each shard's
+    records in a seeded order cut into batches (a batch never spans two shards, so one shard is read at
+    a time). Resuming at step s reads exactly the batches an uninterrupted run reads after s."""
+
+    def __init__(self, cache: FeatureCache, batch_size: int, seed: int):
+        self.cache, self.batch_size, self.seed = cache, batch_size, seed
+        self.per_shard = [-(-cache.shard_size(i) // batch_size) for i in range(cache.num_shards)]
+        self.batches_per_epoch = sum(self.per_shard)
+        self.loaded: tuple[int, list[FeatureRecord]] | None = None
+
+    def locate(self, index: int) -> tuple[int, list[int]]:
+        """Batch `index` -> (shard, the record indices within it)."""
+        epoch, within = divmod(index, self.batches_per_epoch)
+        shards = list(range(self.cache.num_shards))
+        random.Random(self.seed * 7919 + epoch).shuffle(shards)
+        for shard in shards:
+            if within < self.per_shard[shard]:
+                order = list(range(self.cache.shard_size(shard)))
+                random.Random(self.seed * 104729 + epoch * 1009 + shard).shuffle(order)
+                return shard, order[within * self.batch_size:(within + 1) * self.batch_size]
+            within -= self.per_shard[shard]
+        raise AssertionError("unreachable: within < batches_per_epoch")
+
+    def batch(self, index: int) -> list[FeatureRecord]:
+        shard, rows = self.locate(index)
+        if self.loaded is None or self.loaded[0] != shard:
+            self.loaded = (shard, self.cache.shard(shard))
+        return [self.loaded[1][i] for i in rows]
+
+
+def pad_batch(records: list[FeatureRecord], device) -> tuple[torch.Tensor, ...]:
+    """Right-padded ids [B, T], features [B, T, 3D], final [B, T, D], mask [B, T], lengths [B]."""
+    pad = torch.nn.utils.rnn.pad_sequence
+    ids = pad([r.ids for r in records], batch_first=True)
+    features = pad([r.features for r in records], batch_first=True).float()
+    final = pad([r.final for r in records], batch_first=True).float()
+    mask = pad([r.mask for r in records], batch_first=True)
+    lengths = torch.tensor([r.ids.numel() for r in records])
+    return ids.to(device), features.to(device), final.to(device), mask.to(device), lengths.to(device)
+
+
+# ---- the loss --------------------------------------------------------------------------------------------
+
+def shifted(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
+    """x [B, T, ...] moved `by` positions to the left along T (row t holds x[t + by]), padded with fill."""
+    out = torch.full_like(x, fill)
+    if by < x.shape[1]:
+        out[:, :x.shape[1] - by] = x[:, by:]
+    return out
+
+
+def eagle3_loss(drafter: Eagle3Drafter, embed: torch.nn.Module, head_rows: torch.Tensor, records: list[FeatureRecord],
+                num_steps: int, decay: float) -> tuple[torch.Tensor, list[float]]:
+    """sum_j decay**j * mean over valid rows of CE(target's restricted distribution, drafter step j).
+
+    Step j at row t reads e(x_{t+1+j}) and predicts x_{t+2+j}, whose target distribution is the target's
+    head on its final state at t+1+j; a row counts when that position predicts a response token.
+    Returns (the loss, per step the share of rows where the drafter's argmax is the target's)."""
+    device = drafter.fc.weight.device
+    ids, features, final, mask, _ = pad_batch(records, device)
+    with torch.no_grad():
+        embeds = [embed(shifted(ids, 1 + j)).float() for j in range(num_steps)]  # per step [B, T, D]
+    outputs = drafter.unroll(embeds, features)  # per step [B, T, D]
+    total, accuracy = torch.zeros((), device=device), []
+    for j, out in enumerate(outputs):
+        valid = shifted(mask, 1 + j, False)  # [B, T]
+        if not valid.any():
+            break
+        with torch.no_grad():
+            target_logp = torch.log_softmax(shifted(final, 1 + j)[valid] @ head_rows.T, dim=-1)  # [N, M]
+        logq = torch.log_softmax(drafter.logits(out[valid]).float(), dim=-1)  # [N, M]
+        loss = -(target_logp.exp() * logq).sum(-1).mean()
+        total = total + decay ** j * loss
+        accuracy.append(float((logq.argmax(-1) == target_logp.argmax(-1)).float().mean()))
+    return total, accuracy
+
+
+def train_step(cfg, accelerator, target, drafter, head_rows, records, optimizer, scheduler):
+    module = accelerator.unwrap_model(drafter)
+    loss, accuracy = eagle3_loss(module, target.model.get_input_embeddings(), head_rows, records, cfg.eagle3_steps,
+                                 cfg.eagle3_decay)
+    accelerator.backward(loss)
+    average_gradients(accelerator, module)  # the loss calls the drafter's parts, not DDP's forward
+    accelerator.clip_grad_norm_(drafter.parameters(), 1.0)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    return float(loss.detach()), accuracy
+
+
+def after_step(cfg, accelerator, target, drafter, state, eval_prompts, loss, accuracy, scheduler, total) -> None:
+    if state.step % cfg.log_every == 0 or state.step == total:
+        lr = scheduler.get_last_lr()[0]
+        log.info("step %d loss %.4f lr %.2e top-1 per step %s", state.step, loss, lr,
+                 [round(a, 3) for a in accuracy])
+        accelerator.log({"train/loss": loss, "train/lr": lr, "train/top1_step0": accuracy[0] if accuracy else 0.0},
+                        step=state.step)
+    if cfg.eval_every and state.step % cfg.eval_every == 0:
+        evaluate(cfg, accelerator, target, drafter, state, eval_prompts)
+    if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < total:
+        save_checkpoint(accelerator, state, cfg.work_dir)
+
+
+# ---- measuring and keeping the best ---------------------------------------------------------------------
+
+@torch.no_grad()
+def measure_acceptance(cfg, target, drafter: Eagle3Drafter, prompts: list[list[int]]) -> dict:
+    """Greedy EAGLE-3 decoding of each prompt with the real engine at full depth (no adaptation)."""
+    was_training = drafter.training
+    drafter.eval()
+    proposer = Eagle3Proposer(drafter, target.model.get_input_embeddings(), **decoding_options(cfg),
+                              eos_token_ids=target.eos_token_ids)
+    engine = SpeculativeEngine(target.model, proposer, target.eos_token_ids, adaptive=False)
+    stats = [engine.generate(p, cfg.eval_max_new_tokens).stats for p in prompts]
+    drafter.train(was_training)
+    return aggregate_stats(stats)
+
+
+def decoding_options(cfg) -> dict:
+    """The tree shape stored with the drafter (0: the proposer's per-device default)."""
+    return {"depth": cfg.eagle3_depth or None, "topk": cfg.eagle3_topk or None,
+            "tree_nodes": cfg.eagle3_tree_nodes or None}
+
+
+def evaluate(cfg, accelerator, target, drafter, state, eval_prompts) -> None:
+    """Measure tau on held-out prompts (main process); save the drafter when it is the best so far."""
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        module = accelerator.unwrap_model(drafter)
+        tau, alpha = 1.0, None
+        if eval_prompts:
+            result = measure_acceptance(cfg, target, module, eval_prompts)
+            tau, alpha = result["tau"], result["alpha"]
+        state.history.append({"step": state.step, "tau": tau, "alpha": alpha})
+        log.info("step %d held-out tau %.3f alpha %.3f", state.step, tau, alpha or 0.0)
+        accelerator.log({"eval/tau": tau}, step=state.step)
+        if tau > state.best_tau or not eval_prompts:  # unmeasured: the latest is kept
+            state.best_tau, state.best_step = tau, state.step
+            save_best(cfg, target, module, state)
+    accelerator.wait_for_everyone()
+
+
+def save_best(cfg, target, drafter: Eagle3Drafter, state) -> Path:
+    """The best drafter so far, as a complete drafter directory under work_dir/best (atomic)."""
+    options = {key: value for key, value in decoding_options(cfg).items() if value}
+    copy = Eagle3Drafter(drafter.config)
+    copy.load_state_dict(drafter.state_dict())
+    return save_drafter(Path(cfg.work_dir) / "best", copy.to(target.dtype), target, "eagle3",
+                        config={**drafter.config, **config_dict(cfg)},
+                        extra={"decoding": options, "step": state.step, "held_out_tau": state.best_tau,
+                               "history": state.history})
