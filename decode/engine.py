@@ -39,11 +39,11 @@ class SpeculativeEngine:
         self.proposer = proposer
         self.eos_token_ids = set(eos_token_ids)
         self.max_tree_nodes = max_tree_nodes
-        # a self-drafting proposer (decode.self_draft) reads the target's hidden states after each forward
+        # a self-drafting proposer (decode.proposers.medusa) reads the target's hidden states after each forward
         self.self_drafting = bool(getattr(proposer, "self_drafting", False))
-        # an EAGLE-3 proposer (decode.eagle3) reads the inputs of some target layers instead of the last state
+        # an EAGLE-3 proposer (decode.proposers.eagle3) reads the inputs of some target layers, not the last state
         self.target.feature_layers = list(getattr(proposer, "feature_layers", None) or [])
-        # a lookahead proposer (decode.lookahead) adds rows fed by embedding to every target forward
+        # a lookahead proposer (decode.proposers.lookahead) adds rows fed by embedding to every target forward
         # and reads the next proposals from them: `prefill_rows`, `verification_rows`, `observe_rows`
         self.lookahead = hasattr(proposer, "verification_rows")
         self.controller = None

@@ -17,9 +17,10 @@ from models.packed_linear import packed_for_inference
 @dataclass
 class ExtraRows:
     """Rows fed by embedding rather than token id, after a forward's N token rows: [LA] lookahead
-    positions (decode.lookahead). Each attends to the committed prefix and to the rows `mask` allows;
-    no token row ever attends to an extra row, so the token rows' outputs are what they would be
-    without them, and the extra rows' KV, written past the token rows, is never committed."""
+    positions (decode.proposers.lookahead). Each attends to the committed prefix and to the rows
+    `mask` allows; no token row ever attends to an extra row, so the token rows' outputs are what
+    they would be without them, and the extra rows' KV, written past the token rows, is never
+    committed."""
 
     embeds: torch.Tensor  # [L, D] input embeddings
     depths: list[int]  # [L] position offset from the prefix end, as for tree nodes
@@ -46,7 +47,7 @@ class ModelRunner:
         self.num_layers = model.config.get_text_config().num_hidden_layers
         self.static_shapes = static_shapes
         self.cache = SpecCache(self.num_layers, 0, static_shapes)
-        # EAGLE-3 reads the inputs of these layers at every row (decode.eagle3): `features` after a forward
+        # EAGLE-3 reads these layers' inputs at every row (decode.proposers.eagle3): `features` after a forward
         self.feature_layers: list[int] = []
         self.features: torch.Tensor | None = None  # [N + L, len(feature_layers) x D]
         param = next(model.parameters())

@@ -12,7 +12,7 @@ sequential head also reads them: head k maps the previous head's state s_{k-1} (
 target's input embedding of the token at depth k - 1 of the tree (the root, t + 1, for head 1) to
     s_k = blocks_k(s_{k-1} + fuse_k([s_{k-1}; e(token)]))      logits_k = proj_k(s_k)
 so each node's children depend on the path to it. fuse_k starts at zero: the heads start as Medusa's.
-Drafting runs the heads depth by depth over the tree's inner nodes (decode.self_draft); the
+Drafting runs the heads depth by depth over the tree's inner nodes (decode.proposers.medusa); the
 embeddings are the frozen target's own and are not stored.
 
 Prefix attention (`prefix`, Hydra++): the target's last hidden state is specialised for the next

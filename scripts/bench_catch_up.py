@@ -4,10 +4,10 @@ probe that resumes drafting (before), the two interleaved per turn in one proces
     .venv/bin/python scripts/bench_catch_up.py DRAFTER [DRAFTER ...] [--per-category 2] [--max-new-tokens 128]
         [--out DIR]
 
-"before" sets decode.proposers.CATCH_UP_SPLIT past any sequence length: the catch-up then runs inside
-the first drafting forward and counts as drafting time, exactly as before the split. Greedy MT-bench,
-turn 2 conditioned on each method's own turn-1 answer, every output checked against plain decoding's.
-Prints a table; writes DIR/catch_up.json.
+"before" sets decode.proposers.draft_model.CATCH_UP_SPLIT past any sequence length: the catch-up then
+runs inside the first drafting forward and counts as drafting time, exactly as before the split. Greedy
+MT-bench, turn 2 conditioned on each method's own turn-1 answer, every output checked against plain
+decoding's. Prints a table; writes DIR/catch_up.json.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-import decode.proposers as proposers  # noqa: E402
+import decode.proposers.draft_model as draft_model  # noqa: E402  (its CATCH_UP_SPLIT is the one drafting reads)
 from decode.engine import SpeculativeEngine  # noqa: E402
 from decode.proposers import build_proposer  # noqa: E402
 from decode.questions import load_questions  # noqa: E402
 from models.drafters import load_drafter  # noqa: E402
 from models.target import load_target  # noqa: E402
 
-SPLIT = {"now": proposers.CATCH_UP_SPLIT, "before": 10 ** 9}
+SPLIT = {"now": draft_model.CATCH_UP_SPLIT, "before": 10 ** 9}
 
 
 def parse_args(argv):
@@ -55,11 +55,11 @@ def build_methods(target, specs: list[str]) -> dict[str, tuple[SpeculativeEngine
 
 def generate(method: tuple[SpeculativeEngine, int], prompt: list[int], max_new_tokens: int):
     engine, split = method
-    proposers.CATCH_UP_SPLIT = split
+    draft_model.CATCH_UP_SPLIT = split
     try:
         return engine.generate(prompt, max_new_tokens)
     finally:
-        proposers.CATCH_UP_SPLIT = SPLIT["now"]
+        draft_model.CATCH_UP_SPLIT = SPLIT["now"]
 
 
 def main(argv=None) -> dict:

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from decode.engine import SpeculativeEngine  # noqa: E402  (ROOT on sys.path first)
-from decode.lookahead import LookaheadProposer, decoding_options  # noqa: E402
+from decode.proposers.lookahead import LookaheadProposer, decoding_options  # noqa: E402
 from decode.questions import load_questions  # noqa: E402
 from models.drafters import load_drafter  # noqa: E402
 from models.target import load_target  # noqa: E402

@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from decode.self_draft import choose_tree, expected_accept_length  # noqa: E402  (ROOT on sys.path first)
+from decode.proposers.medusa import choose_tree, expected_accept_length  # noqa: E402  (ROOT on sys.path first)
 from distill.teacher_data import load_teacher_data  # noqa: E402
 from distill.vocab import count_response_tokens, coverage, select_draft_vocab  # noqa: E402
 from models.drafters import load_drafter, save_drafter  # noqa: E402

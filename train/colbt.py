@@ -29,9 +29,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from decode.engine import SpeculativeEngine
-from decode.ensemble import EnsembleProposer
 from decode.metrics import aggregate_stats
 from decode.proposers import DraftModelProposer
+from decode.proposers.ensemble import EnsembleProposer
 from distill.boosting import (boost_weights, collate_weighted, coverage_report, teacher_forced_coverage,
                               weighted_token_ce)
 from distill.generation import pad_token_id

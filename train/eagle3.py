@@ -10,7 +10,7 @@ feeding the drafter its own step j-1 output with the token j further on, as deco
 is the cross-entropy of the drafter's distribution against the target's next-token distribution (the
 target's head on its final state, restricted to the draft vocabulary and renormalised) on the response
 positions, weighted by eagle3_decay**j; every `eval_every` steps decode held-out prompts with the real
-engine (decode.eagle3, full depth, no adaptation) and keep the drafter of best measured tau, published
+engine (decode.proposers.eagle3, full depth, no adaptation) and keep the drafter of best measured tau, published
 atomically at the end. `--resume` continues exactly from the last checkpoint (data order is a function
 of the seed, the epoch and the batch index).
 
@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from decode.eagle3 import Eagle3Proposer
 from decode.engine import SpeculativeEngine
 from decode.metrics import aggregate_stats
+from decode.proposers.eagle3 import Eagle3Proposer
 from distill.feature_cache import FeatureCache, FeatureRecord, open_or_build
 from distill.generation import pad_token_id
 from distill.vocab import count_response_tokens, coverage, select_draft_vocab
@@ -50,13 +50,16 @@ def train_eagle3(cfg, accelerator, target, records: list[dict], eval_prompts: li
     pad_id = pad_token_id(target.tokenizer, target.eos_token_ids)
     cache = open_or_build(target, records, drafter.target_layers, cfg.max_seq_len, cfg.gen_batch_size, pad_id,
                           accelerator)
+    drafter.scale_features(feature_rms(cache))
     plan = BatchPlan(cache, cfg.batch_size, cfg.seed)
     total = cfg.max_steps or cfg.epochs * -(-plan.batches_per_epoch // accelerator.num_processes)
     optimizer, scheduler = steps.make_optimizer(cfg, drafter, total)
     drafter, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
     state = resume_or_start(cfg, accelerator)
     head_rows = target_head_rows(target, vocab_map)
-    if cfg.eval_every and state.step == 0:  # the untrained start, so that the gain is visible
+    if state.step == 0 and accelerator.is_main_process:  # the untrained start, to measure what training gained
+        save_snapshot(cfg, target, accelerator.unwrap_model(drafter), state, "initial")
+    if cfg.eval_every and state.step == 0:  # its held-out tau, so that the gain is visible in the log
         evaluate(cfg, accelerator, target, drafter, state, eval_prompts)
     bar = tqdm(total=total, initial=state.step, desc="eagle3", disable=not accelerator.is_local_main_process)
     while state.step < total:
@@ -137,6 +140,13 @@ class BatchPlan:
         return [self.loaded[1][i] for i in rows]
 
 
+def feature_rms(cache: FeatureCache) -> torch.Tensor:
+    """[3D] the RMS of each feature dimension over the first shard, each record's first position left
+    out (the attention-sink token, whose massive activations are one position's, not a dimension's)."""
+    rows = torch.cat([record.features[1:].float() for record in cache.shard(0)])  # [N, 3D]
+    return rows.pow(2).mean(0).sqrt()
+
+
 def pad_batch(records: list[FeatureRecord], device) -> tuple[torch.Tensor, ...]:
     """Right-padded ids [B, T], features [B, T, 3D], final [B, T, D], mask [B, T], lengths [B]."""
     pad = torch.nn.utils.rnn.pad_sequence
@@ -169,18 +179,20 @@ def eagle3_loss(drafter: Eagle3Drafter, embed: torch.nn.Module, head_rows: torch
     ids, features, final, mask, _ = pad_batch(records, device)
     with torch.no_grad():
         embeds = [embed(shifted(ids, 1 + j)).float() for j in range(num_steps)]  # per step [B, T, D]
+        target_logp = torch.log_softmax(final[mask] @ head_rows.T, dim=-1)  # [N, M] once: every step reads it
+        row_of = torch.full(mask.shape, -1, dtype=torch.long, device=device)  # [B, T] position -> its row
+        row_of[mask] = torch.arange(target_logp.shape[0], device=device)
     outputs = drafter.unroll(embeds, features)  # per step [B, T, D]
     total, accuracy = torch.zeros((), device=device), []
     for j, out in enumerate(outputs):
-        valid = shifted(mask, 1 + j, False)  # [B, T]
+        valid = shifted(mask, 1 + j, False)  # [B, T]: row t counts when position t + 1 + j predicts a response token
         if not valid.any():
             break
-        with torch.no_grad():
-            target_logp = torch.log_softmax(shifted(final, 1 + j)[valid] @ head_rows.T, dim=-1)  # [N, M]
-        logq = torch.log_softmax(drafter.logits(out[valid]).float(), dim=-1)  # [N, M]
-        loss = -(target_logp.exp() * logq).sum(-1).mean()
+        target = target_logp[shifted(row_of, 1 + j, -1)[valid]]  # [N_j, M]
+        logq = torch.log_softmax(drafter.logits(out[valid]).float(), dim=-1)  # [N_j, M]
+        loss = -(target.exp() * logq).sum(-1).mean()
         total = total + decay ** j * loss
-        accuracy.append(float((logq.argmax(-1) == target_logp.argmax(-1)).float().mean()))
+        accuracy.append(float((logq.argmax(-1) == target.argmax(-1)).float().mean()))
     return total, accuracy
 
 
@@ -245,16 +257,14 @@ def evaluate(cfg, accelerator, target, drafter, state, eval_prompts) -> None:
         accelerator.log({"eval/tau": tau}, step=state.step)
         if tau > state.best_tau or not eval_prompts:  # unmeasured: the latest is kept
             state.best_tau, state.best_step = tau, state.step
-            save_best(cfg, target, module, state)
+            save_snapshot(cfg, target, module, state, "best")
     accelerator.wait_for_everyone()
 
 
-def save_best(cfg, target, drafter: Eagle3Drafter, state) -> Path:
-    """The best drafter so far, as a complete drafter directory under work_dir/best (atomic)."""
+def save_snapshot(cfg, target, drafter: Eagle3Drafter, state, name: str) -> Path:
+    """The drafter as it is now, as a complete drafter directory under work_dir/<name> (atomic)."""
     options = {key: value for key, value in decoding_options(cfg).items() if value}
-    copy = Eagle3Drafter(drafter.config)
-    copy.load_state_dict(drafter.state_dict())
-    return save_drafter(Path(cfg.work_dir) / "best", copy.to(target.dtype), target, "eagle3",
+    return save_drafter(Path(cfg.work_dir) / name, drafter.folded().to(target.dtype), target, "eagle3",
                         config={**drafter.config, **config_dict(cfg)},
                         extra={"decoding": options, "step": state.step, "held_out_tau": state.best_tau,
                                "history": state.history})

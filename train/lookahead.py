@@ -4,7 +4,7 @@
 
 Reads top to bottom: start the k embeddings at the target's mean input embedding (models.lookahead);
 train them on the target's own generations; every `eval_every` steps decode held-out prompts with the
-real engine (decode.lookahead) and keep the embeddings of the best measured tau; save them as a
+real engine (decode.proposers.lookahead) and keep the embeddings of the best measured tau; save them as a
 drafter directory.
 
 One training step, many insertion points. For a batch of sequences the frozen target first runs once
@@ -32,8 +32,8 @@ import torch
 from tqdm.auto import tqdm
 
 from decode.engine import SpeculativeEngine
-from decode.lookahead import LookaheadProposer
 from decode.metrics import aggregate_stats
+from decode.proposers.lookahead import LookaheadProposer
 from distill.batching import Batch, collate
 from distill.generation import pad_token_id
 from distill.losses import cross_entropy_loss, forward_kl

@@ -8,7 +8,7 @@ never changes); train the heads on the target's own tokens: head k at position t
 t + k + 1 with cross-entropy on the target's token plus KL(target || head) to the target's own
 distribution at t + k (the one that produced that token), weighted per head by decay**(k-1); measure
 per-head top-k accuracies on the calibration records, choose the sparse tree that maximises the
-expected accepted length (decode.self_draft.choose_tree), and save heads + tree as a drafter directory.
+expected accepted length (decode.proposers.medusa.choose_tree), and save heads + tree as a drafter directory.
 
 Medusa-2 (LoRA on the target trained jointly) is not implemented.
 With `draft_vocab` M > 0 the drafter also stores a candidate vocabulary (the training responses' M most
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from decode.self_draft import choose_tree, expected_accept_length
+from decode.proposers.medusa import choose_tree, expected_accept_length
 from distill.batching import collate
 from distill.generation import pad_token_id
 from distill.losses import cross_entropy_loss, forward_kl

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from decode.eagle3 import Candidate, Eagle3Proposer
 from decode.engine import SpeculativeEngine
 from decode.proposers import PromptLookupProposer, WithPromptLookup
+from decode.proposers.eagle3 import Candidate, Eagle3Proposer
 from decode.sampling import SamplingConfig
 from models.eagle3 import Eagle3Drafter
 from tests.conftest import make_tiny_llama

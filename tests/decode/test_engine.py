@@ -155,30 +155,30 @@ def test_gemv_friendly_head_changes_layout_not_values(tiny_target, monkeypatch):
 def test_a_resuming_drafter_catches_up_in_a_forward_of_its_own(tiny_target):
     """After steps without drafting, the tokens emitted meanwhile are fed as a separate, timed forward;
     the chain drafted after it is the one a drafter fed everything at once drafts."""
-    import decode.proposers as proposers_module
+    import decode.proposers.draft_model as draft_model_module  # its CATCH_UP_SPLIT is the one drafting reads
 
     drafter = make_tiny_llama(seed=1, layers=1)
     seq = PROMPT + target_greedy(tiny_target, PROMPT, 30)
     split, whole = DraftModelProposer(drafter, gamma=3), DraftModelProposer(drafter, gamma=3)
     torch.set_grad_enabled(False)  # as the engine drafts (inference mode); restored below
     try:
-        check_catch_up(split, whole, seq, proposers_module)
+        check_catch_up(split, whole, seq, draft_model_module)
     finally:
         torch.set_grad_enabled(True)
 
 
-def check_catch_up(split, whole, seq, proposers_module):
+def check_catch_up(split, whole, seq, draft_model_module):
     for proposer in (split, whole):
         proposer.begin(PROMPT, 64)
         proposer.propose(PROMPT, 3, SamplingConfig(), None)  # caches the prompt
     chain = split.propose(seq, 3, SamplingConfig(), None)  # 30 tokens behind: more than CATCH_UP_SPLIT
-    assert len(seq) - len(PROMPT) > proposers_module.CATCH_UP_SPLIT and split.last_catch_up_s() > 0
-    old = proposers_module.CATCH_UP_SPLIT
-    proposers_module.CATCH_UP_SPLIT = 10 ** 9  # as before the split: everything in one forward
+    assert len(seq) - len(PROMPT) > draft_model_module.CATCH_UP_SPLIT and split.last_catch_up_s() > 0
+    old = draft_model_module.CATCH_UP_SPLIT
+    draft_model_module.CATCH_UP_SPLIT = 10 ** 9  # as before the split: everything in one forward
     try:
         assert whole.propose(seq, 3, SamplingConfig(), None).tokens == chain.tokens
     finally:
-        proposers_module.CATCH_UP_SPLIT = old
+        draft_model_module.CATCH_UP_SPLIT = old
     assert whole.last_catch_up_s() == 0.0
     split.propose(seq + chain.tokens[1:2], 3, SamplingConfig(), None)  # steady drafting: a token or two behind
     assert split.last_catch_up_s() == 0.0

@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
-import decode.ensemble as ensemble_mod
+import decode.proposers.ensemble as ensemble_mod
 import decode.sampling as sampling_mod
 from decode.engine import SpeculativeEngine
-from decode.ensemble import EnsembleProposer, cap_chains, merge_chains
 from decode.proposers import DraftModelProposer
+from decode.proposers.ensemble import EnsembleProposer, cap_chains, merge_chains
 from decode.sampling import SamplingConfig, verify_sampling
 from tests.conftest import make_tiny_llama
 from tests.decode.test_engine import PROMPT, target_greedy

@@ -7,7 +7,7 @@ import torch
 from tests.conftest import make_tiny_llama
 from tests.decode.test_self_draft import chi2_pvalue, exact_marginals, sample_second_and_third, target_greedy
 from decode.engine import SpeculativeEngine
-from decode.lookahead import LookaheadProposer
+from decode.proposers.lookahead import LookaheadProposer
 from decode.runner import ModelRunner
 from decode.tree import TokenTree
 from models.lookahead import LookaheadTokens

@@ -6,8 +6,8 @@ import torch
 from tests.conftest import make_tiny_llama
 from tests.decode.test_sampling import chi2_pvalue
 from decode.engine import SpeculativeEngine
+from decode.proposers.medusa import MedusaProposer, check_tree, choose_tree, expected_accept_length, tree_from_ranks
 from decode.sampling import SamplingConfig
-from decode.self_draft import MedusaProposer, check_tree, choose_tree, expected_accept_length, tree_from_ranks
 from models.medusa import MedusaHeads
 
 PROMPT = [1, 5, 7, 9, 11, 5, 7]

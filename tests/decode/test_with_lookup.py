@@ -8,8 +8,8 @@ import torch
 from decode.engine import SpeculativeEngine
 from decode.proposers import (LOOKUP_SOURCE, DraftModelProposer, PromptLookupProposer, Proposer, WithPromptLookup,
                               build_proposer)
+from decode.proposers.medusa import MedusaProposer
 from decode.sampling import SamplingConfig
-from decode.self_draft import MedusaProposer
 from decode.tree import TokenTree
 from models.drafters import load_drafter
 from models.medusa import MedusaHeads

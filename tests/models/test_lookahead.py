@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from tests.models.conftest import make_tiny_target
-from decode.lookahead import LookaheadProposer
 from decode.proposers import build_proposer
+from decode.proposers.lookahead import LookaheadProposer
 from models.drafters import load_drafter, save_drafter
 from models.lookahead import LookaheadTokens
 

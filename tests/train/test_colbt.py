@@ -15,8 +15,8 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration
 
 from decode.engine import SpeculativeEngine
-from decode.ensemble import EnsembleProposer
 from decode.proposers import DraftModelProposer
+from decode.proposers.ensemble import EnsembleProposer
 from models.drafters import load_drafter
 from models.target import target_from_model
 from tests.conftest import make_tiny_llama

@@ -12,8 +12,8 @@ import torch
 from accelerate import Accelerator
 
 from decode.engine import SpeculativeEngine
-from decode.lookahead import LookaheadProposer
 from decode.proposers import build_proposer
+from decode.proposers.lookahead import LookaheadProposer
 from distill.batching import collate
 from models.drafters import load_drafter
 from models.lookahead import LookaheadTokens

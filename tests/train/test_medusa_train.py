@@ -12,7 +12,7 @@ from accelerate import Accelerator
 
 from decode.engine import SpeculativeEngine
 from decode.proposers import build_proposer
-from decode.self_draft import check_tree
+from decode.proposers.medusa import check_tree
 from models.drafters import load_drafter
 from models.medusa import MedusaHeads
 from tests.distill.conftest import VOCAB_SIZE

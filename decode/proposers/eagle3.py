@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from decode.proposers import CATCH_UP_SPLIT, Proposer
+from decode.proposers.base import CATCH_UP_SPLIT, Proposer, register_proposer
 from decode.runner import synchronized_clock
 from decode.sampling import SamplingConfig, logits_to_probs, sample
 from decode.tree import TokenTree
-from models.eagle3 import DraftCache, Eagle3Drafter
+from models.eagle3 import DraftCache, Eagle3Drafter  # importing models.eagle3 registers the drafter kind "eagle3"
 from models.packed_linear import packed_for_inference
 
 __all__ = ["Eagle3Proposer", "DEFAULT_TREE"]
@@ -219,3 +219,18 @@ class Eagle3Proposer(Proposer):
             _, outs = self.expand([node], out[None], base)
             out = outs[0]
         return TokenTree.chain(root, drafts, probs)
+
+
+def build_eagle3_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: set[int] = frozenset(),
+                          **kw) -> Eagle3Proposer:
+    """A loaded eagle3 drafter's proposer: its tree's depth, top-K and size from kw (eagle3_depth,
+    eagle3_topk, eagle3_tree_nodes), else from its manifest, else DEFAULT_TREE for the device."""
+    options = (drafter.manifest.get("extra") or {}).get("decoding") or {}
+    return Eagle3Proposer(drafter.model, target_model.get_input_embeddings(),
+                          depth=kw.get("eagle3_depth") or options.get("depth"),
+                          topk=kw.get("eagle3_topk") or options.get("topk"),
+                          tree_nodes=kw.get("eagle3_tree_nodes") or options.get("tree_nodes"),
+                          eos_token_ids=eos_token_ids)
+
+
+register_proposer("eagle3", build_eagle3_proposer)

@@ -33,10 +33,10 @@ import heapq
 
 import torch
 
-from decode.proposers import Proposer
+from decode.proposers.base import Proposer, register_proposer, vocab_size
 from decode.sampling import SamplingConfig, Verdict
 from decode.tree import TokenTree
-from models.medusa import PrefixCache
+from models.medusa import PrefixCache  # importing models.medusa registers the drafter kind "medusa"
 from models.packed_linear import PackedLinear, packed_for_inference, packing_supported
 
 __all__ = ["MedusaProposer", "choose_tree", "check_tree", "tree_from_ranks"]
@@ -145,7 +145,7 @@ def head_projections(heads: torch.nn.Module, vocab_map: torch.Tensor | None) -> 
     A decode step runs every head on one or a few states: GEMVs over [M, D] weights that dominate the
     proposer's cost. On CPU in fp32 each head gets a oneDNN-packed copy of its rows
     (models.packed_linear); elsewhere a column-major copy, which the BLAS runs as a faster GEMV (see
-    decode.proposers.use_gemv_friendly_head). Inference only: the proposer never trains the heads,
+    decode.proposers.base.use_gemv_friendly_head). Inference only: the proposer never trains the heads,
     and they keep their weights."""
     weights = [head.proj.weight.detach() for head in heads.heads]  # K x [V, D]
     if vocab_map is not None:
@@ -232,3 +232,20 @@ def path_probability(path, accuracy: list[list[float]]) -> float:
 
 def expected_accept_length(paths: list[list[int]], accuracy: list[list[float]]) -> float:
     return sum(path_probability(path, accuracy) for path in paths)
+
+
+def build_medusa_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: set[int] = frozenset(),
+                          **kw) -> MedusaProposer:
+    """A loaded medusa drafter's proposer, with the tree its manifest stores (else one chain)."""
+    check_medusa_vocab(drafter.model, target_model)
+    return MedusaProposer(drafter.model, tree=(drafter.manifest.get("extra") or {}).get("tree"),
+                          vocab_map=drafter.vocab_map, embed=target_model.get_input_embeddings())
+
+
+def check_medusa_vocab(heads, target_model) -> None:
+    v_heads, v_target = heads.config["vocab_size"], vocab_size(target_model)
+    if v_heads != v_target:
+        raise ValueError(f"Medusa heads predict {v_heads} tokens but the target's vocabulary has {v_target}")
+
+
+register_proposer("medusa", build_medusa_proposer)

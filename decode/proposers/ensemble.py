@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import torch
 
-from decode.proposers import Alternate, DraftModelProposer, Proposer, build_proposer
+from decode.proposers.base import Alternate, Proposer, build_proposer, register_proposer, use_gemv_friendly_head
+from decode.proposers.draft_model import DraftModelProposer
 from decode.sampling import SamplingConfig
 from decode.tree import TokenTree
 
@@ -142,3 +143,16 @@ def build_ensemble_proposer(member_drafters: list, target_model: torch.nn.Module
             raise ValueError(f"ensemble member {i} is of kind {drafter.kind!r}; members must be draft_model drafters")
         members.append(build_proposer(drafter, target_model, gamma=gamma, eos_token_ids=eos_token_ids))
     return EnsembleProposer(members, max_tree_nodes, branches)
+
+
+def build_ensemble_kind_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: set[int] = frozenset(),
+                                 **kw) -> EnsembleProposer:
+    """A loaded ensemble drafter's proposer, its tree's size and branching as its manifest stores them."""
+    for member in drafter.members:
+        use_gemv_friendly_head(member.model)
+    return build_ensemble_proposer(drafter.members, target_model, gamma, eos_token_ids,
+                                   drafter.manifest.get("max_tree_nodes", 16),
+                                   drafter.manifest.get("branches", 1))
+
+
+register_proposer("ensemble", build_ensemble_kind_proposer)

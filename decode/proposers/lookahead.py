@@ -47,7 +47,8 @@ from __future__ import annotations
 
 import torch
 
-from decode.proposers import Proposer
+import models.lookahead  # noqa: F401  (registers the drafter kind "lookahead" with models.drafters)
+from decode.proposers.base import Proposer, register_proposer
 from decode.runner import ExtraRows
 from decode.sampling import SamplingConfig
 from decode.tree import TokenTree
@@ -151,3 +152,12 @@ def lookahead_rows(embeds: torch.Tensor, owner_depths: list[int], sees: torch.Te
     mask = torch.cat([sees.cpu().repeat_interleave(k, dim=0), own_chain], dim=1)  # [mK, N + mK]
     depths = [d + j for d in owner_depths for j in range(1, k + 1)]
     return ExtraRows(embeds.repeat(m, 1), depths, mask)  # embeds [mK, D]
+
+
+def build_lookahead_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: set[int] = frozenset(),
+                             **kw) -> LookaheadProposer:
+    """A loaded lookahead drafter's proposer, with the decoding options its manifest stores."""
+    return LookaheadProposer(drafter.model, target_model, **decoding_options(drafter.manifest))
+
+
+register_proposer("lookahead", build_lookahead_proposer)
