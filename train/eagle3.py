@@ -50,7 +50,6 @@ def train_eagle3(cfg, accelerator, target, records: list[dict], eval_prompts: li
     pad_id = pad_token_id(target.tokenizer, target.eos_token_ids)
     cache = open_or_build(target, records, drafter.target_layers, cfg.max_seq_len, cfg.gen_batch_size, pad_id,
                           accelerator)
-    drafter.scale_features(feature_rms(cache))
     plan = BatchPlan(cache, cfg.batch_size, cfg.seed)
     total = cfg.max_steps or cfg.epochs * -(-plan.batches_per_epoch // accelerator.num_processes)
     optimizer, scheduler = steps.make_optimizer(cfg, drafter, total)
@@ -138,13 +137,6 @@ class BatchPlan:
         if self.loaded is None or self.loaded[0] != shard:
             self.loaded = (shard, self.cache.shard(shard))
         return [self.loaded[1][i] for i in rows]
-
-
-def feature_rms(cache: FeatureCache) -> torch.Tensor:
-    """[3D] the RMS of each feature dimension over the first shard, each record's first position left
-    out (the attention-sink token, whose massive activations are one position's, not a dimension's)."""
-    rows = torch.cat([record.features[1:].float() for record in cache.shard(0)])  # [N, 3D]
-    return rows.pow(2).mean(0).sqrt()
 
 
 def pad_batch(records: list[FeatureRecord], device) -> tuple[torch.Tensor, ...]:
@@ -264,7 +256,9 @@ def evaluate(cfg, accelerator, target, drafter, state, eval_prompts) -> None:
 def save_snapshot(cfg, target, drafter: Eagle3Drafter, state, name: str) -> Path:
     """The drafter as it is now, as a complete drafter directory under work_dir/<name> (atomic)."""
     options = {key: value for key, value in decoding_options(cfg).items() if value}
-    return save_drafter(Path(cfg.work_dir) / name, drafter.folded().to(target.dtype), target, "eagle3",
+    copy = Eagle3Drafter(drafter.config)
+    copy.load_state_dict(drafter.state_dict())
+    return save_drafter(Path(cfg.work_dir) / name, copy.to(target.dtype), target, "eagle3",
                         config={**drafter.config, **config_dict(cfg)},
                         extra={"decoding": options, "step": state.step, "held_out_tau": state.best_tau,
                                "history": state.history})
