@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 STATE_FILE = "train_state.json"
+log = logging.getLogger("specdistill.checkpoints")
 
 
 @dataclass
@@ -53,3 +55,15 @@ def latest_checkpoint(work_dir: str | Path) -> Path | None:
 def load_checkpoint(accelerator, path: Path) -> TrainState:
     accelerator.load_state(str(path))
     return TrainState(**json.loads((path / STATE_FILE).read_text()))
+
+
+def resume_or_start(cfg, accelerator) -> TrainState:
+    """A fresh state, or with `cfg.resume` the latest complete checkpoint under cfg.work_dir, loaded."""
+    if not cfg.resume:
+        return TrainState()
+    path = latest_checkpoint(cfg.work_dir)
+    if path is None:
+        raise FileNotFoundError(f"--resume: no complete checkpoint under {cfg.work_dir}/checkpoints")
+    state = load_checkpoint(accelerator, path)
+    log.info("resumed from %s at step %d", path, state.step)
+    return state

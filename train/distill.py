@@ -33,7 +33,7 @@ from train.colbt import train_colbt  # noqa: E402
 from train.eagle3 import train_eagle3  # noqa: E402
 from train.lookahead import train_lookahead  # noqa: E402
 from train.medusa import train_medusa  # noqa: E402
-from train.checkpoints import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
+from train.checkpoints import resume_or_start, save_checkpoint  # noqa: E402
 from train.config import ConfigError, load_config  # noqa: E402
 from train.distill_config import DistillConfig  # noqa: E402
 from train import distill_steps as steps  # noqa: E402
@@ -101,17 +101,6 @@ def make_accelerator(cfg: DistillConfig) -> Accelerator:
     if cfg.tracker != "none":
         accelerator.init_trackers("specdistill", config=asdict(cfg))
     return accelerator
-
-
-def resume_or_start(cfg: DistillConfig, accelerator: Accelerator) -> TrainState:
-    if not cfg.resume:
-        return TrainState()
-    path = latest_checkpoint(cfg.work_dir)
-    if path is None:
-        raise FileNotFoundError(f"--resume: no complete checkpoint under {cfg.work_dir}/checkpoints")
-    state = load_checkpoint(accelerator, path)
-    log.info("resumed from %s at step %d", path, state.step)
-    return state
 
 
 def train(cfg, accelerator, target, drafter, vocab_map, loader, optimizer, scheduler, state, eval_prompts,

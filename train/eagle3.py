@@ -36,7 +36,7 @@ from distill.vocab import count_response_tokens, coverage, select_draft_vocab
 from models.drafters import save_drafter
 from models.eagle3 import Eagle3Drafter, default_target_layers
 from train import distill_steps as steps
-from train.checkpoints import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from train.checkpoints import resume_or_start, save_checkpoint
 from train.colbt import config_dict
 from train.medusa import average_gradients
 
@@ -93,17 +93,6 @@ def target_head_rows(target, vocab_map: torch.Tensor | None) -> torch.Tensor:
     weight = target.model.get_output_embeddings().weight.detach()
     rows = weight if vocab_map is None else weight[vocab_map.to(weight.device)]
     return rows.float()
-
-
-def resume_or_start(cfg, accelerator) -> TrainState:
-    if not cfg.resume:
-        return TrainState()
-    path = latest_checkpoint(cfg.work_dir)
-    if path is None:
-        raise FileNotFoundError(f"--resume: no complete checkpoint under {cfg.work_dir}/checkpoints")
-    state = load_checkpoint(accelerator, path)
-    log.info("resumed from %s at step %d", path, state.step)
-    return state
 
 
 # ---- data order ------------------------------------------------------------------------------------------
