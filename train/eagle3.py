@@ -32,19 +32,18 @@ from decode.metrics import aggregate_stats
 from decode.proposers.eagle3 import Eagle3Proposer
 from distill.feature_cache import FeatureCache, FeatureRecord, open_or_build
 from distill.generation import pad_token_id
-from distill.vocab import count_response_tokens, coverage, select_draft_vocab
 from models.drafters import save_drafter
 from models.eagle3 import Eagle3Drafter, default_target_layers
 from train import distill_steps as steps
 from train.checkpoints import resume_or_start, save_checkpoint
 from train.colbt import config_dict
-from train.medusa import average_gradients
+from train.medusa import average_gradients, candidate_vocab
 
 log = logging.getLogger("specdistill.eagle3")
 
 
 def train_eagle3(cfg, accelerator, target, records: list[dict], eval_prompts: list[list[int]]) -> Path:
-    vocab_map = draft_vocabulary(cfg, target, records)
+    vocab_map = candidate_vocab(cfg, target, records)  # the draft_vocab most frequent response tokens, EOS in
     layers = cfg.eagle3_layers or default_target_layers(target.model.config.get_text_config().num_hidden_layers)
     drafter = Eagle3Drafter.for_target(target.model, vocab_map, layers, seed=cfg.seed).float().train()
     pad_id = pad_token_id(target.tokenizer, target.eos_token_ids)
@@ -76,16 +75,6 @@ def train_eagle3(cfg, accelerator, target, records: list[dict], eval_prompts: li
         evaluate(cfg, accelerator, target, drafter, state, eval_prompts)
     steps.write_summary(cfg, accelerator, drafter, state, True)
     return steps.publish_best(cfg, accelerator, target, None, state)
-
-
-def draft_vocabulary(cfg, target, records: list[dict]) -> torch.Tensor | None:
-    if not cfg.draft_vocab:
-        return None
-    counts = count_response_tokens(records)
-    vocab_map = select_draft_vocab(counts, cfg.draft_vocab, target.vocab_size, always=target.eos_token_ids)
-    log.info("draft vocabulary: %d tokens, %.1f%% of the teacher responses' tokens", cfg.draft_vocab,
-             100 * coverage(counts, vocab_map))
-    return vocab_map
 
 
 def target_head_rows(target, vocab_map: torch.Tensor | None) -> torch.Tensor:
