@@ -8,6 +8,7 @@ from train.config import ConfigError, check_choice
 
 METHODS = ("seqkd", "kd", "colbt", "medusa", "lookahead", "eagle3")
 LOSSES = ("ce", "fkl", "rkl", "jsd", "tvd")
+TARGET_DTYPES = ("auto", "float32", "bfloat16")
 TRACKERS = ("none", "wandb")
 
 
@@ -101,6 +102,8 @@ class DistillConfig:
     max_seq_len: int = _f(384, "prompt + response tokens per sequence (the prompt is cut from the left)")
     seed: int = _f(0, "seed for data order, teacher sampling and initialization")
     mixed_precision: str = _f("auto", "no, bf16, fp16, or auto (bf16 on CUDA, no on CPU)")
+    target_dtype: str = _f("auto", "the frozen target's weights: float32, bfloat16, or auto (bf16 on CUDA, fp32 on CPU); "
+                                   "float32 on a GPU makes teacher data and hidden states those of the fp32 target a CPU evaluates")
 
     # acceptance measured in the loop
     eval_every: int = _f(50, "measure tau/alpha with the engine every N optimizer steps; 0 = only at the end")
@@ -120,6 +123,7 @@ class DistillConfig:
         check_choice("loss", self.loss, LOSSES)
         check_choice("tracker", self.tracker, TRACKERS)
         check_choice("mixed_precision", self.mixed_precision, ("auto", "no", "bf16", "fp16"))
+        check_choice("target_dtype", self.target_dtype, TARGET_DTYPES)
         if self.method == "seqkd" and self.loss != "ce":
             raise ConfigError(f"loss: seqkd trains with ce on the target's tokens, got {self.loss!r} (use method: kd)")
         if self.method == "kd" and self.loss == "ce":

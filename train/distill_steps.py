@@ -62,7 +62,9 @@ def end_run(accelerator) -> None:
 
 
 def load_target_for(cfg, accelerator):
-    dtype = torch.bfloat16 if accelerator.device.type == "cuda" else torch.float32
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.target_dtype)
+    if dtype is None:  # auto
+        dtype = torch.bfloat16 if accelerator.device.type == "cuda" else torch.float32
     return load_target(cfg.target, device=str(accelerator.device), dtype=dtype)
 
 

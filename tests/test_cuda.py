@@ -1,0 +1,82 @@
+"""The CUDA path: speculative decoding on a GPU is lossless against plain decoding of the same target in the
+same dtype, and an EAGLE-3 drafter trains there. Marked `gpu` (`make test-gpu`); skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from decode.engine import SpeculativeEngine
+from decode.proposers import PromptLookupProposer, WithPromptLookup
+from decode.proposers.draft_model import DraftModelProposer
+from decode.proposers.eagle3 import Eagle3Proposer
+from models.eagle3 import Eagle3Drafter
+from tests.conftest import make_tiny_llama
+from tests.decode.test_engine import PROMPT
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def tiny_on_gpu(dtype, seed=0, layers=4):
+    return make_tiny_llama(seed=seed, layers=layers, peak=4.0).to("cuda", dtype)
+
+
+def plain(target, n=48) -> list[int]:
+    """Our own plain decoding of the same target in the same dtype: the reference speculation must equal."""
+    return SpeculativeEngine(target, None).generate(PROMPT, n).tokens
+
+
+def proposers(target):
+    drafter = make_tiny_llama(seed=5, layers=1, peak=4.0).to("cuda", target.dtype)
+    eagle = Eagle3Drafter.for_target(target, None, [1, 2, 3], seed=3).to("cuda", target.dtype).eval()
+    embed = target.get_input_embeddings()
+    return {
+        "draft_model": DraftModelProposer(drafter, gamma=4),
+        "prompt_lookup": PromptLookupProposer(),
+        "eagle3_chain": Eagle3Proposer(eagle, embed, depth=4, topk=1, tree_nodes=4),
+        "eagle3_tree": Eagle3Proposer(eagle, embed, depth=6, topk=4, tree_nodes=16),
+        "eagle3+prompt_lookup": WithPromptLookup(Eagle3Proposer(eagle, embed, depth=5, topk=3, tree_nodes=9),
+                                                 PromptLookupProposer()),
+    }
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_greedy_speculation_equals_plain_decoding_on_cuda(dtype):
+    target = tiny_on_gpu(dtype)
+    ref = plain(target)
+    for name, proposer in proposers(target).items():
+        for adaptive in (False, True):
+            out = SpeculativeEngine(target, proposer, adaptive=adaptive).generate(PROMPT, 48).tokens
+            assert out == ref, f"{name} (adaptive={adaptive}, {dtype}) diverged from plain decoding"
+
+
+def test_plain_decoding_on_cuda_matches_cpu_in_fp32():
+    cpu = make_tiny_llama(seed=0, layers=4, peak=4.0)
+    assert plain(cpu.to("cuda")) == plain(make_tiny_llama(seed=0, layers=4, peak=4.0))
+
+
+def test_eagle3_trains_on_cuda_and_decodes_losslessly(tmp_path, monkeypatch):
+    from tests.train.support import greedy_records, peaked_tiny_target
+    from tests.train.test_eagle3_train import LAYERS, VOCAB, eagle3_config, held_out_prompts
+    from train.eagle3 import train_eagle3
+    from models.drafters import load_drafter
+    from decode.proposers import build_proposer
+
+    monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
+    target = peaked_tiny_target(VOCAB, seed=1)
+    records = greedy_records(target, VOCAB, n=48, new_tokens=20)
+    target.model.to("cuda")
+    accelerator = Accelerator(mixed_precision="bf16")
+    assert accelerator.device.type == "cuda"
+    out = train_eagle3(eagle3_config(tmp_path, max_steps=40), accelerator, target, records[:40],
+                       held_out_prompts(records))
+    drafter = load_drafter(out, target, device="cuda")
+    proposer = build_proposer(drafter, target.model, eos_token_ids=target.eos_token_ids)
+    for prompt in held_out_prompts(records):
+        ref = SpeculativeEngine(target.model, None, target.eos_token_ids).generate(prompt, 20).tokens
+        got = SpeculativeEngine(target.model, proposer, target.eos_token_ids).generate(prompt, 20)
+        assert got.tokens == ref
+    assert got.stats.target_forwards < 20  # it drafts something the target accepts
