@@ -13,6 +13,7 @@ line at the end of an older segment as truncated (it will never be finished).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -50,39 +51,73 @@ def list_segments(log_dir: str | Path) -> list[int]:
 
 
 class RequestLogWriter:
-    """Appends one JSON line per request; thread-safe; rotates to a new segment past `max_bytes`."""
+    """Appends one JSON line per request; thread-safe; rotates to a new segment past `max_bytes`.
+
+    The log holds users' prompts: the directory is created 0700 and segments 0600 (owner only). A failed
+    write (a full disk, a read-only directory) raises OSError after undoing what it can: the segment is cut
+    back to its last whole line where the file still allows it, and the next append starts a new segment, so
+    a torn line is never followed by another record in the same file."""
 
     def __init__(self, log_dir: str | Path, max_bytes: int = DEFAULT_MAX_BYTES, fsync: bool = False):
         if max_bytes < 1024:
             raise ValueError(f"max_bytes must be at least 1024, got {max_bytes}")
         self.dir = Path(log_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.max_bytes = max_bytes
         self.fsync = fsync
         self.lock = threading.Lock()
         existing = list_segments(self.dir)
         self.segment = (existing[-1] + 1) if existing else 0  # never append after a possibly cut line
-        self.file = None
+        self.fd: int | None = None  # the open segment, written with os.write: no user-space buffer to flush later
 
     def append(self, record: dict) -> None:
         line = (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
         with self.lock:
-            if self.file is not None and self.file.tell() + len(line) > self.max_bytes and self.file.tell() > 0:
-                self.file.close()
-                self.file = None
+            size = self._size()
+            if self.fd is not None and size + len(line) > self.max_bytes and size > 0:
+                self._close()
                 self.segment += 1
-            if self.file is None:
-                self.file = open(self.dir / segment_name(self.segment), "ab")
-            self.file.write(line)  # one write per line: a reader sees whole lines or a cut last line
-            self.file.flush()
-            if self.fsync:
-                os.fsync(self.file.fileno())
+            if self.fd is None:
+                self.fd = open_private(self.dir / segment_name(self.segment))
+                size = self._size()
+            try:
+                write_all(self.fd, line)  # a reader sees whole lines or a cut last line
+                if self.fsync:
+                    os.fsync(self.fd)
+            except OSError:
+                self._abandon_segment(size)
+                raise
+
+    def _size(self) -> int:
+        return os.lseek(self.fd, 0, os.SEEK_END) if self.fd is not None else 0
+
+    def _abandon_segment(self, whole_lines_end: int) -> None:
+        """After a failed write: cut the torn tail where the file allows it, close, go on to a new segment."""
+        with contextlib.suppress(OSError):
+            os.ftruncate(self.fd, whole_lines_end)
+        self._close()
+        self.segment += 1
+
+    def _close(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def close(self) -> None:
         with self.lock:
-            if self.file is not None:
-                self.file.close()
-                self.file = None
+            self._close()
+
+
+def open_private(path: Path) -> int:
+    """A descriptor appending to `path`, which is created readable and writable by its owner only."""
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 @dataclass(frozen=True)

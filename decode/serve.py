@@ -11,26 +11,32 @@ restart. Bad requests get a 4xx with an OpenAI-style error body and the server g
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import hmac
 import json
 import logging
-import queue
+import os
 import threading
 import time
+import typing
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from decode.request_log import DEFAULT_MAX_BYTES, RequestLogWriter
 from decode.sampling import SamplingConfig
-from decode.serving import Completion, DrafterSlot, Server, ServingLimits
+from decode.admission import AdmissionQueue, QueueFull
+from decode.serve_metrics import CONTENT_TYPE_LATEST
+from decode.serving import DEFAULT_MAX_QUEUE, Completion, DrafterSlot, Server, ServingLimits
 
 log = logging.getLogger("specdistill.serve")
 
 DEFAULT_MAX_TOKENS_LIMIT = 4096
+API_KEY_ENV = "SPECDISTILL_API_KEY"
 
 
 # ---- request schemas ---------------------------------------------------------------------------------
@@ -49,11 +55,70 @@ class CommonParams(BaseModel):
     seed: StrictInt | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # accepted only so that they can be refused by name (UNSUPPORTED): each would change the output
+    logit_bias: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    repetition_penalty: Any = None
+    min_p: Any = None
+    min_tokens: Any = None
+    ignore_eos: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    use_beam_search: Any = None
+
+
+def _unset(*neutral):
+    return lambda value: value is None or any(value == n and type(value) is type(n) for n in neutral)
+
+
+# OpenAI (and vLLM) request parameters that would change the output and that this server does not implement:
+# a request that sets one to anything but its neutral value gets a 400 naming it, never an answer that ignores it
+UNSUPPORTED: dict[str, typing.Callable[[Any], bool]] = {
+    "logit_bias": _unset({}),
+    "logprobs": _unset(False, 0),
+    "top_logprobs": _unset(0),
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "tools": _unset([]),
+    "tool_choice": _unset("none"),
+    "functions": _unset([]),
+    "function_call": _unset("none"),
+    "parallel_tool_calls": lambda v: True if v is None else isinstance(v, bool),  # meaningless without tools
+    "repetition_penalty": lambda v: v is None or (isinstance(v, (int, float)) and v == 1),
+    "min_p": lambda v: v is None or (isinstance(v, (int, float)) and v == 0),
+    "min_tokens": _unset(0),
+    "ignore_eos": _unset(False),
+    "guided_json": _unset(),
+    "guided_regex": _unset(),
+    "guided_choice": _unset(),
+    "use_beam_search": _unset(False),
+    "echo": _unset(False),
+    "suffix": _unset(""),
+    "best_of": _unset(1),
+}
+
+
+def check_supported(req: CommonParams) -> None:
+    for name, is_neutral in UNSUPPORTED.items():
+        value = getattr(req, name, None)
+        if not is_neutral(value):
+            raise BadRequest(f"{name} is not supported by this server (it would change the output); "
+                             f"got {value!r}", name, code="unsupported_parameter")
 
 
 class CompletionRequest(CommonParams):
     prompt: str | list[StrictInt]
     max_tokens: StrictInt | None = 16  # OpenAI's default for completions
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
 
 
 class Message(BaseModel):
@@ -85,6 +150,7 @@ def check_common(req: CommonParams, server: Server, prompt_tokens: int) -> tuple
                          "model", 404, "model_not_found")
     if req.n != 1:
         raise BadRequest(f"n={req.n}: this server returns one choice per request", "n")
+    check_supported(req)
     if req.presence_penalty or req.frequency_penalty:
         raise BadRequest("presence_penalty and frequency_penalty are not supported (they would change the "
                          "target's distribution, which speculative decoding preserves)", "presence_penalty")
@@ -152,21 +218,52 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def stream_response(server: Server, prompt_ids, max_tokens, sampling, stops, fields, chat: bool) -> StreamingResponse:
-    """Generate in a worker thread; the response iterates over its text deltas as they come."""
-    deltas: queue.Queue = queue.Queue()
-    done = object()
-    result: dict = {}
+async def in_own_thread(fn: typing.Callable[[], Any]) -> Any:
+    """fn() in a thread of its own: a request waiting in line for the engine must not hold one of the
+    server's shared worker threads, or 40 waiting requests would starve /health and the streams."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(setter, value):
+        if not future.done():
+            setter(value)
 
     def work():
         try:
-            result["completion"] = server.generate(prompt_ids, max_tokens, sampling, stops, fields, on_text=deltas.put)
+            result = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting request
+            loop.call_soon_threadsafe(settle, future.set_exception, e)
+        else:
+            loop.call_soon_threadsafe(settle, future.set_result, result)
+
+    threading.Thread(target=work, name="generate", daemon=True).start()
+    return await future
+
+
+def stream_response(server: Server, prompt_ids, max_tokens, sampling, stops, fields, chat: bool) -> StreamingResponse:
+    """Generate in a thread of its own; the response relays its text deltas as they come. The place in line
+    is taken first, so a full queue is a 429 rather than a stream that fails. A client that goes away sets
+    `cancelled`, which stops the generation at the engine's next step."""
+    ticket = server.reserve()
+    loop = asyncio.get_running_loop()
+    deltas: asyncio.Queue = asyncio.Queue()
+    done = object()
+    result: dict = {}
+    cancelled = threading.Event()
+
+    def put(item) -> None:
+        loop.call_soon_threadsafe(deltas.put_nowait, item)
+
+    def work():
+        try:
+            result["completion"] = server.generate(prompt_ids, max_tokens, sampling, stops, fields, on_text=put,
+                                                   ticket=ticket, cancelled=cancelled)
         except Exception as e:  # reported in the stream: the status line has gone already
             log.exception("generation failed")
             result["error"] = str(e)
-        deltas.put(done)
+        put(done)
 
-    threading.Thread(target=work, name="generate", daemon=True).start()
+    threading.Thread(target=work, name="generate-stream", daemon=True).start()
     created, obj = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(text: str | None, finish: str | None) -> dict:
@@ -177,28 +274,32 @@ def stream_response(server: Server, prompt_ids, max_tokens, sampling, stops, fie
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
         return {"id": "stream", "object": obj, "created": created, "model": server.model_name, "choices": [choice]}
 
-    def events():
-        if chat:
-            first = chunk(None, None)
-            first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-            yield sse(first)
-        while (item := deltas.get()) is not done:
-            yield sse(chunk(item, None))
-        if "error" in result:
-            yield sse(error_body(result["error"], kind="server_error"))
-        else:
-            c = result["completion"]
-            last = chunk(None if chat else "", c.finish_reason)
-            last["usage"], last["speculative"] = usage(c), speculative_info(c)
-            yield sse(last)
-        yield "data: [DONE]\n\n"
+    async def events():
+        try:
+            if chat:
+                first = chunk(None, None)
+                first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+                yield sse(first)
+            while (item := await deltas.get()) is not done:
+                yield sse(chunk(item, None))
+            if "error" in result:
+                yield sse(error_body(result["error"], kind="server_error"))
+            elif result.get("completion") is not None:
+                c = result["completion"]
+                last = chunk(None if chat else "", c.finish_reason)
+                last["usage"], last["speculative"] = usage(c), speculative_info(c)
+                yield sse(last)
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (the stream was cancelled or closed early), or the stream is over
+            cancelled.set()
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
 # ---- the app -------------------------------------------------------------------------------------
 
-def create_app(server: Server) -> FastAPI:
+def create_app(server: Server, api_key: str | None = None) -> FastAPI:
+    """The HTTP app. With `api_key`, every endpoint but /health needs `Authorization: Bearer <api_key>`."""
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
@@ -207,6 +308,19 @@ def create_app(server: Server) -> FastAPI:
 
     app = FastAPI(title="specdistill", description="speculative decoding server", lifespan=lifespan)
     app.state.server = server
+
+    if api_key:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def require_key(request: Request, call_next):
+            if request.url.path != "/health":
+                given = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(given, expected):
+                    return JSONResponse(error_body("a valid API key is required: Authorization: Bearer <key>",
+                                                   code="invalid_api_key", kind="authentication_error"),
+                                        status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, exc: RequestValidationError):
@@ -222,43 +336,64 @@ def create_app(server: Server) -> FastAPI:
     async def bad_request(_: Request, exc: BadRequest):
         return JSONResponse(error_body(exc.message, exc.param, exc.code), status_code=exc.status)
 
+    @app.exception_handler(QueueFull)
+    async def queue_full(_: Request, exc: QueueFull):
+        return JSONResponse(error_body(f"the server is busy: {exc}; retry later", code="queue_full",
+                                       kind="rate_limit_error"),
+                            status_code=429, headers={"Retry-After": str(retry_after_s(server))})
+
+    # async handlers run on the event loop, never waiting behind requests: /health answers during generation
     @app.get("/health")
-    def health():
-        return {"status": "ok", "drafter_version": server.slot.current().version, "swaps": server.slot.swaps}
+    async def health():
+        return {**server.log_health.status(), "drafter_version": server.slot.current().version,
+                "swaps": server.slot.swaps, "running": server.admission.running, "waiting": server.admission.waiting}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    def models():
+    async def models():
         return {"object": "list", "data": [{"id": server.model_name, "object": "model", "owned_by": "specdistill"}]}
 
+    async def answer(prompt_ids, max_tokens, sampling, stops, fields, chat: bool):
+        if fields.pop("stream"):
+            return stream_response(server, prompt_ids, max_tokens, sampling, stops, fields, chat=chat)
+        ticket = server.reserve()
+        completion = await in_own_thread(lambda: server.generate(prompt_ids, max_tokens, sampling, stops, fields,
+                                                                 ticket=ticket))
+        return (chat_body if chat else completion_body)(completion, fields["model"])
+
     @app.post("/v1/completions")
-    def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest):
         prompt_ids = completion_prompt_ids(req, server)
         max_tokens, sampling, stops = check_common(req, server, len(prompt_ids))
-        fields = {"endpoint": "completions", "model": req.model, "prompt": req.prompt}
-        if req.stream:
-            return stream_response(server, prompt_ids, max_tokens, sampling, stops, fields, chat=False)
-        return completion_body(server.generate(prompt_ids, max_tokens, sampling, stops, fields), req.model)
+        fields = {"endpoint": "completions", "model": req.model, "prompt": req.prompt, "stream": req.stream}
+        return await answer(prompt_ids, max_tokens, sampling, stops, fields, chat=False)
 
     @app.post("/v1/chat/completions")
-    def chat(req: ChatRequest):
+    async def chat(req: ChatRequest):
         messages = [m.model_dump() for m in req.messages]
         prompt_ids = server.target.encode_chat(messages)
         max_tokens, sampling, stops = check_common(req, server, len(prompt_ids))
-        fields = {"endpoint": "chat.completions", "model": req.model, "messages": messages}
-        if req.stream:
-            return stream_response(server, prompt_ids, max_tokens, sampling, stops, fields, chat=True)
-        return chat_body(server.generate(prompt_ids, max_tokens, sampling, stops, fields), req.model)
+        fields = {"endpoint": "chat.completions", "model": req.model, "messages": messages, "stream": req.stream}
+        return await answer(prompt_ids, max_tokens, sampling, stops, fields, chat=True)
 
     return app
+
+
+def retry_after_s(server: Server) -> int:
+    """Seconds until a place in line is likely free: one mean request latency so far, at least 1."""
+    return max(1, round(server.metrics.mean_latency_s()))
 
 
 def build_server(target, drafter: str | None, log_dir: str, model_name: str | None = None, gamma: int = 5,
                  adaptive: bool = True, max_prompt_tokens: int | None = None,
                  max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT, reload_interval_s: float = 1.0,
-                 log_max_bytes: int = DEFAULT_MAX_BYTES) -> Server:
+                 log_max_bytes: int = DEFAULT_MAX_BYTES, max_queue: int = DEFAULT_MAX_QUEUE) -> Server:
     slot = DrafterSlot(target, drafter, gamma=gamma, adaptive=adaptive, reload_interval_s=reload_interval_s)
     server = Server(target, slot, RequestLogWriter(log_dir, log_max_bytes), ServingLimits(0, max_tokens_limit),
-                    model_name or target.name)
+                    model_name or target.name, admission=AdmissionQueue(max_queue))
     server.limits.max_prompt_tokens = max_prompt_tokens or context_window(server) - 1
     return server
 
@@ -279,6 +414,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens-limit", type=int, default=DEFAULT_MAX_TOKENS_LIMIT)
     p.add_argument("--reload-interval", type=float, default=1.0, help="seconds between checks of the store")
     p.add_argument("--log-max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="rotate log segments past this size")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                   help="requests that may wait for the engine; past it: 429 with Retry-After")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (default: ${API_KEY_ENV})")
     p.add_argument("--device", default="cuda" if _cuda() else "cpu")
     return p.parse_args(argv)
 
@@ -297,10 +436,14 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     target = load_target(args.target, device=args.device)
     server = build_server(target, args.drafter, args.log_dir, args.model_name, args.gamma, not args.no_adaptive,
-                          args.max_prompt_tokens, args.max_tokens_limit, args.reload_interval, args.log_max_bytes)
+                          args.max_prompt_tokens, args.max_tokens_limit, args.reload_interval, args.log_max_bytes,
+                          args.max_queue)
     log.info("serving %s with drafter %s on http://%s:%d", server.model_name, server.slot.current().version,
              args.host, args.port)
-    uvicorn.run(create_app(server), host=args.host, port=args.port, log_level="warning")
+    if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s without --api-key: anyone who reaches this port can generate and have "
+                    "their prompts logged", args.host)
+    uvicorn.run(create_app(server, api_key=args.api_key), host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """What the HTTP server serves, without HTTP: the target, the hot-swappable drafter, generation, logging.
 
-One request generates at a time (`generation_lock`): on a CPU, or a single GPU at batch size 1, two
-concurrent generations only slow each other. A request takes a snapshot of the drafter slot when it
+One request generates at a time, the others wait in a bounded first-come-first-served line
+(decode.admission): on a CPU, or a single GPU at batch size 1, two concurrent generations only slow each
+other. A request takes a snapshot of the drafter slot when it
 arrives, so a version published while it waits or runs does not change what serves it; the next
 request picks the new version up. Every version verifies against the same target, so every version
 is lossless: greedy responses are the target's own.
@@ -15,15 +16,19 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from decode.admission import Abandoned, AdmissionQueue, QueueFull, Ticket
 from decode.engine import SpeculativeEngine
 from decode.proposers import build_proposer
 from decode.request_log import SCHEMA_VERSION, RequestLogWriter
 from decode.sampling import SamplingConfig
+from decode.serve_metrics import ServerMetrics
 from models.drafter_store import current_version, is_store, version_path
 from models.drafters import load_drafter
 from models.target import Target
 
 log = logging.getLogger("specdistill.serve")
+
+DEFAULT_MAX_QUEUE = 64
 
 
 @dataclass(frozen=True)
@@ -102,11 +107,12 @@ class DrafterSlot:
 class Completion:
     output_ids: list[int]
     text: str
-    finish_reason: str  # "stop" (EOS or a stop string) | "length"
+    finish_reason: str  # "stop" (EOS or a stop string) | "length" | "cancelled" (the client went away)
     version: str
     stats: dict
     request_id: str
     prompt_tokens: int
+    logged: bool = True  # False when the request log could not be written (the server is degraded)
 
 
 @dataclass
@@ -116,39 +122,125 @@ class ServingLimits:
 
 
 @dataclass
+class LogHealth:
+    """Whether the request log is being written; the reason and the count when it is not."""
+    failures: int = 0
+    reason: str | None = None  # set by a failed write, cleared by the next good one
+
+    def status(self) -> dict:
+        if self.reason is None:
+            return {"status": "ok", "unlogged_requests": self.failures}
+        return {"status": "degraded", "reason": f"request log: {self.reason}", "unlogged_requests": self.failures}
+
+
+@dataclass
 class Server:
     target: Target
     slot: DrafterSlot
     log_writer: RequestLogWriter
     limits: ServingLimits
     model_name: str
-    generation_lock: threading.Lock = field(default_factory=threading.Lock)
+    admission: AdmissionQueue = field(default_factory=lambda: AdmissionQueue(DEFAULT_MAX_QUEUE))
+    metrics: ServerMetrics | None = None
+    log_health: LogHealth = field(default_factory=LogHealth)
+
+    def __post_init__(self):
+        self.metrics = self.metrics or ServerMetrics(self.model_name)
+
+    def reserve(self) -> Ticket:
+        """A place in the waiting line (QueueFull past --max-queue): taken before a response starts, so that
+        a full queue is a 429, never a stream that fails."""
+        try:
+            ticket = self.admission.reserve()
+        except QueueFull:
+            self.metrics.rejected.labels(self.model_name).inc()
+            raise
+        self._update_queue_metrics()
+        return ticket
 
     def generate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingConfig, stop: list[str],
-                 request_fields: dict, on_text=None) -> Completion:
-        """Generate with the version served at arrival, call on_text(delta) as text is produced, log it."""
-        served = self.slot.current()
+                 request_fields: dict, on_text=None, ticket: Ticket | None = None,
+                 cancelled: threading.Event | None = None) -> Completion | None:
+        """Wait for the engine (first come, first served), generate with the drafter version served at
+        arrival, call on_text(delta) as text is produced, and log the request before returning it: a client
+        is answered only once its line is written. `cancelled` set (the client went away) stops generation at
+        the next step; the request is logged as cancelled with the tokens the target emitted. Returns None when
+        it was cancelled before it started (nothing generated, nothing logged)."""
+        arrived = time.time()
+        served = self.slot.current()  # the version at arrival serves it, even if another is published meanwhile
+        ticket = ticket or self.reserve()
+        try:
+            self.admission.wait_turn(ticket, cancelled)
+        except Abandoned:
+            self.metrics.cancelled.labels(self.model_name, "queued").inc()
+            self._update_queue_metrics()
+            return None
+        try:
+            return self._generate_now(served, prompt_ids, max_tokens, sampling, stop,
+                                      {**request_fields, "ticket": ticket.number}, on_text, cancelled, arrived)
+        finally:
+            self.admission.release(ticket)
+            self._update_queue_metrics()
+
+    def _generate_now(self, served: Served, prompt_ids, max_tokens, sampling, stop, request_fields, on_text,
+                      cancelled, arrived: float) -> Completion:
+        self._update_queue_metrics()
+        started = time.time()
         request_id = new_request_id()
         text_stream = TextStream(self.target.tokenizer, stop, on_text)
-        started = time.time()
-        with self.generation_lock:
-            gen = served.engine.generate(prompt_ids, max_tokens, sampling, on_emit=text_stream.push)
+        first_token: list[float] = []
+
+        def on_emit(new_ids: list[int]) -> bool:
+            if new_ids and not first_token:
+                first_token.append(time.time())
+            return text_stream.push(new_ids) or (cancelled is not None and cancelled.is_set())
+
+        gen = served.engine.generate(prompt_ids, max_tokens, sampling, on_emit=on_emit)
         text_stream.finish()
         hit_eos = bool(gen.tokens) and gen.tokens[-1] in self.target.eos_token_ids
-        finish = "stop" if (hit_eos or text_stream.stopped) else "length"
-        completion = Completion(gen.tokens, text_stream.text, finish, served.version, gen.stats.to_dict(),
-                                request_id, len(prompt_ids))
-        self.log_writer.append(self.log_record(completion, prompt_ids, max_tokens, sampling, stop, request_fields,
-                                               started))
+        if hit_eos or text_stream.stopped:
+            finish = "stop"
+        elif cancelled is not None and cancelled.is_set() and len(gen.tokens) < max_tokens:
+            finish = "cancelled"
+        else:
+            finish = "length"
+        stats = gen.stats.to_dict()
+        completion = Completion(gen.tokens, text_stream.text, finish, served.version, stats, request_id,
+                                len(prompt_ids))
+        completion.logged = self.log_request(self.log_record(completion, prompt_ids, max_tokens, sampling, stop,
+                                                             request_fields, started, arrived))
+        if finish == "cancelled":
+            self.metrics.cancelled.labels(self.model_name, "generating").inc()
+        self.metrics.observe_request(stats, len(prompt_ids), finish, started - arrived,
+                                     first_token[0] - arrived if first_token else None, time.time() - arrived)
         return completion
 
+    def log_request(self, record: dict) -> bool:
+        """Append the record; on failure the server stays up, degraded, and counts what it could not log."""
+        try:
+            self.log_writer.append(record)
+        except OSError as e:
+            self.log_health.failures += 1
+            self.log_health.reason = f"{type(e).__name__}: {e}"
+            self.metrics.log_failures.labels(self.model_name).inc()
+            log.error("could not write the request log (%s); request %s is answered but not logged "
+                      "(%d unlogged so far)", e, record.get("id"), self.log_health.failures)
+            return False
+        self.log_health.reason = None
+        return True
+
+    def _update_queue_metrics(self) -> None:
+        self.metrics.set_queue(self.admission.running, self.admission.waiting)
+
     def log_record(self, c: Completion, prompt_ids: list[int], max_tokens: int, sampling: SamplingConfig,
-                   stop: list[str], request_fields: dict, started: float) -> dict:
+                   stop: list[str], request_fields: dict, started: float, arrived: float | None = None) -> dict:
+        arrived = started if arrived is None else arrived
         return {
             "schema": SCHEMA_VERSION,
             "id": c.request_id,
             "time": started,
             "latency_s": time.time() - started,
+            "queued_s": started - arrived,
             **request_fields,  # endpoint, model, and the prompt or the messages as the client sent them
             "prompt_ids": prompt_ids,
             "output_ids": c.output_ids,

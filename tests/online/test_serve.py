@@ -172,12 +172,14 @@ def test_a_request_in_flight_finishes_on_the_version_it_started_with(target, tmp
     init_store(store, save_tiny_drafter(tmp_path / "d0", target, seed=1))
     server, client = make_client(target, tmp_path, drafter=str(store), reload_interval_s=3600)
     result = {}
-    with server.generation_lock:  # the request arrives, takes its snapshot, and waits for the engine
-        waiting = threading.Thread(target=lambda: result.setdefault("r", chat(client, "w11 w12", max_tokens=6)))
-        waiting.start()
-        threading.Event().wait(0.5)  # ample time to arrive and block on the engine lock
-        publish_version(store, make_tiny_llama(vocab_size=VOCAB, layers=1, seed=7), target, {"seed": 7})
-        assert server.slot.reload_if_changed()
+    busy = server.reserve()  # the engine is taken: the request arrives, takes its snapshot, and waits in line
+    server.admission.wait_turn(busy)
+    waiting = threading.Thread(target=lambda: result.setdefault("r", chat(client, "w11 w12", max_tokens=6)))
+    waiting.start()
+    threading.Event().wait(0.5)  # ample time to arrive and wait for the engine
+    publish_version(store, make_tiny_llama(vocab_size=VOCAB, layers=1, seed=7), target, {"seed": 7})
+    assert server.slot.reload_if_changed()
+    server.admission.release(busy)
     waiting.join()
     assert result["r"].json()["speculative"]["drafter_version"] == "v000000"
     assert chat(client, "w11 w12", max_tokens=6).json()["speculative"]["drafter_version"] == "v000001"
