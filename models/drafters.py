@@ -75,9 +75,11 @@ def register_drafter_kind(kind: str, loader: DrafterLoader) -> None:
 
 # ---- loading ---------------------------------------------------------------------------------------
 
-def load_drafter(spec: str | Path, target: Target, device: str = "cpu",
+def load_drafter(spec: str | Path, target: Target, device: str | None = None,
                  allow_target_mismatch: bool = False) -> Drafter:
-    """A drafter for `target` from a spec (see ACCEPTED_SPECS), on `device` in the target's dtype."""
+    """A drafter for `target` from a spec (see ACCEPTED_SPECS), on `device` (default: the target's) in the
+    target's dtype."""
+    device = str(target.device) if device is None else device
     text = str(spec).strip()
     if text.endswith(LOOKUP_SUFFIX):
         base = text[:-len(LOOKUP_SUFFIX)]

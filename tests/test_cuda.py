@@ -73,7 +73,7 @@ def test_eagle3_trains_on_cuda_and_decodes_losslessly(tmp_path, monkeypatch):
     assert accelerator.device.type == "cuda"
     out = train_eagle3(eagle3_config(tmp_path, max_steps=40), accelerator, target, records[:40],
                        held_out_prompts(records))
-    drafter = load_drafter(out, target, device="cuda")
+    drafter = load_drafter(out, target)  # on the target's device
     proposer = build_proposer(drafter, target.model, eos_token_ids=target.eos_token_ids)
     for prompt in held_out_prompts(records):
         ref = SpeculativeEngine(target.model, None, target.eos_token_ids).generate(prompt, 20).tokens
