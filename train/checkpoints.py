@@ -36,6 +36,7 @@ def save_checkpoint(accelerator, state: TrainState, work_dir: str | Path, keep: 
         root.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()  # every rank's files (RNG states, DeepSpeed shards) are in before the rename
     if accelerator.is_main_process:
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=1))
         shutil.rmtree(final, ignore_errors=True)

@@ -26,7 +26,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
-from accelerate.utils import DataLoaderConfiguration, set_seed  # noqa: E402
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from train.colbt import train_colbt  # noqa: E402
@@ -89,18 +89,56 @@ def make_accelerator(cfg: DistillConfig) -> Accelerator:
             raise ConfigError("tracker: wandb is not installed; pip install '.[track]' or set tracker: none")
         os.environ.setdefault("WANDB_MODE", "online" if os.environ.get("WANDB_API_KEY") else "offline")
     # cpu=True on a machine without CUDA makes processes started by torchrun (accelerate's
-    # multi-process launcher) form a gloo process group instead of running as independent copies
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
+    # multi-process launcher) form a gloo process group instead of running as independent copies; but under a
+    # DeepSpeed launch it would silently turn DeepSpeed into plain DDP, so there DeepSpeed's CPU accelerator
+    # (gloo without oneCCL) takes the device instead
+    deepspeed = deepspeed_launch()
+    # without CUDA, accelerate finds no backend for DeepSpeed and would count one process per rank: name gloo
+    handlers = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and not torch.cuda.is_available() else None
+    accelerator = Accelerator(cpu=not torch.cuda.is_available() and not deepspeed, kwargs_handlers=handlers,
                               gradient_accumulation_steps=cfg.grad_accum, mixed_precision=precision,
                               log_with=None if cfg.tracker == "none" else cfg.tracker,
                               project_dir=cfg.work_dir,
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True,
                                                                         data_seed=cfg.seed))
+    if deepspeed:
+        check_deepspeed(cfg, accelerator)
     logging.basicConfig(level=logging.INFO if accelerator.is_main_process else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     if cfg.tracker != "none":
         accelerator.init_trackers("specdistill", config=asdict(cfg))
     return accelerator
+
+
+def deepspeed_launch() -> bool:
+    """Whether `accelerate launch` was asked for DeepSpeed (a deepspeed_zero*.yaml config or --use_deepspeed)."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def check_deepspeed(cfg: DistillConfig, accelerator: Accelerator) -> None:
+    """DeepSpeed really in use, with the job's gradient accumulation, for a method that supports its stage."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        raise ConfigError(f"the launch asked for DeepSpeed but accelerate set up {accelerator.distributed_type}; "
+                          "is deepspeed installed (pip install '.[deepspeed]')?")
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if accelerator.num_processes != world:
+        raise ConfigError(f"DeepSpeed runs {world} processes but accelerate counts {accelerator.num_processes}")
+    plugin = accelerator.state.deepspeed_plugin
+    steps_in_plugin = plugin.deepspeed_config.get("gradient_accumulation_steps")
+    if steps_in_plugin not in (None, "auto", cfg.grad_accum):
+        raise ConfigError(f"grad_accum: the job accumulates {cfg.grad_accum} micro-batches but the DeepSpeed config "
+                          f"says gradient_accumulation_steps {steps_in_plugin}; make them equal")
+    stage = plugin.zero_stage
+    if stage not in DEEPSPEED_STAGES.get(cfg.method, ()):
+        raise ConfigError(f"method {cfg.method} does not run under DeepSpeed ZeRO stage {stage} "
+                          f"(supported: {DEEPSPEED_STAGES.get(cfg.method) or 'none'}); use DDP "
+                          "(configs/accelerate/cpu_ddp_2proc.yaml or gpu_ddp.yaml) or another stage")
+
+
+# the ZeRO stages each training method runs under (checked at start: nothing else is silently run instead)
+DEEPSPEED_STAGES: dict[str, tuple[int, ...]] = {"seqkd": (2,), "kd": (2,)}
 
 
 def train(cfg, accelerator, target, drafter, vocab_map, loader, optimizer, scheduler, state, eval_prompts,

@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import random
+import resource
 import shutil
 import sys
 from itertools import islice
@@ -278,12 +279,17 @@ def write_summary(cfg, accelerator, drafter, state, finished: bool) -> None:
     process's final weights (replicas that disagree are an error: DDP must keep them equal)."""
     digest = weights_fingerprint(accelerator.unwrap_model(drafter))
     digests = gather_object([digest]) if accelerator.num_processes > 1 else [digest]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux reports KiB)
+    peaks = gather_object([peak]) if accelerator.num_processes > 1 else [peak]
     if accelerator.is_main_process:
         if len(set(digests)) != 1:
             raise RuntimeError(f"processes ended with different drafter weights: {digests}")
         summary = {"finished": finished, "step": state.step, "best_step": state.best_step,
                    "best_tau": state.best_tau, "history": state.history,
-                   "num_processes": accelerator.num_processes, "replica_weight_digests": digests}
+                   "num_processes": accelerator.num_processes, "replica_weight_digests": digests,
+                   "distributed_type": accelerator.distributed_type.value,
+                   "zero_stage": getattr(accelerator.state.deepspeed_plugin, "zero_stage", None),
+                   "peak_rss_mib_per_process": peaks}
         Path(cfg.work_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.work_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
     accelerator.wait_for_everyone()

@@ -1,0 +1,94 @@
+"""DeepSpeed ZeRO-2 on two CPU processes through the literal `accelerate launch` command: it is really DeepSpeed
+(not DDP run in its place), it ends with DDP's weights from the same seed, a resumed run ends with the
+uninterrupted run's weights, and the published drafter decodes losslessly. ZeRO-3, and methods that do not run
+under DeepSpeed, are refused at start with an error naming the method and the stage."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import ROOT
+from tests.train.test_distill_entrypoint import ACCELERATE, job_args, run_entrypoint
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                reason="deepspeed is not installed (pip install '.[deepspeed]')")
+
+ZERO2 = str(ROOT / "configs/accelerate/deepspeed_zero2.yaml")
+ZERO3 = str(ROOT / "configs/accelerate/deepspeed_zero3.yaml")
+DDP = str(ROOT / "configs/accelerate/cpu_ddp_2proc.yaml")
+TWO_CPU = ["--num_processes", "2", "--mixed_precision", "no"]
+
+from tests.train.test_distill_entrypoint import prompts_file, tiny_target_dir  # noqa: E402,F401  (fixtures)
+
+
+def launch(config: str, args: list[str]):
+    return run_entrypoint(args, launcher=[ACCELERATE, "launch", "--config_file", config, *TWO_CPU])
+
+
+def summary(out) -> dict:
+    return json.loads((out / "drafter.work" / "summary.json").read_text())
+
+
+def published_weights(out) -> dict[str, torch.Tensor]:
+    files = sorted((out / "drafter").rglob("*.safetensors"))
+    assert files, f"no weights under {out / 'drafter'}"
+    return {k: v for f in files for k, v in load_file(f).items()}
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tiny_target_dir, prompts_file, tmp_path_factory):  # noqa: F811
+    out = tmp_path_factory.mktemp("ddp")
+    res = launch(DDP, job_args(tiny_target_dir, prompts_file, out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out
+
+
+def test_zero2_is_deepspeed_and_ends_with_ddps_weights(ddp_run, tiny_target_dir, prompts_file, tmp_path):  # noqa: F811
+    res = launch(ZERO2, job_args(tiny_target_dir, prompts_file, tmp_path))
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = summary(tmp_path)
+    assert run["distributed_type"] == "DEEPSPEED" and run["zero_stage"] == 2 and run["num_processes"] == 2
+    assert summary(ddp_run)["distributed_type"] == "MULTI_CPU"
+    assert_same_weights(published_weights(tmp_path), published_weights(ddp_run))
+
+
+def test_zero2_resume_equals_the_uninterrupted_run_and_decodes_losslessly(ddp_run, tiny_target_dir,  # noqa: F811
+                                                                           prompts_file, tmp_path):  # noqa: F811
+    from decode.engine import SpeculativeEngine
+    from decode.proposers import build_proposer
+    from models.drafters import load_drafter
+    from models.target import load_target
+
+    args = job_args(tiny_target_dir, prompts_file, tmp_path, checkpoint_every=3)
+    first = launch(ZERO2, args + ["--stop_at_step", "3"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert not (tmp_path / "drafter").exists()  # stopped early: nothing published yet
+    resumed = launch(ZERO2, args + ["--resume", "true"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert summary(tmp_path)["step"] == summary(ddp_run)["step"]
+    assert_same_weights(published_weights(tmp_path), published_weights(ddp_run))
+    target = load_target(str(tiny_target_dir))
+    proposer = build_proposer(load_drafter(str(tmp_path / "drafter"), target), target.model, gamma=3)
+    prompt = target.encode_chat([{"role": "user", "content": "w1 w2 w3"}])
+    plain = SpeculativeEngine(target.model, None).generate(prompt, 20).tokens
+    assert SpeculativeEngine(target.model, proposer, adaptive=False).generate(prompt, 20).tokens == plain
+
+
+@pytest.mark.parametrize("config,method,stage", [(ZERO3, "seqkd", 3), (ZERO2, "eagle3", 2)])
+def test_unsupported_method_or_stage_is_an_error_naming_both(tiny_target_dir, prompts_file, tmp_path,  # noqa: F811
+                                                             config, method, stage):
+    res = launch(config, job_args(tiny_target_dir, prompts_file, tmp_path, method=method))
+    assert res.returncode != 0
+    assert f"method {method} does not run under DeepSpeed ZeRO stage {stage}" in res.stderr
+    assert not (tmp_path / "drafter").exists()
