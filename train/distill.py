@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None) -> Path | None:
         out = trainer(cfg, accelerator, target, records, eval_prompts)
         steps.end_run(accelerator)
         return out
-    drafter, vocab_map = steps.build_drafter(cfg, target, records)
+    with steps.unpartitioned(accelerator):
+        drafter, vocab_map = steps.build_drafter(cfg, target, records)
+    whole = steps.WholeDrafter(accelerator, drafter)
     loader = steps.make_loader(cfg, records, target, vocab_map)
     total = steps.total_steps(cfg, len(loader), accelerator.num_processes)
     optimizer, scheduler = steps.make_optimizer(cfg, drafter, total)
@@ -73,9 +75,9 @@ def main(argv: list[str] | None = None) -> Path | None:
     eval_prompts = steps.eval_prompt_ids(cfg, target) if accelerator.is_main_process else []
 
     finished = train(cfg, accelerator, target, drafter, vocab_map, loader, optimizer, scheduler, state,
-                     eval_prompts, total)
+                     eval_prompts, total, whole)
     out = steps.publish_best(cfg, accelerator, target, vocab_map, state) if finished else None
-    steps.write_summary(cfg, accelerator, drafter, state, finished)
+    steps.write_summary(cfg, accelerator, drafter, state, finished, whole)
     steps.end_run(accelerator)
     return out
 
@@ -138,14 +140,14 @@ def check_deepspeed(cfg: DistillConfig, accelerator: Accelerator) -> None:
 
 
 # the ZeRO stages each training method runs under (checked at start: nothing else is silently run instead)
-DEEPSPEED_STAGES: dict[str, tuple[int, ...]] = {"seqkd": (2,), "kd": (2,)}
+DEEPSPEED_STAGES: dict[str, tuple[int, ...]] = {"seqkd": (2, 3), "kd": (2, 3)}
 
 
 def train(cfg, accelerator, target, drafter, vocab_map, loader, optimizer, scheduler, state, eval_prompts,
-          total: int) -> bool:
+          total: int, whole: steps.WholeDrafter) -> bool:
     """Train to `total` steps; False when stopped early at `stop_at_step` (resume to continue)."""
     if cfg.eval_every and state.step == 0:  # the starting point, so the gain is visible
-        evaluate(cfg, accelerator, target, drafter, vocab_map, state, eval_prompts)
+        evaluate(cfg, accelerator, target, whole.of(drafter), vocab_map, state, eval_prompts)
     bar = tqdm(total=total, initial=state.step, desc="distill", disable=not accelerator.is_local_main_process)
     drafter.train()
     while state.step < total:
@@ -156,7 +158,7 @@ def train(cfg, accelerator, target, drafter, vocab_map, loader, optimizer, sched
             state.step += 1
             bar.update(1)
             lr = scheduler.get_last_lr()[0]
-            after_step(cfg, accelerator, target, drafter, vocab_map, state, loss, lr, eval_prompts, bar)
+            after_step(cfg, accelerator, target, drafter, vocab_map, state, loss, lr, eval_prompts, bar, whole)
             if state.step == cfg.stop_at_step:
                 save_checkpoint(accelerator, state, cfg.work_dir)
                 log.info("stopped at step %d as asked; continue with --resume", state.step)
@@ -166,27 +168,28 @@ def train(cfg, accelerator, target, drafter, vocab_map, loader, optimizer, sched
         else:
             state.epoch, state.batches_in_epoch = state.epoch + 1, 0
     bar.close()
-    if not state.history or state.history[-1]["step"] != state.step:
-        evaluate(cfg, accelerator, target, drafter, vocab_map, state, eval_prompts)
+    if not (cfg.eval_every and state.step % cfg.eval_every == 0):  # the last step was not measured yet (the same
+        evaluate(cfg, accelerator, target, whole.of(drafter), vocab_map, state, eval_prompts)  # on every rank)
     return True
 
 
-def after_step(cfg, accelerator, target, drafter, vocab_map, state, loss, lr, eval_prompts, bar) -> None:
+def after_step(cfg, accelerator, target, drafter, vocab_map, state, loss, lr, eval_prompts, bar,
+               whole: steps.WholeDrafter) -> None:
     if state.step % cfg.log_every == 0:
         bar.set_postfix(loss=f"{loss:.4f}")
         log.info("step %d loss %.4f lr %.2e", state.step, loss, lr)
         accelerator.log({"train/loss": loss, "train/lr": lr}, step=state.step)
     if cfg.eval_every and state.step % cfg.eval_every == 0:
-        evaluate(cfg, accelerator, target, drafter, vocab_map, state, eval_prompts)
+        evaluate(cfg, accelerator, target, whole.of(drafter), vocab_map, state, eval_prompts)
     if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
         save_checkpoint(accelerator, state, cfg.work_dir)
 
 
-def evaluate(cfg, accelerator, target, drafter, vocab_map, state, eval_prompts) -> None:
-    """Measure tau/alpha on held-out prompts (main process) and keep the best drafter so far."""
+def evaluate(cfg, accelerator, target, model, vocab_map, state, eval_prompts) -> None:
+    """Measure tau/alpha on held-out prompts (main process) and keep the best drafter so far.
+    `model`: the whole drafter (WholeDrafter.of, called by every process)."""
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        model = accelerator.unwrap_model(drafter)
         result = steps.measure(cfg, target, model, vocab_map, eval_prompts)
         state.history.append({"step": state.step, "tau": result["tau"], "alpha": result["alpha"]})
         log.info("step %d held-out tau %.3f alpha %.3f", state.step, result["tau"], result["alpha"] or 0.0)

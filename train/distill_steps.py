@@ -6,6 +6,8 @@ module wires it to accelerate, the engine and the drafter directory.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import logging
 import math
@@ -62,11 +64,55 @@ def end_run(accelerator) -> None:
         os._exit(0)
 
 
+def zero3(accelerator) -> bool:
+    plugin = accelerator.state.deepspeed_plugin
+    return plugin is not None and plugin.zero_stage == 3
+
+
+@contextlib.contextmanager
+def unpartitioned(accelerator):
+    """A context in which models are built whole: under ZeRO-3, transformers' from_pretrained/from_config would
+    otherwise partition them at construction (zero.Init) — the frozen target too, which must stay whole, and a
+    drafter before its weights are copied in. The drafter is partitioned later, by `prepare`."""
+    if not zero3(accelerator):
+        yield
+        return
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()  # what transformers reads to decide on zero.Init
+    try:
+        yield
+    finally:
+        accelerator.state.deepspeed_plugin.set_deepspeed_weakref()
+
+
+class WholeDrafter:
+    """The trained drafter as one plain module, for measuring and saving on the main process. Under ZeRO-3 its
+    parameters are partitioned across processes: `of` gathers them (every process must call it) into a plain copy
+    made before `prepare`; otherwise it is the unwrapped module itself."""
+
+    def __init__(self, accelerator, drafter_before_prepare: torch.nn.Module):
+        self.accelerator = accelerator
+        self.gathers = zero3(accelerator)
+        # only the main process measures and saves: the others keep no copy
+        self.copy = copy.deepcopy(drafter_before_prepare) if self.gathers and accelerator.is_main_process else None
+
+    def of(self, drafter) -> torch.nn.Module | None:
+        """The whole drafter on the main process (None on the others under ZeRO-3)."""
+        if not self.gathers:
+            return self.accelerator.unwrap_model(drafter)
+        state = self.accelerator.get_state_dict(drafter)  # collective; the whole weights on the main process
+        if self.accelerator.is_main_process:
+            self.copy.load_state_dict(state)
+        return self.copy
+
+
 def load_target_for(cfg, accelerator):
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.target_dtype)
     if dtype is None:  # auto
         dtype = torch.bfloat16 if accelerator.device.type == "cuda" else torch.float32
-    return load_target(cfg.target, device=str(accelerator.device), dtype=dtype)
+    with unpartitioned(accelerator):
+        return load_target(cfg.target, device=str(accelerator.device), dtype=dtype)
 
 
 def teacher_settings(cfg) -> TeacherDataSettings:
@@ -274,11 +320,17 @@ def publish_best(cfg, accelerator, target, vocab_map, state) -> Path:
     return out
 
 
-def write_summary(cfg, accelerator, drafter, state, finished: bool) -> None:
+def write_summary(cfg, accelerator, drafter, state, finished: bool, whole: WholeDrafter | None = None) -> None:
     """work_dir/summary.json: the acceptance history, the best step, and a digest of every
-    process's final weights (replicas that disagree are an error: DDP must keep them equal)."""
-    digest = weights_fingerprint(accelerator.unwrap_model(drafter))
-    digests = gather_object([digest]) if accelerator.num_processes > 1 else [digest]
+    process's final weights (replicas that disagree are an error: DDP must keep them equal; under ZeRO-3 the
+    one gathered drafter's digest stands for every process)."""
+    if whole is not None and whole.gathers:
+        model = whole.of(drafter)
+        digest = weights_fingerprint(model) if accelerator.is_main_process else None
+        digests = [gather_object([digest])[0]] * accelerator.num_processes
+    else:
+        digest = weights_fingerprint(accelerator.unwrap_model(drafter))
+        digests = gather_object([digest]) if accelerator.num_processes > 1 else [digest]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux reports KiB)
     peaks = gather_object([peak]) if accelerator.num_processes > 1 else [peak]
     if accelerator.is_main_process:
