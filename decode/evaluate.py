@@ -31,6 +31,7 @@ from decode.proposers import build_proposer
 from decode.questions import Question, QuestionFileError, load_questions
 from decode.report import BASELINE, TurnResult, format_tables, summarize, write_report
 from decode.sampling import SamplingConfig
+from models.target import PRECISIONS
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class EvalConfig:
     peers: str = "none"  # "hf": also transformers' generate, assisted generation and prompt lookup
     warmup: int = 2  # untimed generations per method before measuring
     device: str = "cpu"
+    dtype: str | None = None  # the target's precision (models.target.PRECISIONS); None = the device's default
     seed: int = 0  # for sampling
     out: str | None = None  # output directory; None = runs/evaluate/<time>
 
@@ -62,7 +64,7 @@ class EvalConfig:
         checks = {"limit": self.limit is None or self.limit >= 1,
                   "per_category": self.per_category is None or self.per_category >= 1, "max_new_tokens": self.max_new_tokens >= 1,
                   "temperature": self.temperature >= 0, "gamma": self.gamma >= 1, "warmup": self.warmup >= 0,
-                  "peers": self.peers in PEERS}
+                  "peers": self.peers in PEERS, "dtype": self.dtype is None or self.dtype in PRECISIONS}
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"{name}: invalid value {getattr(self, name)!r}")
@@ -144,7 +146,13 @@ def build_methods(target, drafters: Mapping[str, object], config: EvalConfig) ->
         methods.append(engine_method(method_name("speculative", spec, one), target, proposer,
                                      config.max_new_tokens, sampling, adaptive=not config.fixed_depth))
     skipped = {}
-    if config.peers == "hf":
+    if config.peers == "hf" and target.precision == "float16-weights":
+        reason = ("transformers' generate computes the fp32 model, not the float16-weights one this run decodes: "
+                  "its outputs and speed are another model's (run --dtype float32 for the hf peers)")
+        for name in ["hf_generate", *(method_name("hf_assisted", spec, one) for spec in drafters), "hf_prompt_lookup"]:
+            skipped[name] = reason
+        log.info("skipping the hf peers: %s", reason)
+    elif config.peers == "hf":
         methods.append(hf_method("hf_generate", target, config.max_new_tokens, sampling))
         for spec, drafter in drafters.items():
             name, reason = method_name("hf_assisted", spec, one), assisted_skip_reason(drafter, target)
@@ -191,7 +199,7 @@ def describe_run(target, drafters: Mapping[str, object], questions: list[Questio
     manifests = {spec: drafter.manifest for spec, drafter in drafters.items()}
     return {**asdict(config), "questions_evaluated": len(questions),
             "turns_evaluated": sum(len(q.turns) for q in questions),
-            "target_name": target.name, "target_fingerprint": target.fingerprint,
+            "target_name": target.name, "target_fingerprint": target.fingerprint, "precision": target.precision,
             "drafter_manifest": next(iter(manifests.values())) if len(manifests) == 1 else None,
             "drafter_manifests": manifests, "hf_prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_NUM_TOKENS,
             "machine": machine_info(target.device)}
@@ -273,6 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=non_negative_int, default=d["warmup"].default,
                    help="untimed generations per method before measuring")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when available)")
+    p.add_argument("--dtype", choices=PRECISIONS, default=None,
+                   help="what the target computes in (default: float32 on CPU, bfloat16 on CUDA); float16-weights: "
+                        "fp16 copies of the linear weights with fp32 activations (CPU, FBGEMM); auto: the fastest "
+                        "this machine has. Each is its own model: outputs are compared within one precision")
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--seed", type=non_negative_int, default=d["seed"].default, help="sampling seed")
     p.add_argument("--out", default=None, help="output directory (default: runs/evaluate/<date-time>)")
@@ -288,7 +300,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
                       per_category=args.per_category,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, gamma=args.gamma,
                       fixed_depth=args.fixed_depth, prompt_vocab=args.prompt_vocab, peers=args.peers,
-                      warmup=args.warmup, device=device, seed=args.seed, out=out)
+                      warmup=args.warmup, device=device, dtype=args.dtype, seed=args.seed, out=out)
 
 
 def load_inputs(parser: argparse.ArgumentParser, config: EvalConfig):
@@ -301,7 +313,7 @@ def load_inputs(parser: argparse.ArgumentParser, config: EvalConfig):
     except (QuestionFileError, OSError) as err:
         parser.error(f"argument --questions: {err}")
     try:
-        target = load_target(config.target, device=config.device)
+        target = load_target(config.target, device=config.device, dtype=config.dtype)
     except (ValueError, OSError) as err:
         parser.error(f"argument --target: {err}")
     if not getattr(target.tokenizer, "chat_template", None):

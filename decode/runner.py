@@ -9,9 +9,10 @@ import torch
 
 from decode.attention import grouped_mask_argument, use_grouped_query_sdpa
 from decode.kv_cache import SpecCache
+from decode.lean_decoder import lean_decoder
 from decode.tree import attention_bias
 from models.hf_compat import cache_argument
-from models.packed_linear import packed_for_inference
+from models.packed_linear import inference_weights, packed_for_inference
 
 
 @dataclass
@@ -42,8 +43,11 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, static_shapes: bool = False):
         self.model = model
         use_grouped_query_sdpa(model)
-        self.decoder = packed_for_inference(model.get_decoder())
-        self.head = packed_for_inference(model.get_output_embeddings())
+        weights = inference_weights(model)  # "float16" for the float16-weights precision (models.target)
+        # the hand-written Llama forward where it applies (decode.lean_decoder), else transformers' decoder
+        self.lean = lean_decoder(model, weights)
+        self.decoder = None if self.lean is not None else packed_for_inference(model.get_decoder(), weights)
+        self.head = packed_for_inference(model.get_output_embeddings(), weights)
         self.num_layers = model.config.get_text_config().num_hidden_layers
         self.static_shapes = static_shapes
         self.cache = SpecCache(self.num_layers, 0, static_shapes)
@@ -89,13 +93,20 @@ class ModelRunner:
         positions = torch.tensor(depths, dtype=torch.long, device=self.device) + prefix  # [N + L]
         total = self.cache.max_len if self.static_shapes else prefix + len(depths)
         mask = attention_bias(prefix, ancestors.to(self.device), total, self.dtype)  # [1, 1, N + L, total]
-        capture = {"output_hidden_states": True} if self.feature_layers else {}
-        out = self.decoder(**inputs, attention_mask=mask, position_ids=positions[None],
-                           **cache_argument(self.decoder, self.cache), use_cache=True,
-                           **grouped_mask_argument(self.model, mask), **capture)
-        hidden = out.last_hidden_state[0]  # [N + L, D]
-        if self.feature_layers:  # hidden_states[i] is the input of layer i (0: the embeddings)
-            self.features = torch.cat([out.hidden_states[i][0] for i in self.feature_layers], dim=-1)
+        if self.lean is not None:
+            last, features = self.lean(inputs.get("input_ids"), inputs.get("inputs_embeds"), mask, positions[None],
+                                       self.cache, self.feature_layers)
+        else:
+            capture = {"output_hidden_states": True} if self.feature_layers else {}
+            out = self.decoder(**inputs, attention_mask=mask, position_ids=positions[None],
+                               **cache_argument(self.decoder, self.cache), use_cache=True,
+                               **grouped_mask_argument(self.model, mask), **capture)
+            last = out.last_hidden_state
+            # hidden_states[i] is the input of layer i (0: the embeddings)
+            features = [out.hidden_states[i] for i in self.feature_layers] if self.feature_layers else []
+        hidden = last[0]  # [N + L, D]
+        if self.feature_layers:
+            self.features = torch.cat([f[0] for f in features], dim=-1)
         rows = hidden if logits_rows is None else hidden[logits_rows]
         return hidden, self.head(rows).float()  # [n_rows, V]
 

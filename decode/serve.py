@@ -419,7 +419,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (default: ${API_KEY_ENV})")
     p.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    p.add_argument("--dtype", choices=_precisions(), default=None,
+                   help="what the target computes in (models.target.PRECISIONS; default: float32 on CPU, bfloat16 on "
+                        "CUDA); the request log records the outputs of this precision")
     return p.parse_args(argv)
+
+
+def _precisions() -> tuple[str, ...]:
+    from models.target import PRECISIONS
+    return PRECISIONS
 
 
 def _cuda() -> bool:
@@ -434,7 +442,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    target = load_target(args.target, device=args.device)
+    target = load_target(args.target, device=args.device, dtype=args.dtype)
     server = build_server(target, args.drafter, args.log_dir, args.model_name, args.gamma, not args.no_adaptive,
                           args.max_prompt_tokens, args.max_tokens_limit, args.reload_interval, args.log_max_bytes,
                           args.max_queue)

@@ -16,17 +16,32 @@ model trained since it was packed is packed again.
 Numerics: packed and unpacked results differ by float rounding (max 2e-6 on these matrices), the
 same order as F.linear's own differences between one row and several; greedy outputs are checked
 token for token against the target in the tests and benchmarks as before.
+
+fp16 weights (`weights="float16"`, the `float16-weights` precision of models.target): the same idea
+with half the bytes. FBGEMM's fp16 GEMM keeps each weight matrix in fp16 (packed once), reads fp32
+activations and accumulates in fp32, with AVX2 + F16C kernels: on the 2-core AVX2 host it ran the
+default target's linear layers 1.6-2x faster than the oneDNN fp32 packing at 1-16 rows
+(`scripts/bench_engine.py`). It computes x @ fp16(W)^T exactly up to fp32 accumulation order, i.e.
+a target whose linear weights are rounded to fp16: a different model from the fp32 one (greedy
+outputs can diverge after some tokens), so speculative decoding in this precision is lossless with
+respect to plain decoding in this precision, and every report names it.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import weakref
 
 import torch
 
-__all__ = ["PackedLinear", "packed_for_inference", "packing_supported"]
+__all__ = ["PackedLinear", "PackedLinearFP16", "WEIGHT_FORMATS", "float16_weights_supported",
+           "inference_weights", "packed_for_inference", "packing_supported", "set_inference_weights"]
+
+WEIGHT_FORMATS = ("float32", "float16")
+# the attribute of a model that says in which format its inference copies hold linear weights
+WEIGHTS_ATTR = "specdistill_inference_weights"
 
 # env switch for side-by-side measurements (scripts/bench_packing.py) and as an escape hatch
 DISABLE_ENV = "SPECDISTILL_NO_PACKING"
@@ -50,6 +65,49 @@ class PackedLinear(torch.nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+class PackedLinearFP16(torch.nn.Module):
+    """y = x fp16(W)^T + b: W held in fp16 in FBGEMM's packed layout; x, y and accumulation in fp32."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        with torch.no_grad():
+            bias = None if linear.bias is None else linear.bias.detach().float()
+            self.packed = torch.ops.quantized.linear_prepack_fp16(linear.weight.detach().float().contiguous(), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if x.requires_grad and torch.is_grad_enabled():
+            raise RuntimeError("PackedLinearFP16 is for inference; train the original module")
+        return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+
+
+def set_inference_weights(model: torch.nn.Module, weights: str) -> None:
+    """Make the engine's inference copies of `model` hold linear weights in `weights` format
+    (see WEIGHT_FORMATS); the model's own parameters are unchanged."""
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"inference weights {weights!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
+    if weights == "float16" and not float16_weights_supported():
+        raise ValueError("float16 inference weights need FBGEMM's fp16 GEMM (an x86 CPU with AVX2 and F16C); "
+                         "this CPU or torch build has none")
+    setattr(model, WEIGHTS_ATTR, weights)
+
+
+def inference_weights(model: torch.nn.Module) -> str:
+    """The format set by set_inference_weights; "float32" (the parameters' own values) by default."""
+    return getattr(model, WEIGHTS_ATTR, "float32")
+
+
+@functools.cache
+def float16_weights_supported() -> bool:
+    """FBGEMM's fp16-weight GEMM runs on this CPU (it needs AVX2 + F16C)."""
+    try:
+        packed = torch.ops.quantized.linear_prepack_fp16(torch.ones(8, 8), None)
+        out = torch.ops.quantized.linear_dynamic_fp16(torch.ones(1, 8), packed)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    return bool(torch.allclose(out, torch.full((1, 8), 8.0)))
+
+
 def packing_supported(module: torch.nn.Module) -> bool:
     """fp32 on CPU with oneDNN available, and not switched off by the environment."""
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
@@ -60,16 +118,22 @@ def packing_supported(module: torch.nn.Module) -> bool:
     return param is not None and param.device.type == "cpu" and param.dtype == torch.float32
 
 
-def packed_for_inference(module: torch.nn.Module) -> torch.nn.Module:
+def packed_for_inference(module: torch.nn.Module, weights: str = "float32") -> torch.nn.Module:
     """`module` itself where packing is unsupported, else a copy with every fp32 CPU nn.Linear
-    replaced by a PackedLinear (parameters otherwise shared). Cached until the weights change."""
+    replaced by a PackedLinear, or by a PackedLinearFP16 for weights="float16" (parameters otherwise
+    shared). Cached until the weights change."""
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"inference weights {weights!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
     if not packing_supported(module):
+        if weights == "float16":
+            raise ValueError("float16 inference weights need an fp32 module on the CPU "
+                             "(and packing not switched off by $" + DISABLE_ENV + ")")
         return module
-    key = weights_signature(module)
+    key = (weights, weights_signature(module))
     hit = _cache.get(module)
     if hit is not None and hit[0] == key:
         return hit[1]
-    packed = clone_with_packed_linears(module)
+    packed = clone_with_packed_linears(module, PackedLinearFP16 if weights == "float16" else PackedLinear)
     _cache[module] = (key, packed)
     return packed
 
@@ -80,11 +144,11 @@ def weights_signature(module: torch.nn.Module) -> tuple:
                  if isinstance(m, torch.nn.Linear))
 
 
-def clone_with_packed_linears(module: torch.nn.Module) -> torch.nn.Module:
+def clone_with_packed_linears(module: torch.nn.Module, packed_class=PackedLinear) -> torch.nn.Module:
     if is_packable(module):
-        return PackedLinear(module)
+        return packed_class(module)
     clone = copy.copy(module)  # shallow: parameters and buffers shared; submodule dict rebuilt below
-    clone._modules = {name: (None if child is None else clone_with_packed_linears(child))
+    clone._modules = {name: (None if child is None else clone_with_packed_linears(child, packed_class))
                       for name, child in module._modules.items()}
     return clone
 

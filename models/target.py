@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from models.embedded import EMBEDDED_NAME, embedded_target_dir
 from models.fingerprint import fingerprint_target, tokenizer_fingerprint
 from models.gguf_convert import cached_gguf_dir
+from models.packed_linear import float16_weights_supported, inference_weights, set_inference_weights
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,13 @@ class Target:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
+
+    @property
+    def precision(self) -> str:
+        """What the engine computes in: the parameters' dtype, or "float16-weights" (see PRECISIONS)."""
+        if inference_weights(self.model) == "float16":
+            return "float16-weights"
+        return str(self.dtype).removeprefix("torch.")
 
     @property
     def vocab_size(self) -> int:
@@ -99,17 +107,67 @@ def default_dtype(device: str | torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
-def load_target(spec: str | None = None, device: str = "cpu", dtype: torch.dtype | None = None) -> Target:
-    """Load a target (see the module docstring for the accepted specs), frozen, on `device`."""
-    dtype = dtype or default_dtype(device)
+# What the engine computes the target in (`--dtype` of decode.evaluate, decode.serve, scripts/bench_engine.py):
+#   float32          fp32 weights and activations (the CPU default)
+#   bfloat16         the model in bf16 (the CUDA default; on CPUs without AVX512-BF16/AMX only one-row
+#                    forwards gain, verifying several rows is slower: BENCHMARKS.md, "The engine's own speed")
+#   float16-weights  fp32 model, the engine's linear layers reading fp16 copies of their weights (FBGEMM's
+#                    fp16 GEMM, fp32 activations and accumulation: models.packed_linear); CPU only
+#   auto             bf16 on CUDA and on CPUs with native bf16, float16-weights on other CPUs where FBGEMM
+#                    runs, else float32: what measured fastest
+# Each is a different model numerically; speculative decoding is lossless against plain decoding in the same
+# precision, and reports name it. The fingerprint (rounded to bf16) is the same for all of them.
+PRECISIONS = ("float32", "bfloat16", "float16-weights", "auto")
+
+
+def resolve_precision(precision: str | torch.dtype | None, device: str | torch.device) -> tuple[torch.dtype, str]:
+    """(the parameters' dtype, the inference weight format) for a precision name; None = the device default."""
+    if precision is None:
+        return default_dtype(device), "float32"
+    if isinstance(precision, torch.dtype):
+        if precision not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"target dtype {precision}: choose float32, bfloat16 or float16")
+        return precision, "float32"
+    if precision not in PRECISIONS:
+        raise ValueError(f"--dtype {precision!r}: choose one of {', '.join(PRECISIONS)}")
+    cuda = torch.device(device).type == "cuda"
+    if precision == "auto":
+        if cuda or cpu_has_native_bf16():
+            return torch.bfloat16, "float32"
+        return torch.float32, ("float16" if float16_weights_supported() else "float32")
+    if precision == "float16-weights":
+        if cuda:
+            raise ValueError("--dtype float16-weights is a CPU precision (FBGEMM's fp16 GEMM); "
+                             "use bfloat16 on CUDA")
+        if not float16_weights_supported():
+            raise ValueError("--dtype float16-weights needs FBGEMM's fp16 GEMM, which this CPU or torch build "
+                             "lacks (AVX2 + F16C); use float32")
+        return torch.float32, "float16"
+    return getattr(torch, precision), "float32"
+
+
+def cpu_has_native_bf16() -> bool:
+    """The CPU computes bf16 natively (AVX512-BF16 or AMX): what makes a bf16 model fast on the CPU."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
+
+
+def load_target(spec: str | None = None, device: str = "cpu", dtype: str | torch.dtype | None = None) -> Target:
+    """Load a target (see the module docstring for the accepted specs), frozen, on `device`, in `dtype`:
+    a torch dtype or one of PRECISIONS (None: fp32 on CPU, bf16 on CUDA)."""
+    torch_dtype, weights = resolve_precision(dtype, device)
     name = DEFAULT_TARGET if spec is None else str(spec)
     source = resolve_target_source(name)
     if source is None:
-        model, tokenizer = load_from_hub(name, dtype)
+        model, tokenizer = load_from_hub(name, torch_dtype)
     else:
-        model, tokenizer = load_local(source, dtype)
+        model, tokenizer = load_local(source, torch_dtype)
     target = target_from_model(model.to(device), tokenizer, name)
-    log.info("loaded target %s (%s, %s, fingerprint %s)", name, device, dtype, target.fingerprint[:12])
+    set_inference_weights(target.model, weights)
+    log.info("loaded target %s (%s, %s, fingerprint %s)", name, device, target.precision, target.fingerprint[:12])
     return target
 
 

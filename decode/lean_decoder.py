@@ -1,0 +1,161 @@
+"""The engine's hot path: a Llama-family decoder forward written for the speculative loop.
+
+Why: at batch size 1 on the CPU the target's weights stream through packed GEMMs in about half of a
+forward's time; the rest was transformers' module machinery, about 100 small tensor operations and
+their Python dispatch per decoder layer (output capture hooks, mask interfaces, deprecation wrappers,
+rotary broadcasting, separate q/k/v and gate/up projections). This forward computes the same layers
+with about 30 operations each: q, k and v in one packed GEMM, gate and up in one, fused RMSNorm, the
+rotary embedding for the forward's positions computed once for all layers, grouped-query attention
+over the unrepeated key/value cache (the query heads of a group folded into rows, as decode.attention
+does), and the inputs of the layers EAGLE-3 reads captured as they pass. BENCHMARKS.md, "The engine's
+own speed", has the measured gain (`scripts/bench_engine.py`).
+
+It reads the model's own parameters (the fused projections are packed copies, rebuilt when the weights
+change, like models.packed_linear's), uses the model's own rotary module (so RoPE scaling variants stay
+the model's) and the engine's SpecCache. It runs only where it computes exactly what transformers'
+Llama forward does, up to float rounding: `lean_supported` checks the architecture and the
+configuration (model type, projections, activation, no sliding window, packing available) and anything
+else runs transformers' decoder as before. The tests compare the two forwards' outputs and greedy
+decodes.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from models.packed_linear import PackedLinear, PackedLinearFP16, packing_supported, weights_signature
+
+__all__ = ["LeanDecoder", "lean_decoder", "lean_supported"]
+
+LEAN_MODEL_TYPES = ("llama",)  # decoder layers laid out and computed exactly as LlamaDecoderLayer
+DISABLE_ENV = "SPECDISTILL_NO_LEAN_DECODER"  # switch for side-by-side measurements and as an escape hatch
+
+_cache: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, LeanDecoder]]" = weakref.WeakKeyDictionary()
+
+
+def lean_supported(model: torch.nn.Module) -> str | None:
+    """None when the lean forward computes what `model`'s decoder does, else why not (for the log)."""
+    import os
+
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return f"${DISABLE_ENV} is set"
+    config = model.config.get_text_config()
+    if getattr(config, "model_type", None) not in LEAN_MODEL_TYPES:
+        return f"model type {getattr(config, 'model_type', None)!r} is not one of {LEAN_MODEL_TYPES}"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"activation {getattr(config, 'hidden_act', None)!r} (the lean forward computes silu)"
+    if getattr(config, "sliding_window", None) or getattr(config, "pretraining_tp", 1) != 1:
+        return "sliding-window attention or pretraining_tp"
+    decoder = model.get_decoder()
+    if not packing_supported(decoder):
+        return "its weights are not fp32 on the CPU (the lean forward runs on packed weights)"
+    layer = decoder.layers[0]
+    parts = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+             "mlp.up_proj", "mlp.down_proj")
+    for part in parts:
+        module = layer.get_submodule(part)
+        if type(module) is not torch.nn.Linear:
+            return f"{part} is a {type(module).__name__}, not a plain Linear (an adapter?)"
+    return None
+
+
+def lean_decoder(model: torch.nn.Module, weights: str) -> "LeanDecoder | None":
+    """The lean forward of `model`'s decoder with linear weights in `weights` format, or None where
+    lean_supported says no. Cached until the weights change."""
+    if lean_supported(model) is not None:
+        return None
+    decoder = model.get_decoder()
+    key = (weights, weights_signature(decoder), tuple(p.data_ptr() for p in decoder.parameters()))
+    hit = _cache.get(decoder)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    lean = LeanDecoder(decoder, PackedLinearFP16 if weights == "float16" else PackedLinear)
+    _cache[decoder] = (key, lean)
+    return lean
+
+
+def fused_linear(linears: list[torch.nn.Linear], packed_class) -> torch.nn.Module:
+    """One packed GEMM computing the outputs of `linears` (same input) side by side."""
+    fused = torch.nn.Linear(linears[0].in_features, sum(m.out_features for m in linears),
+                            bias=linears[0].bias is not None, device="meta")
+    fused.weight = torch.nn.Parameter(torch.cat([m.weight.detach() for m in linears]), requires_grad=False)
+    if fused.bias is not None:
+        fused.bias = torch.nn.Parameter(torch.cat([m.bias.detach() for m in linears]), requires_grad=False)
+    return packed_class(fused)
+
+
+class LeanLayer:
+    """One LlamaDecoderLayer's computation on packed weights."""
+
+    def __init__(self, layer: torch.nn.Module, packed_class):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.q_size = attn.q_proj.out_features
+        self.kv_size = attn.k_proj.out_features
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        self.qkv = fused_linear([attn.q_proj, attn.k_proj, attn.v_proj], packed_class)
+        self.o = packed_class(attn.o_proj)
+        self.gate_up = fused_linear([mlp.gate_proj, mlp.up_proj], packed_class)
+        self.intermediate = mlp.gate_proj.out_features
+        self.down = packed_class(mlp.down_proj)
+        self.norm_in = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
+        self.norm_post = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_layer,
+                 mask: torch.Tensor) -> torch.Tensor:
+        """x [1, N, D], cos/sin [1, 1, N, hd], mask [1, 1, G*N, T] (tiled for the groups) -> [1, N, D]."""
+        n = x.shape[1]
+        h = F.rms_norm(x, x.shape[-1:], *self.norm_in)
+        q, k, v = self.qkv(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(1, n, -1, self.head_dim).transpose(1, 2)  # [1, H, N, hd]
+        k = k.view(1, n, -1, self.head_dim).transpose(1, 2)  # [1, Hkv, N, hd]
+        v = v.view(1, n, -1, self.head_dim).transpose(1, 2)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        keys, values = cache_layer.update(k, v)  # [1, Hkv, T, hd]
+        heads, kv_heads = q.shape[1], k.shape[1]
+        folded = q.reshape(1, kv_heads, heads // kv_heads * n, self.head_dim)  # row g*N + i: head hkv*G + g
+        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=self.scaling)
+        out = out.reshape(1, heads, n, self.head_dim).transpose(1, 2).reshape(1, n, -1)  # [1, N, H*hd]
+        x = x + self.o(out)
+        h = F.rms_norm(x, x.shape[-1:], *self.norm_post)
+        gate, up = self.gate_up(h).split([self.intermediate, self.intermediate], dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as transformers' apply_rotary_pos_emb: x * cos + rotate_half(x) * sin."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LeanDecoder:
+    """A Llama-family decoder's forward over a SpecCache (see the module docstring)."""
+
+    def __init__(self, decoder: torch.nn.Module, packed_class):
+        self.embed_tokens = decoder.embed_tokens
+        self.rotary_emb = decoder.rotary_emb
+        self.layers = [LeanLayer(layer, packed_class) for layer in decoder.layers]
+        self.norm = (decoder.norm.weight, decoder.norm.variance_epsilon)
+        config = decoder.config
+        self.groups = config.num_attention_heads // (getattr(config, "num_key_value_heads", None)
+                                                     or config.num_attention_heads)
+
+    def __call__(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, mask: torch.Tensor,
+                 position_ids: torch.Tensor, cache, feature_layers: list[int]
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """input_ids [1, N] (or inputs_embeds [1, N, D]), mask [1, 1, N, T] additive, position_ids [1, N]
+        -> (the final normed hidden states [1, N, D], the inputs of `feature_layers`, each [1, N, D])."""
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        cos, sin = self.rotary_emb(x, position_ids)  # [1, N, hd] each
+        cos, sin = cos[:, None], sin[:, None]
+        grouped = mask.repeat(1, 1, self.groups, 1) if self.groups > 1 else mask  # [1, 1, G*N, T]
+        wanted, features = set(feature_layers), {}
+        for index, layer in enumerate(self.layers):
+            if index in wanted:
+                features[index] = x
+            x = layer(x, cos, sin, cache.layers[index], grouped)
+        return F.rms_norm(x, x.shape[-1:], *self.norm), [features[i] for i in feature_layers]

@@ -1,0 +1,237 @@
+"""Benchmark: the engine's own speed, variant by variant, on the same prompts in one process.
+
+    .venv/bin/python scripts/bench_engine.py [--limit 8] [--max-new-tokens 128] [--drafter prompt_lookup ...]
+        [--variants fp32-hf fp32 fp16w bf16] [--rows 1 2 4 8 16] [--reps 10] [--out runs/bench_engine]
+
+Variants of our engine (decode.runner):
+  fp32-hf   fp32, transformers' decoder forward on oneDNN-packed weights (the engine before decode.lean_decoder)
+  fp32      fp32, the lean Llama forward (decode.lean_decoder) on the same packed weights: the same model
+  fp16w     the float16-weights precision: the lean forward on FBGEMM fp16 weight copies (another model)
+  bf16      the model in bfloat16 (transformers' decoder; fast only on CPUs with native bf16)
+and transformers' `generate` (fp32) as the peer every user has. vLLM's plain decoding joins when a vLLM
+environment exists (issue #27); until then the report says it was not run.
+
+It prints the machine's plain-decoding speed first (fp32, our engine: the figure every table cites),
+then one target forward of N rows after a 300-token context (the shape of a verification) for each
+variant, interleaved rep by rep so the machine's noise hits all alike, then whole greedy generations
+of the first turns of `--limit` MT-bench questions (interleaved per prompt), then each `--drafter`
+speculating under each variant with its speedup over that variant's own plain decoding. Greedy
+output of every speculative run is checked against plain decoding of the same variant (mismatches),
+and each variant's plain output against fp32's (first diverging token per prompt). Writes
+DIR/engine.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from decode.engine import SpeculativeEngine  # noqa: E402  (ROOT on sys.path first)
+from decode.lean_decoder import DISABLE_ENV as NO_LEAN_ENV  # noqa: E402
+from decode.proposers import build_proposer  # noqa: E402
+from decode.questions import load_questions  # noqa: E402
+from decode.runner import ModelRunner  # noqa: E402
+from models.drafters import load_drafter  # noqa: E402
+from models.target import load_target  # noqa: E402
+
+QUESTIONS = ROOT.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
+VARIANTS = {  # name: (precision, lean forward)
+    "fp32-hf": ("float32", False),
+    "fp32": ("float32", True),
+    "fp16w": ("float16-weights", True),
+    "bf16": ("bfloat16", True),  # lean where supported: on the CPU bf16 is not packable, so transformers' forward
+}
+REFERENCE = "fp32"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default=None)
+    p.add_argument("--questions", default=str(QUESTIONS))
+    p.add_argument("--limit", type=int, default=8, help="first turns of the first N questions")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["fp32-hf", "fp32", "fp16w"])
+    p.add_argument("--drafter", action="append", default=None,
+                   help="drafter specs to speculate with under each variant (default: prompt_lookup)")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--context", type=int, default=300)
+    p.add_argument("--out", default="runs/bench_engine")
+    return p.parse_args(argv)
+
+
+@contextmanager
+def lean_switch(lean: bool):
+    """Build runners with the lean forward on or off (read when a runner is built)."""
+    old = os.environ.pop(NO_LEAN_ENV, None)
+    if not lean:
+        os.environ[NO_LEAN_ENV] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(NO_LEAN_ENV, None)
+        if old is not None:
+            os.environ[NO_LEAN_ENV] = old
+
+
+def time_forward(runner: ModelRunner, context: list[int], rows: int) -> float:
+    runner.start(len(context) + rows + 1)
+    runner.forward(context, logits_rows=slice(len(context) - 1, len(context)))
+    runner.cache.advance(len(context))
+    start = time.perf_counter()
+    runner.forward(list(range(1000, 1000 + rows)))  # logits for every row, as verification needs
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def bench_forwards(targets: dict, args) -> list[dict]:
+    runners = {}
+    for name, target in targets.items():
+        with lean_switch(VARIANTS[name][1]):
+            runners[name] = ModelRunner(target.model)
+    context = list(range(100, 100 + args.context))
+    table = []
+    for rows in args.rows:
+        times = {name: [] for name in runners}
+        for _ in range(args.reps + 1):  # the first rep warms up (kernels are built per shape)
+            for name, runner in runners.items():
+                times[name].append(time_forward(runner, context, rows))
+        table.append({"rows": rows, **{f"{name}_ms": 1000 * statistics.median(t[1:]) for name, t in times.items()}})
+    return table
+
+
+def engine_runs(targets: dict, drafters: list[str]) -> dict:
+    """{method: (variant, generate(prompt_ids, n) -> (tokens, seconds))}: plain and each drafter per variant."""
+    runs = {}
+    for name, target in targets.items():
+        with lean_switch(VARIANTS[name][1]):
+            plain = SpeculativeEngine(target.model, None, target.eos_token_ids)
+            runs[f"{name} plain"] = (name, plain)
+            for spec in drafters:
+                drafter = load_drafter(spec, target)
+                proposer = build_proposer(drafter, target.model, eos_token_ids=target.eos_token_ids)
+                runs[f"{name} {spec}"] = (name, SpeculativeEngine(target.model, proposer, target.eos_token_ids))
+    return runs
+
+
+def hf_generate(target, prompt_ids: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt_ids], device=target.device)
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                                eos_token_id=sorted(target.eos_token_ids) or None,
+                                pad_token_id=target.tokenizer.eos_token_id)
+    tokens = out[0, len(prompt_ids):].tolist()
+    eos = next((i for i, t in enumerate(tokens) if t in target.eos_token_ids), None)
+    return tokens if eos is None else tokens[:eos + 1]
+
+
+def bench_generations(targets: dict, prompts: list[list[int]], args, drafters: list[str]) -> dict:
+    runs = engine_runs(targets, drafters)
+    methods = {name: (lambda p, e=engine: e.generate(p, args.max_new_tokens).tokens) for name, (_, engine) in runs.items()}
+    if not args.no_hf:
+        fp32 = next(t for n, t in targets.items() if VARIANTS[n][0] == "float32")
+        methods["transformers generate fp32"] = lambda p: hf_generate(fp32, p, args.max_new_tokens)
+    with torch.inference_mode():
+        for method in methods.values():  # warm up: kernels, caches, the adaptive controller's first costs
+            method(prompts[0][:64])
+    outputs = {name: [] for name in methods}
+    seconds = {name: 0.0 for name in methods}
+    for prompt in prompts:  # prompt by prompt, every method in turn: noise hits all alike
+        for name, method in methods.items():
+            start = time.perf_counter()
+            with torch.inference_mode():
+                tokens = method(prompt)
+            seconds[name] += time.perf_counter() - start
+            outputs[name].append(tokens)
+    rows = {}
+    for name in methods:
+        variant = runs[name][0] if name in runs else "fp32-hf"
+        plain = f"{variant} plain"
+        tokens = sum(len(t) for t in outputs[name])
+        rows[name] = {"tokens": tokens, "seconds": seconds[name], "tok_s": tokens / seconds[name],
+                      "speedup_over_own_plain": (tokens / seconds[name]) / (sum(len(t) for t in outputs[plain])
+                                                                           / seconds[plain]),
+                      "mismatches_vs_own_plain": sum(a != b for a, b in zip(outputs[name], outputs[plain]))}
+    reference = outputs.get(f"{REFERENCE} plain")
+    agreement = {}
+    if reference is not None:
+        for variant in targets:
+            agreement[variant] = [first_difference(a, b) for a, b in zip(reference, outputs[f"{variant} plain"])]
+    return {"methods": rows, "first_divergence_vs_fp32": agreement}
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where the two token lists differ (None: identical)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def vllm_status() -> str:
+    python = ROOT / ".venv-vllm" / "bin" / "python"
+    if not python.exists():
+        return "not run: no vLLM environment (.venv-vllm; `make vllm` of issue #27 does not exist yet)"
+    return "not run: the vLLM peer of this benchmark is not written yet (issue #27)"
+
+
+def print_report(report: dict, args) -> None:
+    names = [v for v in args.variants]
+    print(f"machine: {report['machine']['processor']}, {report['machine']['threads']} torch threads; "
+          f"plain decoding of the target (our engine, fp32): {report['plain_tok_s_fp32']:.1f} tok/s")
+    print(f"\ntarget forward of N rows after {args.context} cached (median of {args.reps}, ms):")
+    print("| N | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for row in report["forwards"]:
+        print(f"| {row['rows']} | " + " | ".join(f"{row[n + '_ms']:.1f}" for n in names) + " |")
+    gen = report["generations"]
+    print(f"\ngreedy generations, first turns of {args.limit} MT-bench questions, {args.max_new_tokens} new tokens:")
+    print("| method | tok/s | speedup over its own plain | mismatches vs its own plain | x fp32-hf plain |")
+    print("|---|---|---|---|---|")
+    base = gen["methods"].get("fp32-hf plain", {}).get("tok_s")
+    for name, row in gen["methods"].items():
+        rel = f"{row['tok_s'] / base:.2f}x" if base else "-"
+        print(f"| {name} | {row['tok_s']:.1f} | {row['speedup_over_own_plain']:.2f}x | "
+              f"{row['mismatches_vs_own_plain']} | {rel} |")
+    print(f"| vLLM plain | {report['vllm']} | | | |")
+    for variant, firsts in gen["first_divergence_vs_fp32"].items():
+        print(f"first token differing from fp32 plain, {variant}: {firsts}")
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    drafters = args.drafter if args.drafter is not None else ["prompt_lookup"]
+    if REFERENCE not in args.variants:
+        args.variants = [REFERENCE, *args.variants]
+    targets = {name: load_target(args.target, dtype=VARIANTS[name][0]) for name in args.variants}
+    questions = load_questions(args.questions, args.limit)
+    reference = targets[REFERENCE]
+    prompts = [reference.encode_chat([{"role": "user", "content": q.turns[0]}]) for q in questions]
+    report = {"machine": {"processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                          "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()},
+              "variants": {n: {"precision": targets[n].precision, "lean": VARIANTS[n][1]} for n in args.variants},
+              "forwards": bench_forwards(targets, args),
+              "generations": bench_generations(targets, prompts, args, drafters),
+              "vllm": vllm_status()}
+    report["plain_tok_s_fp32"] = report["generations"]["methods"][f"{REFERENCE} plain"]["tok_s"]
+    print_report(report, args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "engine.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()

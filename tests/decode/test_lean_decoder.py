@@ -1,0 +1,180 @@
+"""The lean Llama forward (decode.lean_decoder) and the float16-weights precision.
+
+The lean forward must compute what transformers' decoder computes (same logits within float rounding,
+same greedy tokens) for every shape the engine feeds it: chains, trees, extra rows given as embeddings,
+captured layer inputs, static-shape caches. float16-weights must be exactly the model whose linear
+weights are rounded to fp16, and speculation in it must equal plain decoding in it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from decode.engine import SpeculativeEngine
+from decode.lean_decoder import DISABLE_ENV, lean_supported
+from decode.proposers.draft_model import DraftModelProposer
+from decode.proposers.prompt_lookup import PromptLookupProposer
+from decode.runner import ExtraRows, ModelRunner
+from models.packed_linear import (PackedLinearFP16, float16_weights_supported, inference_weights,
+                                  packed_for_inference, set_inference_weights)
+from models.target import PRECISIONS, resolve_precision
+from tests.conftest import make_tiny_llama
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not built in")
+needs_fp16 = pytest.mark.skipif(not float16_weights_supported(), reason="no FBGEMM fp16 GEMM on this CPU")
+
+
+def runner(model, lean: bool, static_shapes: bool = False) -> ModelRunner:
+    old = os.environ.pop(DISABLE_ENV, None)
+    if not lean:
+        os.environ[DISABLE_ENV] = "1"
+    try:
+        built = ModelRunner(model, static_shapes=static_shapes)
+    finally:
+        os.environ.pop(DISABLE_ENV, None)
+        if old is not None:
+            os.environ[DISABLE_ENV] = old
+    assert (built.lean is not None) == lean
+    return built
+
+
+TREE = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+                    dtype=torch.bool)  # root, two children, a grandchild under each
+
+
+def forwards(run: ModelRunner, feature_layers=()) -> list[torch.Tensor]:
+    """Prefill, a tree verification, a chain after committing a path: every output the engine reads."""
+    run.feature_layers = list(feature_layers)
+    run.start(64)
+    out = []
+    _, logits = run.forward([5, 9, 3, 17, 22, 40])
+    out += [logits] + ([run.features] if feature_layers else [])
+    run.cache.advance(6)
+    _, logits = run.forward([7, 11, 12, 30, 31], depths=[0, 1, 1, 2, 2], ancestors=TREE)
+    out += [logits] + ([run.features] if feature_layers else [])
+    run.cache.commit_path([0, 2, 4])
+    hidden, logits = run.forward([8, 13], logits_rows=slice(1, 2))
+    return out + [hidden, logits]
+
+
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_lean_forward_computes_what_transformers_does(static_shapes):
+    model = make_tiny_llama(layers=3, seed=4)
+    with torch.inference_mode():
+        lean = forwards(runner(model, True, static_shapes), feature_layers=[0, 1, 2])
+        reference = forwards(runner(model, False, static_shapes), feature_layers=[0, 1, 2])
+    assert len(lean) == len(reference) == 6
+    for a, b in zip(lean, reference):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_lean_forward_with_extra_rows_given_as_embeddings():
+    model = make_tiny_llama(layers=2, seed=5)
+    extra = ExtraRows(embeds=torch.randn(2, 32), depths=[1, 2],
+                      mask=torch.tensor([[1, 1, 1, 0, 1, 0], [1, 1, 1, 0, 1, 1]], dtype=torch.bool))
+    outs = []
+    for lean in (True, False):
+        run = runner(model, lean)
+        run.start(32)
+        with torch.inference_mode():
+            run.forward([3, 4, 5])
+            run.cache.advance(3)
+            outs.append(run.forward([6, 7, 8, 9], extra=extra))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_speculation_with_the_lean_forward_equals_transformers_generate():
+    target, drafter = make_tiny_llama(layers=2, seed=0, peak=4.0), make_tiny_llama(layers=1, seed=1, peak=4.0)
+    prompt = [1, 5, 9, 14, 5, 9]
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        expected = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    for proposer in (None, DraftModelProposer(drafter, gamma=4), PromptLookupProposer(num_tokens=3)):
+        engine = SpeculativeEngine(target, proposer)
+        assert engine.target.lean is not None
+        assert engine.generate(prompt, 24).tokens == expected
+
+
+def test_lean_forward_is_rebuilt_when_the_weights_change():
+    model = make_tiny_llama(layers=1, seed=6)
+    first = runner(model, True)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(2.0)
+    second, reference = runner(model, True), runner(model, False)
+    assert second.lean is not first.lean
+    with torch.inference_mode():
+        for run in (second, reference):
+            run.start(8)
+        torch.testing.assert_close(second.forward([1, 2, 3])[1], reference.forward([1, 2, 3])[1])
+
+
+def test_lean_forward_declines_what_it_does_not_compute():
+    model = make_tiny_llama(layers=1)
+    assert lean_supported(model) is None
+    adapted = get_peft_model(make_tiny_llama(layers=1), LoraConfig(r=2, target_modules=["q_proj"]))
+    assert "q_proj" in lean_supported(adapted.base_model.model)
+    bf16 = make_tiny_llama(layers=1).to(torch.bfloat16)
+    assert "fp32" in lean_supported(bf16)
+    other = make_tiny_llama(layers=1)
+    other.config.hidden_act = "gelu"
+    assert "activation" in lean_supported(other)
+
+
+@needs_fp16
+def test_fp16_packed_linear_is_the_linear_with_fp16_rounded_weights():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(24, 40)
+    rounded = torch.nn.Linear(24, 40)
+    with torch.no_grad():
+        rounded.weight.copy_(linear.weight.half().float())
+        rounded.bias.copy_(linear.bias)
+    packed = packed_for_inference(linear, "float16")
+    assert isinstance(packed, PackedLinearFP16)
+    for rows in (1, 3, 16):
+        x = torch.randn(1, rows, 24)
+        with torch.inference_mode():
+            torch.testing.assert_close(packed(x), rounded(x), rtol=1e-5, atol=1e-5)
+            assert not torch.equal(packed(x), linear(x))  # a different model from the fp32 one
+
+
+@needs_fp16
+def test_speculation_in_float16_weights_equals_plain_decoding_in_float16_weights():
+    target, drafter = make_tiny_llama(layers=2, seed=0, peak=4.0), make_tiny_llama(layers=1, seed=1, peak=4.0)
+    set_inference_weights(target, "float16")
+    assert inference_weights(target) == "float16"
+    prompt = [1, 5, 9, 14, 5, 9, 14]
+    plain = SpeculativeEngine(target, None)
+    assert isinstance(plain.target.head, PackedLinearFP16)
+    expected = plain.generate(prompt, 30).tokens
+    for proposer in (DraftModelProposer(drafter, gamma=4), PromptLookupProposer(num_tokens=3)):
+        for adaptive in (True, False):
+            assert SpeculativeEngine(target, proposer, adaptive=adaptive).generate(prompt, 30).tokens == expected
+
+
+def test_precision_names_resolve_and_bad_ones_name_the_choices():
+    assert resolve_precision("float32", "cpu") == (torch.float32, "float32")
+    assert resolve_precision("bfloat16", "cpu") == (torch.bfloat16, "float32")
+    assert resolve_precision(None, "cpu") == (torch.float32, "float32")
+    assert resolve_precision("auto", "cuda")[0] == torch.bfloat16
+    with pytest.raises(ValueError, match="float16-weights"):
+        resolve_precision("fp8", "cpu")
+    with pytest.raises(ValueError, match="CPU precision"):
+        resolve_precision("float16-weights", "cuda")
+    with pytest.raises(ValueError, match="choose one of float32, float16"):
+        set_inference_weights(make_tiny_llama(layers=1), "int8")
+    assert set(PRECISIONS) == {"float32", "bfloat16", "float16-weights", "auto"}
+
+
+def test_evaluate_rejects_a_bad_dtype_naming_the_choices(capsys):
+    from decode.evaluate import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--drafter", "prompt_lookup", "--questions", __file__, "--dtype", "fp8"])
+    err = capsys.readouterr().err
+    assert "--dtype" in err and "float16-weights" in err and "auto" in err
