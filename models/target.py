@@ -109,8 +109,9 @@ def default_dtype(device: str | torch.device) -> torch.dtype:
 
 # What the engine computes the target in (`--dtype` of decode.evaluate, decode.serve, scripts/bench_engine.py):
 #   float32          fp32 weights and activations (the CPU default)
-#   bfloat16         the model in bf16 (the CUDA default; on CPUs without AVX512-BF16/AMX only one-row
-#                    forwards gain, verifying several rows is slower: BENCHMARKS.md, "The engine's own speed")
+#   bfloat16         the model in bf16 (the CUDA default); refused on CPUs without AVX512-BF16/AMX, where one-row
+#                    and several-row kernels round differently (speculation would not be token-exact) and
+#                    verifying several rows is 2-4x slower (BENCHMARKS.md, "The engine's own speed")
 #   float16-weights  fp32 model, the engine's linear layers reading fp16 copies of their weights (FBGEMM's
 #                    fp16 GEMM, fp32 activations and accumulation: models.packed_linear); CPU only
 #   auto             bf16 on CUDA and on CPUs with native bf16, float16-weights on other CPUs where FBGEMM
@@ -143,6 +144,11 @@ def resolve_precision(precision: str | torch.dtype | None, device: str | torch.d
             raise ValueError("--dtype float16-weights needs FBGEMM's fp16 GEMM, which this CPU or torch build "
                              "lacks (AVX2 + F16C); use float32")
         return torch.float32, "float16"
+    if precision == "bfloat16" and not cuda and not cpu_has_native_bf16():
+        raise ValueError("--dtype bfloat16 on a CPU without AVX512-BF16 or AMX: its bf16 kernels for one row and for "
+                         "several round differently, so speculative decoding cannot reproduce plain decoding token "
+                         "for token (measured: 4 and 6 of 8 MT-bench answers differed), and it verifies several rows "
+                         "2-4x slower than fp32; use float16-weights (faster, exact) or float32")
     return getattr(torch, precision), "float32"
 
 

@@ -140,7 +140,7 @@ def check_deepspeed(cfg: DistillConfig, accelerator: Accelerator) -> None:
 
 
 # the ZeRO stages each training method runs under (checked at start: nothing else is silently run instead)
-DEEPSPEED_STAGES: dict[str, tuple[int, ...]] = {"seqkd": (2, 3), "kd": (2, 3)}
+DEEPSPEED_STAGES: dict[str, tuple[int, ...]] = {"seqkd": (2, 3), "kd": (2, 3), "eagle3": (2, 3)}
 
 
 def train(cfg, accelerator, target, drafter, vocab_map, loader, optimizer, scheduler, state, eval_prompts,

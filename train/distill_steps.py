@@ -64,6 +64,17 @@ def end_run(accelerator) -> None:
         os._exit(0)
 
 
+def deepspeed(accelerator) -> bool:
+    return accelerator.state.deepspeed_plugin is not None
+
+
+def declare_micro_batch(accelerator, batch_size: int) -> None:
+    """Tell DeepSpeed the per-process batch size where `prepare` gets no dataloader to read it from (the methods
+    with a loop of their own); it refuses to start without one."""
+    if deepspeed(accelerator):
+        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = batch_size
+
+
 def zero3(accelerator) -> bool:
     plugin = accelerator.state.deepspeed_plugin
     return plugin is not None and plugin.zero_stage == 3

@@ -52,28 +52,32 @@ def train_eagle3(cfg, accelerator, target, records: list[dict], eval_prompts: li
     plan = BatchPlan(cache, cfg.batch_size, cfg.seed)
     total = cfg.max_steps or cfg.epochs * -(-plan.batches_per_epoch // accelerator.num_processes)
     optimizer, scheduler = steps.make_optimizer(cfg, drafter, total)
+    whole = steps.WholeDrafter(accelerator, drafter)  # under ZeRO-3: the gathered copy the main process measures
+    steps.declare_micro_batch(accelerator, cfg.batch_size)  # DeepSpeed cannot read it from a dataloader here
     drafter, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
     state = resume_or_start(cfg, accelerator)
     head_rows = target_head_rows(target, vocab_map)
-    if state.step == 0 and accelerator.is_main_process:  # the untrained start, to measure what training gained
-        save_snapshot(cfg, target, accelerator.unwrap_model(drafter), state, "initial")
+    if state.step == 0:  # the untrained start, to measure what training gained
+        start = whole.of(drafter)  # every process: a collective gather under ZeRO-3
+        if accelerator.is_main_process:
+            save_snapshot(cfg, target, start, state, "initial")
     if cfg.eval_every and state.step == 0:  # its held-out tau, so that the gain is visible in the log
-        evaluate(cfg, accelerator, target, drafter, state, eval_prompts)
+        evaluate(cfg, accelerator, target, whole.of(drafter), state, eval_prompts)
     bar = tqdm(total=total, initial=state.step, desc="eagle3", disable=not accelerator.is_local_main_process)
     while state.step < total:
         batch = plan.batch(state.step * accelerator.num_processes + accelerator.process_index)
         loss, accuracy = train_step(cfg, accelerator, target, drafter, head_rows, batch, optimizer, scheduler)
         state.step += 1
         bar.update(1)
-        after_step(cfg, accelerator, target, drafter, state, eval_prompts, loss, accuracy, scheduler, total)
+        after_step(cfg, accelerator, target, drafter, state, eval_prompts, loss, accuracy, scheduler, total, whole)
         if state.step == cfg.stop_at_step and state.step < total:
             save_checkpoint(accelerator, state, cfg.work_dir)
             log.info("stopped at step %d as asked; continue with --resume", state.step)
             return None
     bar.close()
-    if not state.history or state.history[-1]["step"] != state.step:
-        evaluate(cfg, accelerator, target, drafter, state, eval_prompts)
-    steps.write_summary(cfg, accelerator, drafter, state, True)
+    if not (cfg.eval_every and state.step % cfg.eval_every == 0):  # the last step is not measured yet (a condition
+        evaluate(cfg, accelerator, target, whole.of(drafter), state, eval_prompts)  # the same on every rank)
+    steps.write_summary(cfg, accelerator, drafter, state, True, whole)
     return steps.publish_best(cfg, accelerator, target, None, state)
 
 
@@ -170,16 +174,18 @@ def train_step(cfg, accelerator, target, drafter, head_rows, records, optimizer,
     module = accelerator.unwrap_model(drafter)
     loss, accuracy = eagle3_loss(module, target.model.get_input_embeddings(), head_rows, records, cfg.eagle3_steps,
                                  cfg.eagle3_decay)
-    accelerator.backward(loss)
-    average_gradients(accelerator, module)  # the loss calls the drafter's parts, not DDP's forward
-    accelerator.clip_grad_norm_(drafter.parameters(), 1.0)
+    accelerator.backward(loss)  # under DeepSpeed: also averages the gradients over processes, clips, steps
+    if not steps.deepspeed(accelerator):
+        average_gradients(accelerator, module)  # the loss calls the drafter's parts, not DDP's forward
+    accelerator.clip_grad_norm_(drafter.parameters(), 1.0)  # a no-op under DeepSpeed (its gradient_clipping)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad()
     return float(loss.detach()), accuracy
 
 
-def after_step(cfg, accelerator, target, drafter, state, eval_prompts, loss, accuracy, scheduler, total) -> None:
+def after_step(cfg, accelerator, target, drafter, state, eval_prompts, loss, accuracy, scheduler, total,
+               whole: steps.WholeDrafter) -> None:
     if state.step % cfg.log_every == 0 or state.step == total:
         lr = scheduler.get_last_lr()[0]
         log.info("step %d loss %.4f lr %.2e top-1 per step %s", state.step, loss, lr,
@@ -187,7 +193,7 @@ def after_step(cfg, accelerator, target, drafter, state, eval_prompts, loss, acc
         accelerator.log({"train/loss": loss, "train/lr": lr, "train/top1_step0": accuracy[0] if accuracy else 0.0},
                         step=state.step)
     if cfg.eval_every and state.step % cfg.eval_every == 0:
-        evaluate(cfg, accelerator, target, drafter, state, eval_prompts)
+        evaluate(cfg, accelerator, target, whole.of(drafter), state, eval_prompts)
     if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < total:
         save_checkpoint(accelerator, state, cfg.work_dir)
 
@@ -213,11 +219,11 @@ def decoding_options(cfg) -> dict:
             "tree_nodes": cfg.eagle3_tree_nodes or None}
 
 
-def evaluate(cfg, accelerator, target, drafter, state, eval_prompts) -> None:
-    """Measure tau on held-out prompts (main process); save the drafter when it is the best so far."""
+def evaluate(cfg, accelerator, target, module: Eagle3Drafter | None, state, eval_prompts) -> None:
+    """Measure tau on held-out prompts (main process); save the drafter when it is the best so far.
+    `module`: the whole drafter (WholeDrafter.of, called by every process; None on the others under ZeRO-3)."""
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        module = accelerator.unwrap_model(drafter)
         tau, alpha = 1.0, None
         if eval_prompts:
             result = measure_acceptance(cfg, target, module, eval_prompts)

@@ -21,7 +21,7 @@ from decode.proposers.prompt_lookup import PromptLookupProposer
 from decode.runner import ExtraRows, ModelRunner
 from models.packed_linear import (PackedLinearFP16, float16_weights_supported, inference_weights,
                                   packed_for_inference, set_inference_weights)
-from models.target import PRECISIONS, resolve_precision
+from models.target import PRECISIONS, cpu_has_native_bf16, resolve_precision
 from tests.conftest import make_tiny_llama
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not built in")
@@ -159,7 +159,12 @@ def test_speculation_in_float16_weights_equals_plain_decoding_in_float16_weights
 
 def test_precision_names_resolve_and_bad_ones_name_the_choices():
     assert resolve_precision("float32", "cpu") == (torch.float32, "float32")
-    assert resolve_precision("bfloat16", "cpu") == (torch.bfloat16, "float32")
+    if cpu_has_native_bf16():
+        assert resolve_precision("bfloat16", "cpu") == (torch.bfloat16, "float32")
+    else:
+        with pytest.raises(ValueError, match="token for token"):
+            resolve_precision("bfloat16", "cpu")
+    assert resolve_precision(torch.bfloat16, "cpu") == (torch.bfloat16, "float32")  # as a torch dtype: as asked
     assert resolve_precision(None, "cpu") == (torch.float32, "float32")
     assert resolve_precision("auto", "cuda")[0] == torch.bfloat16
     with pytest.raises(ValueError, match="float16-weights"):

@@ -88,10 +88,67 @@ def test_resume_equals_the_uninterrupted_run_and_decodes_losslessly(ddp_run, tin
     assert SpeculativeEngine(target.model, proposer, adaptive=False).generate(prompt, 20).tokens == plain
 
 
-@pytest.mark.parametrize("config,method,stage", [(ZERO3, "eagle3", 3), (ZERO2, "medusa", 2)])
+@pytest.mark.parametrize("config,method,stage", [(ZERO3, "colbt", 3), (ZERO2, "medusa", 2)])
 def test_unsupported_method_or_stage_is_an_error_naming_both(tiny_target_dir, prompts_file, tmp_path,  # noqa: F811
                                                              config, method, stage):
     res = launch(config, job_args(tiny_target_dir, prompts_file, tmp_path, method=method))
     assert res.returncode != 0
     assert f"method {method} does not run under DeepSpeed ZeRO stage {stage}" in res.stderr
     assert not (tmp_path / "drafter").exists()
+
+
+# ---- eagle3: a loop of its own (no dataloader for DeepSpeed to read the batch size from; the loss calls the
+# drafter's parts, not the engine's forward; the whole drafter gathered for measuring and saving under ZeRO-3)
+
+def eagle3_args(target_dir, prompts, out, **overrides) -> list[str]:
+    fields = dict(method="eagle3", eagle3_steps=2, eagle3_depth=3, eagle3_topk=2, eagle3_tree_nodes=4,
+                  draft_vocab=0, batch_size=4, epochs=3, lr=3e-3)
+    fields.update(overrides)
+    return job_args(target_dir, prompts, out, **fields) + ["--eagle3_layers", "0", "1", "1"]
+
+
+@pytest.fixture(scope="module")
+def eagle3_ddp_run(tiny_target_dir, prompts_file, tmp_path_factory):  # noqa: F811
+    out = tmp_path_factory.mktemp("eagle3_ddp")
+    res = launch(DDP, eagle3_args(tiny_target_dir, prompts_file, out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("config,stage", [(ZERO2, 2), (ZERO3, 3)], ids=["zero2", "zero3"])
+def test_eagle3_under_zero_ends_with_ddps_weights_and_decodes_losslessly(eagle3_ddp_run, tiny_target_dir,  # noqa: F811
+                                                                         prompts_file, tmp_path, config, stage):  # noqa: F811
+    from decode.engine import SpeculativeEngine
+    from decode.proposers import build_proposer
+    from models.drafters import load_drafter
+    from models.target import load_target
+
+    res = launch(config, eagle3_args(tiny_target_dir, prompts_file, tmp_path))
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = summary(tmp_path)
+    assert run["distributed_type"] == "DEEPSPEED" and run["zero_stage"] == stage and run["num_processes"] == 2
+    assert summary(eagle3_ddp_run)["step"] == run["step"] > 0
+    trained, reference = published_weights(tmp_path), published_weights(eagle3_ddp_run)
+    initial = {k: v for f in sorted((tmp_path / "drafter.work" / "initial").rglob("*.safetensors"))
+               for k, v in load_file(f).items()}
+    assert any(not torch.equal(trained[k], initial[k]) for k in trained)  # it trained
+    assert_same_weights(trained, reference)
+    target = load_target(str(tiny_target_dir))
+    drafter = load_drafter(str(tmp_path / "drafter"), target)
+    assert drafter.kind == "eagle3"
+    prompt = target.encode_chat([{"role": "user", "content": "w1 w2 w3"}])
+    plain = SpeculativeEngine(target.model, None).generate(prompt, 20).tokens
+    proposer = build_proposer(drafter, target.model)
+    assert SpeculativeEngine(target.model, proposer, adaptive=False).generate(prompt, 20).tokens == plain
+
+
+def test_eagle3_resumed_from_a_zero3_checkpoint_equals_the_uninterrupted_run(eagle3_ddp_run, tiny_target_dir,  # noqa: F811
+                                                                              prompts_file, tmp_path):  # noqa: F811
+    args = eagle3_args(tiny_target_dir, prompts_file, tmp_path, checkpoint_every=4)
+    first = launch(ZERO3, args + ["--stop_at_step", "4"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert not (tmp_path / "drafter").exists()  # stopped early: nothing published yet
+    resumed = launch(ZERO3, args + ["--resume", "true"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert summary(tmp_path)["step"] == summary(eagle3_ddp_run)["step"]
+    assert_same_weights(published_weights(tmp_path), published_weights(eagle3_ddp_run))
