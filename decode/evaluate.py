@@ -35,7 +35,7 @@ from models.target import PRECISIONS
 
 log = logging.getLogger(__name__)
 
-PEERS = ("none", "hf")
+PEERS = ("none", "hf", "vllm")
 
 
 @dataclass
@@ -50,7 +50,9 @@ class EvalConfig:
     gamma: int = 5  # draft length of draft-model proposers
     fixed_depth: bool = False  # draft the full depth every step instead of the cost-aware adaptive depth
     prompt_vocab: bool | None = None  # reduced draft heads also draft the prompt's tokens; None = the manifest's
-    peers: str = "none"  # "hf": also transformers' generate, assisted generation and prompt lookup
+    # "hf": also transformers' generate, assisted generation and prompt lookup; "vllm": vLLM's plain decoding and
+    # n-gram speculation (decode.vllm_peer); several: a tuple, or a comma-separated string
+    peers: tuple[str, ...] | str = "none"
     warmup: int = 2  # untimed generations per method before measuring
     device: str = "cpu"
     dtype: str | None = None  # the target's precision (models.target.PRECISIONS); None = the device's default
@@ -59,12 +61,14 @@ class EvalConfig:
 
     def __post_init__(self):
         self.drafters = tuple(self.drafters)
+        names = self.peers.split(",") if isinstance(self.peers, str) else list(self.peers)
+        self.peers = tuple(dict.fromkeys(p.strip() for p in names if p.strip() not in ("", "none")))
         if not self.drafters:
             raise ValueError("drafters: at least one drafter spec is needed")
         checks = {"limit": self.limit is None or self.limit >= 1,
                   "per_category": self.per_category is None or self.per_category >= 1, "max_new_tokens": self.max_new_tokens >= 1,
                   "temperature": self.temperature >= 0, "gamma": self.gamma >= 1, "warmup": self.warmup >= 0,
-                  "peers": self.peers in PEERS, "dtype": self.dtype is None or self.dtype in PRECISIONS}
+                  "peers": all(p in PEERS for p in self.peers), "dtype": self.dtype is None or self.dtype in PRECISIONS}
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"{name}: invalid value {getattr(self, name)!r}")
@@ -146,13 +150,13 @@ def build_methods(target, drafters: Mapping[str, object], config: EvalConfig) ->
         methods.append(engine_method(method_name("speculative", spec, one), target, proposer,
                                      config.max_new_tokens, sampling, adaptive=not config.fixed_depth))
     skipped = {}
-    if config.peers == "hf" and target.precision == "float16-weights":
+    if "hf" in config.peers and target.precision == "float16-weights":
         reason = ("transformers' generate computes the fp32 model, not the float16-weights one this run decodes: "
                   "its outputs and speed are another model's (run --dtype float32 for the hf peers)")
         for name in ["hf_generate", *(method_name("hf_assisted", spec, one) for spec in drafters), "hf_prompt_lookup"]:
             skipped[name] = reason
         log.info("skipping the hf peers: %s", reason)
-    elif config.peers == "hf":
+    elif "hf" in config.peers:
         methods.append(hf_method("hf_generate", target, config.max_new_tokens, sampling))
         for spec, drafter in drafters.items():
             name, reason = method_name("hf_assisted", spec, one), assisted_skip_reason(drafter, target)
@@ -164,6 +168,13 @@ def build_methods(target, drafters: Mapping[str, object], config: EvalConfig) ->
                                          assistant_model=assistant_model_of(drafter, target)))
         methods.append(hf_method("hf_prompt_lookup", target, config.max_new_tokens, sampling,
                                  generation_options={"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_NUM_TOKENS}))
+    if "vllm" in config.peers:
+        from decode.vllm_peer import vllm_methods
+
+        vllm, vllm_skipped = vllm_methods(target, config.max_new_tokens, config.sampling.greedy,
+                                          torch.get_num_threads())
+        methods += vllm
+        skipped.update(vllm_skipped)
     return methods, skipped
 
 
@@ -190,7 +201,12 @@ def run_evaluation(target, drafters, questions: list[Question], config: EvalConf
 
 def evaluate_methods(methods: list[Method], skipped: dict[str, str], target, drafters: Mapping[str, object],
                      questions: list[Question], config: EvalConfig, progress: bool = True) -> EvalResult:
-    results = run_methods(methods, questions, target, config.warmup, progress)
+    try:
+        results = run_methods(methods, questions, target, config.warmup, progress)
+    finally:
+        for method in methods:
+            if method.close is not None:
+                method.close()
     summary = summarize(results, [m.name for m in methods], greedy=config.sampling.greedy)
     return EvalResult(describe_run(target, drafters, questions, config), summary, results, skipped)
 
@@ -276,8 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-vocab", action=argparse.BooleanOptionalAction, default=None,
                    help="a reduced draft head also drafts every token of the request's prompt (rows from the "
                         "drafter's input embeddings); default: the drafter manifest's extra.prompt_vocab")
-    p.add_argument("--peers", choices=PEERS, default=d["peers"].default,
-                   help="hf: also run transformers' generate, assisted generation and prompt lookup")
+    p.add_argument("--peers", choices=PEERS, action="append", default=None,
+                   help="hf: also run transformers' generate, assisted generation and prompt lookup; vllm: vLLM's "
+                        "plain decoding and n-gram speculation (`make vllm` first); repeat for both")
     p.add_argument("--warmup", type=non_negative_int, default=d["warmup"].default,
                    help="untimed generations per method before measuring")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when available)")
@@ -299,7 +316,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
     return EvalConfig(drafters=tuple(args.drafter), questions=args.questions, target=args.target, limit=args.limit,
                       per_category=args.per_category,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, gamma=args.gamma,
-                      fixed_depth=args.fixed_depth, prompt_vocab=args.prompt_vocab, peers=args.peers,
+                      fixed_depth=args.fixed_depth, prompt_vocab=args.prompt_vocab, peers=tuple(args.peers or ()),
                       warmup=args.warmup, device=device, dtype=args.dtype, seed=args.seed, out=out)
 
 

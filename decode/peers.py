@@ -34,6 +34,7 @@ class Method:
     name: str
     run: Callable[[list[int]], TurnOutput]
     lossless: bool = True  # greedy output must equal the baseline's token for token
+    close: Callable[[], None] | None = None  # frees what it holds (a vLLM worker process) after the evaluation
 
 
 def engine_method(name: str, target, proposer: Proposer | None, max_new_tokens: int,

@@ -8,8 +8,8 @@ Variants of our engine (decode.runner):
   fp32      fp32, the lean Llama forward (decode.lean_decoder) on the same packed weights: the same model
   fp16w     the float16-weights precision: the lean forward on FBGEMM fp16 weight copies (another model)
   bf16      the model in bfloat16 (transformers' decoder; fast only on CPUs with native bf16)
-and transformers' `generate` (fp32) as the peer every user has. vLLM's plain decoding joins when a vLLM
-environment exists (issue #27); until then the report says it was not run.
+and transformers' `generate` (fp32) as the peer every user has, and vLLM's plain decoding in fp32 when its
+environment exists (`make vllm`; decode/vllm_peer.py), else the report says why it was not run.
 
 It prints the machine's plain-decoding speed first (fp32, our engine: the figure every table cites),
 then one target forward of N rows after a 300-token context (the shape of a verification) for each
@@ -43,6 +43,7 @@ from decode.lean_decoder import DISABLE_ENV as NO_LEAN_ENV  # noqa: E402
 from decode.proposers import build_proposer  # noqa: E402
 from decode.questions import load_questions  # noqa: E402
 from decode.runner import ModelRunner  # noqa: E402
+from decode.vllm_peer import VllmWorker, target_directory, unavailable_reason  # noqa: E402
 from models.drafters import load_drafter  # noqa: E402
 from models.target import load_target  # noqa: E402
 
@@ -68,6 +69,7 @@ def parse_args(argv):
     p.add_argument("--drafter", action="append", default=None,
                    help="drafter specs to speculate with under each variant (default: prompt_lookup)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
+    p.add_argument("--no-vllm", action="store_true", help="skip vLLM's plain decoding (run when `make vllm` was)")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--context", type=int, default=300)
@@ -142,9 +144,13 @@ def hf_generate(target, prompt_ids: list[int], n: int) -> list[int]:
 def bench_generations(targets: dict, prompts: list[list[int]], args, drafters: list[str]) -> dict:
     runs = engine_runs(targets, drafters)
     methods = {name: (lambda p, e=engine: e.generate(p, args.max_new_tokens).tokens) for name, (_, engine) in runs.items()}
+    fp32 = targets[REFERENCE]
     if not args.no_hf:
-        fp32 = next(t for n, t in targets.items() if VARIANTS[n][0] == "float32")
         methods["transformers generate fp32"] = lambda p: hf_generate(fp32, p, args.max_new_tokens)
+    worker = start_vllm(fp32, args)
+    if worker is not None:
+        stop = sorted(fp32.eos_token_ids)
+        methods["vLLM plain fp32"] = lambda p: vllm_generate(worker, p, args.max_new_tokens, stop)
     with torch.inference_mode():
         for method in methods.values():  # warm up: kernels, caches, the adaptive controller's first costs
             method(prompts[0][:64])
@@ -157,9 +163,11 @@ def bench_generations(targets: dict, prompts: list[list[int]], args, drafters: l
                 tokens = method(prompt)
             seconds[name] += time.perf_counter() - start
             outputs[name].append(tokens)
+    if worker is not None:
+        worker.close()
     rows = {}
     for name in methods:
-        variant = runs[name][0] if name in runs else "fp32-hf"
+        variant = runs[name][0] if name in runs else REFERENCE
         plain = f"{variant} plain"
         tokens = sum(len(t) for t in outputs[name])
         rows[name] = {"tokens": tokens, "seconds": seconds[name], "tok_s": tokens / seconds[name],
@@ -182,11 +190,33 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def vllm_status() -> str:
-    python = ROOT / ".venv-vllm" / "bin" / "python"
-    if not python.exists():
-        return "not run: no vLLM environment (.venv-vllm; `make vllm` of issue #27 does not exist yet)"
-    return "not run: the vLLM peer of this benchmark is not written yet (issue #27)"
+VLLM_STATUS = {"status": "not started"}
+
+
+def start_vllm(target, args):
+    """A vLLM worker for plain fp32 decoding of the same target (decode.vllm_peer), or None with the reason kept
+    for the report."""
+    if args.no_vllm:
+        VLLM_STATUS["status"] = "not run: --no-vllm"
+        return None
+    reason = unavailable_reason(target)
+    if reason:
+        VLLM_STATUS["status"] = f"not run: {reason}"
+        return None
+    try:
+        worker = VllmWorker(target_directory(target), "float32", None, torch.get_num_threads())
+    except (RuntimeError, OSError) as err:
+        VLLM_STATUS["status"] = f"not run: {err}"
+        return None
+    VLLM_STATUS.update(status="ran", vllm=worker.info.get("vllm"), startup_s=worker.info.get("startup_s"))
+    return worker
+
+
+def vllm_generate(worker, prompt_ids: list[int], n: int, stop: list[int]) -> list[int]:
+    reply = worker.generate(prompt_ids, n, stop)
+    if "error" in reply:
+        raise RuntimeError(f"vLLM: {reply['error']}")
+    return reply["tokens"]
 
 
 def print_report(report: dict, args) -> None:
@@ -207,7 +237,8 @@ def print_report(report: dict, args) -> None:
         rel = f"{row['tok_s'] / base:.2f}x" if base else "-"
         print(f"| {name} | {row['tok_s']:.1f} | {row['speedup_over_own_plain']:.2f}x | "
               f"{row['mismatches_vs_own_plain']} | {rel} |")
-    print(f"| vLLM plain | {report['vllm']} | | | |")
+    if report["vllm"]["status"] != "ran":
+        print(f"| vLLM plain | {report['vllm']['status']} | | | |")
     for variant, firsts in gen["first_divergence_vs_fp32"].items():
         print(f"first token differing from fp32 plain, {variant}: {firsts}")
 
@@ -226,7 +257,7 @@ def main(argv=None) -> dict:
               "variants": {n: {"precision": targets[n].precision, "lean": VARIANTS[n][1]} for n in args.variants},
               "forwards": bench_forwards(targets, args),
               "generations": bench_generations(targets, prompts, args, drafters),
-              "vllm": vllm_status()}
+              "vllm": VLLM_STATUS}
     report["plain_tok_s_fp32"] = report["generations"]["methods"][f"{REFERENCE} plain"]["tok_s"]
     print_report(report, args)
     out = Path(args.out)

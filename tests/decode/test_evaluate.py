@@ -275,7 +275,7 @@ def test_bench_script_command_line_is_one_the_evaluation_accepts():
     spec.loader.exec_module(bench)
     config = config_from_args(build_parser().parse_args(bench.evaluate_argv(bench.parse_args([]))))
     assert config.drafters == ("truncated:4", "prompt_lookup")
-    assert config.limit == 8 and config.peers == "hf" and config.target is None
+    assert config.limit == 8 and config.peers == ("hf",) and config.target is None
     assert "bench_decode" in config.out
 
 

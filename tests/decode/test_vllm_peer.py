@@ -1,0 +1,69 @@
+"""The vLLM peers (decode.vllm_peer): a peer that cannot run is a reason in the report, never a crash; a worker
+that dies is an error carrying its output; vLLM's counters become our statistics; and, where `make vllm` was run,
+vLLM's greedy decoding of a real target equals ours (slow: vLLM compiles for minutes)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from decode.evaluate import EvalConfig, build_methods
+from decode.vllm_peer import PYTHON_ENV, VllmWorker, stats_from, unavailable_reason, vllm_python
+from tests.conftest import ROOT
+from tests.decode.test_evaluate import chat_target  # noqa: F401  (fixture)
+
+
+def test_no_vllm_environment_is_a_reason_for_each_vllm_method(monkeypatch, tmp_path, chat_target):  # noqa: F811
+    monkeypatch.setenv(PYTHON_ENV, str(tmp_path / "missing" / "python"))
+    assert "make vllm" in unavailable_reason(chat_target)
+    config = EvalConfig(drafters=("prompt_lookup",), questions="q.jsonl", peers="vllm")
+    methods, skipped = build_methods(chat_target, {}, config)
+    assert [m.name for m in methods] == ["baseline"]
+    assert set(skipped) == {"vllm_generate", "vllm_ngram"} and all("make vllm" in r for r in skipped.values())
+
+
+def test_peers_accept_several_and_refuse_unknown_names():
+    assert EvalConfig(drafters=("prompt_lookup",), questions="q", peers="hf,vllm").peers == ("hf", "vllm")
+    assert EvalConfig(drafters=("prompt_lookup",), questions="q", peers=("vllm", "hf")).peers == ("vllm", "hf")
+    assert EvalConfig(drafters=("prompt_lookup",), questions="q").peers == ()
+    with pytest.raises(ValueError, match="peers"):
+        EvalConfig(drafters=("prompt_lookup",), questions="q", peers="sglang")
+
+
+def test_a_worker_that_dies_at_start_is_an_error_with_its_output(monkeypatch, tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'ImportError: no module named vllm' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv(PYTHON_ENV, str(fake))
+    assert vllm_python() == fake
+    with pytest.raises(RuntimeError, match="ImportError: no module named vllm"):
+        VllmWorker(tmp_path, "float32", None)
+
+
+def test_vllm_counters_become_our_statistics():
+    reply = {"tokens": list(range(20)), "wall_s": 2.0,
+             "spec": {"drafts": 6, "draft_tokens": 30, "accepted": 10, "accepted_per_position": [5, 3, 1, 1, 0]}}
+    stats = stats_from(reply)
+    assert stats.new_tokens == 20 and stats.target_forwards == 10 and stats.tau == 2.0
+    assert stats.alpha == pytest.approx(10 / 30)
+    assert stats.drafted_per_position == [6] * 5 and stats.accepted_per_position == [5, 3, 1, 1, 0]
+    assert stats_from({"tokens": [1, 2], "wall_s": 1.0, "spec": {"drafts": 0}}) is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (ROOT / ".venv-vllm" / "bin" / "python").exists(), reason="no vLLM environment (make vllm)")
+def test_vllm_greedy_equals_our_engine_on_the_default_target():
+    from decode.engine import SpeculativeEngine
+    from decode.vllm_peer import target_directory
+    from models.target import load_target
+
+    target = load_target()
+    prompt = target.encode_chat([{"role": "user", "content": "Name three colours and say why the sky is blue."}])
+    ours = SpeculativeEngine(target.model, None, target.eos_token_ids).generate(prompt, 48).tokens
+    worker = VllmWorker(target_directory(target), "float32", None, 2)
+    try:
+        reply = worker.generate(prompt, 48, sorted(target.eos_token_ids))
+    finally:
+        worker.close()
+    assert reply["tokens"] == ours, (reply["tokens"], ours, sys.version)
