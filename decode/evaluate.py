@@ -171,8 +171,9 @@ def build_methods(target, drafters: Mapping[str, object], config: EvalConfig) ->
     if "vllm" in config.peers:
         from decode.vllm_peer import vllm_methods
 
+        exports = Path(config.out or "runs/evaluate") / "vllm_exports"
         vllm, vllm_skipped = vllm_methods(target, config.max_new_tokens, config.sampling.greedy,
-                                          torch.get_num_threads())
+                                          torch.get_num_threads(), drafters, exports)
         methods += vllm
         skipped.update(vllm_skipped)
     return methods, skipped

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 
 from decode.metrics import RequestStats
@@ -135,28 +136,57 @@ def worker_method(name: str, worker: VllmWorker, max_new_tokens: int, eos_token_
     return Method(name, run, lossless=False, close=worker.close)
 
 
-def vllm_methods(target, max_new_tokens: int, greedy: bool, threads: int | None = None
+def vllm_methods(target, max_new_tokens: int, greedy: bool, threads: int | None = None,
+                 drafters: Mapping[str, object] | None = None, export_dir: Path | None = None
                  ) -> tuple[list[Method], dict[str, str]]:
-    """vllm_generate and vllm_ngram (started now: each compiles for minutes; Method.close stops each) and the
-    reasons for any that cannot run."""
-    names = ["vllm_generate", "vllm_ngram"]
+    """vllm_generate, vllm_ngram and, for each eagle3 drafter, vllm_eagle3[spec] (exported to speculators'
+    format under export_dir): each a worker started now (each compiles for minutes; Method.close stops it).
+    Returns the methods and the reasons for any that cannot run."""
+    drafters = dict(drafters or {})
+    configs: dict[str, dict | None] = {"vllm_generate": None,
+                                       "vllm_ngram": {"method": "ngram", "num_speculative_tokens": NGRAM_TOKENS,
+                                                      "prompt_lookup_max": 3, "prompt_lookup_min": 1}}
+    skipped: dict[str, str] = {}
+    for spec, drafter in drafters.items():
+        name = f"vllm_{drafter.kind}[{spec}]"
+        if drafter.kind == "prompt_lookup":
+            continue  # vLLM's counterpart is vllm_ngram
+        if drafter.kind != "eagle3" or getattr(drafter, "with_lookup", False):
+            skipped[name] = (f"vLLM loads no {drafter.kind} drafter exported from this project yet"
+                             if drafter.kind != "eagle3" else "vLLM cannot add a prompt-lookup chain to EAGLE-3")
+            continue
+        configs[name] = ("eagle3", drafter)
     reason = unavailable_reason(target) or (None if greedy else "the vLLM peers run greedy decoding only")
     if reason:
-        return [], dict.fromkeys(names, reason)
-    configs = {"vllm_generate": None,
-               "vllm_ngram": {"method": "ngram", "num_speculative_tokens": NGRAM_TOKENS, "prompt_lookup_max": 3,
-                              "prompt_lookup_min": 1}}
-    methods, skipped = [], {}
+        return [], {**dict.fromkeys(configs, reason), **skipped}
+    methods = []
     for name, speculative in configs.items():
-        log.info("starting %s (vLLM compiles its kernels: minutes)", name)
         try:
+            if isinstance(speculative, tuple):
+                speculative = eagle3_config(speculative[1], target, Path(export_dir or ROOT / "runs" / "vllm_exports"))
+            log.info("starting %s (vLLM compiles its kernels: minutes)", name)
             worker = VllmWorker(target_directory(target), VLLM_DTYPES[target.precision], speculative, threads)
-        except (RuntimeError, OSError) as err:
+        except (RuntimeError, OSError, ValueError) as err:
             skipped[name] = str(err)
             log.warning("skipping %s: %s", name, err)
             continue
         methods.append(worker_method(name, worker, max_new_tokens, target.eos_token_ids))
     return methods, skipped
+
+
+def eagle3_config(drafter, target, export_dir: Path) -> dict:
+    """Export an eagle3 drafter to speculators' format (models.export) and vLLM's speculative_config for it, at
+    the depth our engine drafts it on this device (its manifest's, else the proposer's default)."""
+    from decode.proposers.eagle3 import DEFAULT_TREE
+    from models.export import export_speculators
+
+    if not drafter.path:
+        raise ValueError("an eagle3 drafter without a directory cannot be exported")
+    options = (drafter.manifest.get("extra") or {}).get("decoding") or {}
+    depth = int(options.get("depth") or DEFAULT_TREE["cuda" if target.device.type == "cuda" else "cpu"][0])
+    out = export_dir / Path(drafter.path).name
+    export_speculators(drafter.path, out, target, num_speculative_tokens=depth)
+    return {"method": "eagle3", "model": str(out.resolve()), "num_speculative_tokens": depth}
 
 
 def main() -> int:  # a smoke check: python -m decode.vllm_peer

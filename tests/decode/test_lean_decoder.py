@@ -183,3 +183,21 @@ def test_evaluate_rejects_a_bad_dtype_naming_the_choices(capsys):
         build_parser().parse_args(["--drafter", "prompt_lookup", "--questions", __file__, "--dtype", "fp8"])
     err = capsys.readouterr().err
     assert "--dtype" in err and "float16-weights" in err and "auto" in err
+
+
+@needs_fp16
+def test_drafters_follow_the_targets_float16_weights():
+    from decode.proposers import build_proposer
+    from decode.proposers.eagle3 import Eagle3Proposer
+    from models.drafters import Drafter
+    from models.eagle3 import Eagle3Drafter
+
+    target = make_tiny_llama(layers=2, seed=0)
+    set_inference_weights(target, "float16")
+    draft = Drafter(kind="draft_model", model=make_tiny_llama(layers=1, seed=1), vocab_map=None, manifest={}, path=None)
+    proposer = build_proposer(draft, target)
+    assert inference_weights(draft.model) == "float16"
+    assert isinstance(proposer.runner.head, PackedLinearFP16)
+    eagle = Eagle3Drafter.for_target(target, torch.arange(64), [0, 1, 1]).float().eval()
+    net = Eagle3Proposer(eagle, target.get_input_embeddings(), weights="float16").net
+    assert isinstance(net.lm_head, PackedLinearFP16) and isinstance(net.fc, PackedLinearFP16)

@@ -23,6 +23,21 @@ def test_no_vllm_environment_is_a_reason_for_each_vllm_method(monkeypatch, tmp_p
     assert set(skipped) == {"vllm_generate", "vllm_ngram"} and all("make vllm" in r for r in skipped.values())
 
 
+def test_drafters_vllm_cannot_load_are_reasons_naming_them(monkeypatch, tmp_path, chat_target):  # noqa: F811
+    from decode.vllm_peer import vllm_methods
+    from models.drafters import Drafter
+
+    monkeypatch.setenv(PYTHON_ENV, str(tmp_path / "missing" / "python"))
+    drafters = {"truncated:1": Drafter(kind="draft_model", model=None, vocab_map=None, manifest={}, path=None),
+                "prompt_lookup": Drafter(kind="prompt_lookup", model=None, vocab_map=None, manifest={}, path=None),
+                "e3": Drafter(kind="eagle3", model=None, vocab_map=None, manifest={}, path="e3")}
+    methods, skipped = vllm_methods(chat_target, 16, True, drafters=drafters)
+    assert methods == []
+    assert "no draft_model drafter" in skipped["vllm_draft_model[truncated:1]"]
+    assert "make vllm" in skipped["vllm_eagle3[e3]"] and "make vllm" in skipped["vllm_ngram"]
+    assert not any("prompt_lookup" in name for name in skipped)  # its vLLM counterpart is vllm_ngram
+
+
 def test_peers_accept_several_and_refuse_unknown_names():
     assert EvalConfig(drafters=("prompt_lookup",), questions="q", peers="hf,vllm").peers == ("hf", "vllm")
     assert EvalConfig(drafters=("prompt_lookup",), questions="q", peers=("vllm", "hf")).peers == ("vllm", "hf")

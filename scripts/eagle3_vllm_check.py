@@ -1,0 +1,74 @@
+"""Check an exported EAGLE-3 drafter in vLLM against our engine: the same drafter, the same chain depth, the same
+prompts, greedy; prints both engines' tau and acceptance per position and vLLM's mismatches against our plain
+decoding. Needs `make vllm` (vLLM compiles for about 3.5 minutes at start).
+
+    .venv/bin/python scripts/eagle3_vllm_check.py [DRAFTER] [--depth 6] [--max-new-tokens 96]
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from decode.engine import SpeculativeEngine  # noqa: E402
+from decode.metrics import aggregate_stats  # noqa: E402
+from decode.proposers import build_proposer  # noqa: E402
+from decode.questions import load_questions  # noqa: E402
+from decode.vllm_peer import VllmWorker, eagle3_config, stats_from, target_directory  # noqa: E402
+from models.drafters import load_drafter  # noqa: E402
+from models.target import load_target  # noqa: E402
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("drafter", nargs="?", default="runs/smollm2_eagle3_gpu/drafter")
+    p.add_argument("--questions", default=str(ROOT.parent / "shared/data/mt_bench/question.jsonl"))
+    p.add_argument("--per-category", type=int, default=1)
+    p.add_argument("--depth", type=int, default=6)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--out", default="runs/eagle3_vllm_check.json")
+    args = p.parse_args(argv)
+    target = load_target()
+    drafter = load_drafter(args.drafter, target)
+    questions = load_questions(args.questions, per_category=args.per_category)
+    prompts = [target.encode_chat([{"role": "user", "content": q.turns[0]}]) for q in questions]
+    n, depth, eos = args.max_new_tokens, args.depth, sorted(target.eos_token_ids)
+    # ours: a chain (top-1) of the same depth, drafted in full every step, as vLLM drafts
+    proposer = build_proposer(drafter, target.model, eagle3_depth=depth, eagle3_topk=1, eagle3_tree_nodes=depth)
+    engine = SpeculativeEngine(target.model, proposer, target.eos_token_ids, adaptive=False)
+    ours = aggregate_stats([engine.generate(prompt, n).stats for prompt in prompts])
+    plain = SpeculativeEngine(target.model, None, target.eos_token_ids)
+    plain_tokens = [plain.generate(prompt, n).tokens for prompt in prompts]
+    config = eagle3_config(drafter, target, ROOT / "runs" / "vllm_exports")
+    config["num_speculative_tokens"] = depth
+    worker = VllmWorker(target_directory(target), "float32", config)
+    try:
+        replies = [worker.generate(prompt, n, eos) for prompt in prompts]
+    finally:
+        worker.close()
+    errors = [r["error"] for r in replies if "error" in r]
+    if errors:
+        raise SystemExit(f"vLLM failed: {errors[0]}")
+    stats = [stats_from(r) for r in replies]
+    positions = len(stats[0].accepted_per_position)
+    vllm = {"tau": sum(s.new_tokens for s in stats) / sum(s.target_forwards for s in stats),
+            "alpha": sum(s.accepted for s in stats) / sum(s.drafted for s in stats),
+            "per_position": [sum(s.accepted_per_position[i] for s in stats) / sum(s.drafted_per_position[i] for s in stats)
+                             for i in range(positions)],
+            "mismatches_vs_our_plain": sum(r["tokens"] != t for r, t in zip(replies, plain_tokens))}
+    ours_per_position = [a / d if d else None for a, d in zip(ours["accepted_per_position"], ours["drafted_per_position"])]
+    report = {"depth": depth, "prompts": len(prompts), "ours": {"tau": ours["tau"], "alpha": ours["alpha"],
+              "per_position": ours_per_position}, "vllm": vllm, "speculative_config": config}
+    print(f"chain depth {depth}, {len(prompts)} prompts, {n} tokens: ours tau {ours['tau']:.3f}, vLLM tau "
+          f"{vllm['tau']:.3f}; per position ours {[round(x, 3) for x in ours_per_position if x is not None]}, "
+          f"vLLM {[round(x, 3) for x in vllm['per_position']]}; vLLM mismatches vs our plain "
+          f"{vllm['mismatches_vs_our_plain']}/{len(prompts)}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
