@@ -75,7 +75,13 @@ class VllmWorker:
 
     def _drain_stderr(self) -> None:
         for line in self.process.stderr:
-            self.stderr_tail = (self.stderr_tail + [line.rstrip()])[-40:]
+            self.stderr_tail.append(line.rstrip())
+            del self.stderr_tail[:-400]
+
+    def failure_lines(self) -> str:
+        """The root cause first (the first fatal or error line vLLM printed), then the last lines."""
+        causes = [line for line in self.stderr_tail if "Fatal" in line or "Error" in line or " ERROR " in line]
+        return "\n".join(causes[:3] + ["..."] + self.stderr_tail[-12:])
 
     def _read(self, timeout_s: float) -> dict:
         result: dict = {}
@@ -88,7 +94,7 @@ class VllmWorker:
         reader.start()
         reader.join(timeout_s)
         if reader.is_alive() or "error" in result and not result.get("ready"):
-            tail = "\n".join(self.stderr_tail[-15:])
+            tail = self.failure_lines()
             self.close()
             raise RuntimeError(f"vLLM worker failed ({result.get('error', f'no answer in {timeout_s:.0f} s')}); "
                                f"its last output:\n{tail}")

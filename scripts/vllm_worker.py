@@ -40,6 +40,10 @@ def cpu_environment(threads: int, kv_cache_gib: int) -> None:
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+    # vLLM 0.32's compile cache: an EAGLE-3 engine started a second time failed to load its cached graph, compiled
+    # again and died of a Python stack overflow ("Engine core initialization failed"); compiling afresh at every
+    # start (about 3 minutes here, what a start took with the cache anyway) avoids it
+    os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
 
 
 def replies_channel():
