@@ -46,6 +46,7 @@ from decode.runner import ModelRunner  # noqa: E402
 from decode.vllm_peer import VllmWorker, target_directory, unavailable_reason  # noqa: E402
 from models.drafters import load_drafter  # noqa: E402
 from models.target import load_target  # noqa: E402
+from scripts.bench_packing import time_forward  # noqa: E402  (one forward of N rows after a context, timed)
 
 QUESTIONS = ROOT.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
 VARIANTS = {  # name: (precision, lean forward)
@@ -89,15 +90,6 @@ def lean_switch(lean: bool):
         os.environ.pop(NO_LEAN_ENV, None)
         if old is not None:
             os.environ[NO_LEAN_ENV] = old
-
-
-def time_forward(runner: ModelRunner, context: list[int], rows: int) -> float:
-    runner.start(len(context) + rows + 1)
-    runner.forward(context, logits_rows=slice(len(context) - 1, len(context)))
-    runner.cache.advance(len(context))
-    start = time.perf_counter()
-    runner.forward(list(range(1000, 1000 + rows)))  # logits for every row, as verification needs
-    return time.perf_counter() - start
 
 
 @torch.inference_mode()
