@@ -37,7 +37,9 @@ class ModelRunner:
     packed copies of the weights (models.packed_linear): the same values, about twice as fast at
     batch size 1, and a few rows cost little more than one. Grouped-query attention over several rows
     runs without copying the key/value cache per group (decode.attention; the model's attention
-    implementation is switched from `sdpa`, the same attention).
+    implementation is switched from `sdpa`, the same attention). On a Llama-family model on the CPU the
+    decoder is not transformers' forward but decode.lean_decoder's (the same layers in fewer, fused
+    operations); under the float16-weights precision both read fp16 weight copies (models.packed_linear).
     """
 
     def __init__(self, model: torch.nn.Module, static_shapes: bool = False):
