@@ -201,3 +201,36 @@ def test_drafters_follow_the_targets_float16_weights():
     eagle = Eagle3Drafter.for_target(target, torch.arange(64), [0, 1, 1]).float().eval()
     net = Eagle3Proposer(eagle, target.get_input_embeddings(), weights="float16").net
     assert isinstance(net.lm_head, PackedLinearFP16) and isinstance(net.fc, PackedLinearFP16)
+
+
+def test_serve_takes_a_precision_and_rejects_a_bad_one_naming_the_choices(capsys, tmp_path):
+    from decode.serve import parse_args
+
+    assert parse_args(["--log-dir", str(tmp_path), "--dtype", "float16-weights"]).dtype == "float16-weights"
+    assert parse_args(["--log-dir", str(tmp_path)]).dtype is None  # the device's default
+    with pytest.raises(SystemExit):
+        parse_args(["--log-dir", str(tmp_path), "--dtype", "half"])
+    err = capsys.readouterr().err
+    assert "--dtype" in err and "float16-weights" in err
+
+
+@needs_fp16
+def test_an_evaluation_in_float16_weights_names_it_and_skips_the_fp32_peers(tmp_path):
+    from decode.evaluate import EvalConfig, run_evaluation
+    from decode.questions import load_questions
+    from models.drafters import load_drafter
+    from models.target import target_from_model
+    from tests.decode.test_evaluate import MT_BENCH_LINES, VOCAB, make_chat_tokenizer, write_lines
+
+    target = target_from_model(make_tiny_llama(vocab_size=VOCAB, layers=2, seed=0), make_chat_tokenizer(), "tiny")
+    set_inference_weights(target.model, "float16")
+    assert target.precision == "float16-weights"
+    questions = load_questions(write_lines(tmp_path / "q.jsonl", MT_BENCH_LINES))
+    drafters = {"truncated:1": load_drafter("truncated:1", target)}
+    config = EvalConfig(drafters=tuple(drafters), questions=str(tmp_path / "q.jsonl"), max_new_tokens=10, warmup=0,
+                        peers="hf")
+    result = run_evaluation(target, drafters, questions, config, progress=False)
+    assert result.config["precision"] == "float16-weights"
+    assert {"hf_generate", "hf_assisted", "hf_prompt_lookup"} <= set(result.skipped)
+    assert all("fp32 model" in reason for reason in result.skipped.values())
+    assert result.summary["speculative"]["mismatches"] == 0 and result.summary["speculative"]["turns"] == 4
