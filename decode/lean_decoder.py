@@ -21,12 +21,13 @@ decodes.
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
 import torch.nn.functional as F
 
-from models.packed_linear import PackedLinear, PackedLinearFP16, packing_supported, weights_signature
+from models.packed_linear import cached_copy, packed_class, packing_supported, weights_signature
 
 __all__ = ["LeanDecoder", "lean_decoder", "lean_supported"]
 
@@ -38,8 +39,6 @@ _cache: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, LeanDecoder]]" 
 
 def lean_supported(model: torch.nn.Module) -> str | None:
     """None when the lean forward computes what `model`'s decoder does, else why not (for the log)."""
-    import os
-
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         return f"${DISABLE_ENV} is set"
     config = model.config.get_text_config()
@@ -68,13 +67,9 @@ def lean_decoder(model: torch.nn.Module, weights: str) -> "LeanDecoder | None":
     if lean_supported(model) is not None:
         return None
     decoder = model.get_decoder()
+    # the norms' weights are read in place; their identity joins the linears' signature
     key = (weights, weights_signature(decoder), tuple(p.data_ptr() for p in decoder.parameters()))
-    hit = _cache.get(decoder)
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    lean = LeanDecoder(decoder, PackedLinearFP16 if weights == "float16" else PackedLinear)
-    _cache[decoder] = (key, lean)
-    return lean
+    return cached_copy(_cache, decoder, key, lambda: LeanDecoder(decoder, packed_class(weights)))
 
 
 def fused_linear(linears: list[torch.nn.Linear], packed_class) -> torch.nn.Module:

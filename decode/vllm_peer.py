@@ -51,10 +51,9 @@ def target_directory(target) -> Path | None:
     from models.target import resolve_target_source
 
     try:
-        source = resolve_target_source(target.name)
+        return resolve_target_source(target.name)
     except (OSError, ValueError):
         return None
-    return source
 
 
 class VllmWorker:
@@ -148,12 +147,13 @@ def vllm_methods(target, max_new_tokens: int, greedy: bool, threads: int | None 
     """vllm_generate, vllm_ngram and, for each eagle3 drafter, vllm_eagle3[spec] (exported to speculators'
     format under export_dir): each a worker started now (each compiles for minutes; Method.close stops it).
     Returns the methods and the reasons for any that cannot run."""
-    drafters = dict(drafters or {})
-    configs: dict[str, dict | None] = {"vllm_generate": None,
-                                       "vllm_ngram": {"method": "ngram", "num_speculative_tokens": NGRAM_TOKENS,
-                                                      "prompt_lookup_max": 3, "prompt_lookup_min": 1}}
+    # each vLLM method: a function giving its speculative_config (None: plain decoding), called once it can run
+    configs = {"vllm_generate": lambda: None,
+               "vllm_ngram": lambda: {"method": "ngram", "num_speculative_tokens": NGRAM_TOKENS,
+                                      "prompt_lookup_max": 3, "prompt_lookup_min": 1}}
     skipped: dict[str, str] = {}
-    for spec, drafter in drafters.items():
+    exports = Path(export_dir or ROOT / "runs" / "vllm_exports")
+    for spec, drafter in (drafters or {}).items():
         name = f"vllm_{drafter.kind}[{spec}]"
         if drafter.kind == "prompt_lookup":
             continue  # vLLM's counterpart is vllm_ngram
@@ -161,15 +161,14 @@ def vllm_methods(target, max_new_tokens: int, greedy: bool, threads: int | None 
             skipped[name] = (f"vLLM loads no {drafter.kind} drafter exported from this project yet"
                              if drafter.kind != "eagle3" else "vLLM cannot add a prompt-lookup chain to EAGLE-3")
             continue
-        configs[name] = ("eagle3", drafter)
+        configs[name] = lambda drafter=drafter: eagle3_config(drafter, target, exports)
     reason = unavailable_reason(target) or (None if greedy else "the vLLM peers run greedy decoding only")
     if reason:
         return [], {**dict.fromkeys(configs, reason), **skipped}
     methods = []
-    for name, speculative in configs.items():
+    for name, speculative_config in configs.items():
         try:
-            if isinstance(speculative, tuple):
-                speculative = eagle3_config(speculative[1], target, Path(export_dir or ROOT / "runs" / "vllm_exports"))
+            speculative = speculative_config()
             log.info("starting %s (vLLM compiles its kernels: minutes)", name)
             worker = VllmWorker(target_directory(target), VLLM_DTYPES[target.precision], speculative, threads)
         except (RuntimeError, OSError, ValueError) as err:

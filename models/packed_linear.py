@@ -36,8 +36,9 @@ import weakref
 
 import torch
 
-__all__ = ["PackedLinear", "PackedLinearFP16", "WEIGHT_FORMATS", "float16_weights_supported",
-           "inference_weights", "packed_for_inference", "packing_supported", "set_inference_weights"]
+__all__ = ["PackedLinear", "PackedLinearFP16", "WEIGHT_FORMATS", "cached_copy", "float16_weights_supported",
+           "inference_weights", "packed_class", "packed_for_inference", "packing_supported", "set_inference_weights",
+           "weights_signature"]
 
 WEIGHT_FORMATS = ("float32", "float16")
 # the attribute of a model that says in which format its inference copies hold linear weights
@@ -81,11 +82,15 @@ class PackedLinearFP16(torch.nn.Module):
         return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
 
 
+def check_weight_format(weights: str) -> None:
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"inference weights {weights!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
+
+
 def set_inference_weights(model: torch.nn.Module, weights: str) -> None:
     """Make the engine's inference copies of `model` hold linear weights in `weights` format
     (see WEIGHT_FORMATS); the model's own parameters are unchanged."""
-    if weights not in WEIGHT_FORMATS:
-        raise ValueError(f"inference weights {weights!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
+    check_weight_format(weights)
     if weights == "float16" and not float16_weights_supported():
         raise ValueError("float16 inference weights need FBGEMM's fp16 GEMM (an x86 CPU with AVX2 and F16C); "
                          "this CPU or torch build has none")
@@ -122,20 +127,29 @@ def packed_for_inference(module: torch.nn.Module, weights: str = "float32") -> t
     """`module` itself where packing is unsupported, else a copy with every fp32 CPU nn.Linear
     replaced by a PackedLinear, or by a PackedLinearFP16 for weights="float16" (parameters otherwise
     shared). Cached until the weights change."""
-    if weights not in WEIGHT_FORMATS:
-        raise ValueError(f"inference weights {weights!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
+    check_weight_format(weights)
     if not packing_supported(module):
         if weights == "float16":
             raise ValueError("float16 inference weights need an fp32 module on the CPU "
                              "(and packing not switched off by $" + DISABLE_ENV + ")")
         return module
-    key = (weights, weights_signature(module))
-    hit = _cache.get(module)
+    return cached_copy(_cache, module, (weights, weights_signature(module)),
+                       lambda: clone_with_packed_linears(module, packed_class(weights)))
+
+
+def packed_class(weights: str) -> type[torch.nn.Module]:
+    """The inference linear for a weight format."""
+    return PackedLinearFP16 if weights == "float16" else PackedLinear
+
+
+def cached_copy(cache: weakref.WeakKeyDictionary, module: torch.nn.Module, key: tuple, build):
+    """cache[module]'s copy while its key (the weights' signature) is unchanged, else build() stored under key."""
+    hit = cache.get(module)
     if hit is not None and hit[0] == key:
         return hit[1]
-    packed = clone_with_packed_linears(module, PackedLinearFP16 if weights == "float16" else PackedLinear)
-    _cache[module] = (key, packed)
-    return packed
+    copy_ = build()
+    cache[module] = (key, copy_)
+    return copy_
 
 
 def weights_signature(module: torch.nn.Module) -> tuple:

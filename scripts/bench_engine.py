@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +44,7 @@ from decode.runner import ModelRunner  # noqa: E402
 from decode.vllm_peer import VllmWorker, target_directory, unavailable_reason  # noqa: E402
 from models.drafters import load_drafter  # noqa: E402
 from models.target import load_target  # noqa: E402
-from scripts.bench_packing import time_forward  # noqa: E402  (one forward of N rows after a context, timed)
+from scripts.bench_packing import switched_off, time_forward  # noqa: E402
 
 QUESTIONS = ROOT.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
 VARIANTS = {  # name: (precision, lean forward)
@@ -78,18 +76,9 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-@contextmanager
 def lean_switch(lean: bool):
-    """Build runners with the lean forward on or off (read when a runner is built)."""
-    old = os.environ.pop(NO_LEAN_ENV, None)
-    if not lean:
-        os.environ[NO_LEAN_ENV] = "1"
-    try:
-        yield
-    finally:
-        os.environ.pop(NO_LEAN_ENV, None)
-        if old is not None:
-            os.environ[NO_LEAN_ENV] = old
+    """Build runners with the lean forward on or off."""
+    return switched_off(NO_LEAN_ENV, not lean)
 
 
 @torch.inference_mode()

@@ -16,6 +16,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,17 +44,25 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def make(factory, packed: bool):
-    """Build with packing on or off (the switch is read when the runner or engine is built)."""
-    old = os.environ.pop(DISABLE_ENV, None)
-    if not packed:
-        os.environ[DISABLE_ENV] = "1"
+@contextmanager
+def switched_off(env: str, off: bool):
+    """`env` set to "1" (a feature switched off) or unset while the block runs, restored after; the engine
+    reads these switches when a runner or engine is built."""
+    old = os.environ.pop(env, None)
+    if off:
+        os.environ[env] = "1"
     try:
-        return factory()
+        yield
     finally:
-        os.environ.pop(DISABLE_ENV, None)
+        os.environ.pop(env, None)
         if old is not None:
-            os.environ[DISABLE_ENV] = old
+            os.environ[env] = old
+
+
+def make(factory, packed: bool):
+    """Build with packing on or off."""
+    with switched_off(DISABLE_ENV, not packed):
+        return factory()
 
 
 def time_forward(runner: ModelRunner, context: list[int], rows: int) -> float:

@@ -30,6 +30,33 @@ def launch(config: str, args: list[str]):
     return run_entrypoint(args, launcher=[ACCELERATE, "launch", "--config_file", config, *TWO_CPU])
 
 
+def launch_ok(config: str, args: list[str]) -> None:
+    res = launch(config, args)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+def assert_deepspeed_at(out, stage: int) -> None:
+    """The run was really DeepSpeed at `stage` with 2 processes (not DDP run in its place)."""
+    run = summary(out)
+    assert run["distributed_type"] == "DEEPSPEED" and run["zero_stage"] == stage and run["num_processes"] == 2
+
+
+def assert_decodes_losslessly(target_dir, drafter_dir, **proposer_options):
+    """The published drafter's greedy speculation equals plain decoding; returns the loaded drafter."""
+    from decode.engine import SpeculativeEngine
+    from decode.proposers import build_proposer
+    from models.drafters import load_drafter
+    from models.target import load_target
+
+    target = load_target(str(target_dir))
+    drafter = load_drafter(str(drafter_dir), target)
+    proposer = build_proposer(drafter, target.model, **proposer_options)
+    prompt = target.encode_chat([{"role": "user", "content": "w1 w2 w3"}])
+    plain = SpeculativeEngine(target.model, None).generate(prompt, 20).tokens
+    assert SpeculativeEngine(target.model, proposer, adaptive=False).generate(prompt, 20).tokens == plain
+    return drafter
+
+
 def summary(out) -> dict:
     return json.loads((out / "drafter.work" / "summary.json").read_text())
 
@@ -49,18 +76,15 @@ def assert_same_weights(a: dict, b: dict) -> None:
 @pytest.fixture(scope="module")
 def ddp_run(tiny_target_dir, prompts_file, tmp_path_factory):  # noqa: F811
     out = tmp_path_factory.mktemp("ddp")
-    res = launch(DDP, job_args(tiny_target_dir, prompts_file, out))
-    assert res.returncode == 0, res.stderr[-3000:]
+    launch_ok(DDP, job_args(tiny_target_dir, prompts_file, out))
     return out
 
 
 @pytest.mark.parametrize("config,stage", [(ZERO2, 2), (ZERO3, 3)], ids=["zero2", "zero3"])
 def test_zero_is_deepspeed_and_ends_with_ddps_weights(ddp_run, tiny_target_dir, prompts_file, tmp_path,  # noqa: F811
                                                       config, stage):
-    res = launch(config, job_args(tiny_target_dir, prompts_file, tmp_path))
-    assert res.returncode == 0, res.stderr[-3000:]
-    run = summary(tmp_path)
-    assert run["distributed_type"] == "DEEPSPEED" and run["zero_stage"] == stage and run["num_processes"] == 2
+    launch_ok(config, job_args(tiny_target_dir, prompts_file, tmp_path))
+    assert_deepspeed_at(tmp_path, stage)
     assert summary(ddp_run)["distributed_type"] == "MULTI_CPU"
     assert_same_weights(published_weights(tmp_path), published_weights(ddp_run))
 
@@ -68,24 +92,13 @@ def test_zero_is_deepspeed_and_ends_with_ddps_weights(ddp_run, tiny_target_dir, 
 @pytest.mark.parametrize("config", [ZERO2, ZERO3], ids=["zero2", "zero3"])
 def test_resume_equals_the_uninterrupted_run_and_decodes_losslessly(ddp_run, tiny_target_dir,  # noqa: F811
                                                                     prompts_file, tmp_path, config):  # noqa: F811
-    from decode.engine import SpeculativeEngine
-    from decode.proposers import build_proposer
-    from models.drafters import load_drafter
-    from models.target import load_target
-
     args = job_args(tiny_target_dir, prompts_file, tmp_path, checkpoint_every=3)
-    first = launch(config, args + ["--stop_at_step", "3"])
-    assert first.returncode == 0, first.stderr[-3000:]
+    launch_ok(config, args + ["--stop_at_step", "3"])
     assert not (tmp_path / "drafter").exists()  # stopped early: nothing published yet
-    resumed = launch(config, args + ["--resume", "true"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    launch_ok(config, args + ["--resume", "true"])
     assert summary(tmp_path)["step"] == summary(ddp_run)["step"]
     assert_same_weights(published_weights(tmp_path), published_weights(ddp_run))
-    target = load_target(str(tiny_target_dir))
-    proposer = build_proposer(load_drafter(str(tmp_path / "drafter"), target), target.model, gamma=3)
-    prompt = target.encode_chat([{"role": "user", "content": "w1 w2 w3"}])
-    plain = SpeculativeEngine(target.model, None).generate(prompt, 20).tokens
-    assert SpeculativeEngine(target.model, proposer, adaptive=False).generate(prompt, 20).tokens == plain
+    assert_decodes_losslessly(tiny_target_dir, tmp_path / "drafter", gamma=3)
 
 
 @pytest.mark.parametrize("config,method,stage", [(ZERO3, "colbt", 3), (ZERO2, "medusa", 2)])
@@ -110,45 +123,29 @@ def eagle3_args(target_dir, prompts, out, **overrides) -> list[str]:
 @pytest.fixture(scope="module")
 def eagle3_ddp_run(tiny_target_dir, prompts_file, tmp_path_factory):  # noqa: F811
     out = tmp_path_factory.mktemp("eagle3_ddp")
-    res = launch(DDP, eagle3_args(tiny_target_dir, prompts_file, out))
-    assert res.returncode == 0, res.stderr[-3000:]
+    launch_ok(DDP, eagle3_args(tiny_target_dir, prompts_file, out))
     return out
 
 
 @pytest.mark.parametrize("config,stage", [(ZERO2, 2), (ZERO3, 3)], ids=["zero2", "zero3"])
 def test_eagle3_under_zero_ends_with_ddps_weights_and_decodes_losslessly(eagle3_ddp_run, tiny_target_dir,  # noqa: F811
                                                                          prompts_file, tmp_path, config, stage):  # noqa: F811
-    from decode.engine import SpeculativeEngine
-    from decode.proposers import build_proposer
-    from models.drafters import load_drafter
-    from models.target import load_target
-
-    res = launch(config, eagle3_args(tiny_target_dir, prompts_file, tmp_path))
-    assert res.returncode == 0, res.stderr[-3000:]
-    run = summary(tmp_path)
-    assert run["distributed_type"] == "DEEPSPEED" and run["zero_stage"] == stage and run["num_processes"] == 2
-    assert summary(eagle3_ddp_run)["step"] == run["step"] > 0
+    launch_ok(config, eagle3_args(tiny_target_dir, prompts_file, tmp_path))
+    assert_deepspeed_at(tmp_path, stage)
+    assert summary(eagle3_ddp_run)["step"] == summary(tmp_path)["step"] > 0
     trained, reference = published_weights(tmp_path), published_weights(eagle3_ddp_run)
     initial = {k: v for f in sorted((tmp_path / "drafter.work" / "initial").rglob("*.safetensors"))
                for k, v in load_file(f).items()}
     assert any(not torch.equal(trained[k], initial[k]) for k in trained)  # it trained
     assert_same_weights(trained, reference)
-    target = load_target(str(tiny_target_dir))
-    drafter = load_drafter(str(tmp_path / "drafter"), target)
-    assert drafter.kind == "eagle3"
-    prompt = target.encode_chat([{"role": "user", "content": "w1 w2 w3"}])
-    plain = SpeculativeEngine(target.model, None).generate(prompt, 20).tokens
-    proposer = build_proposer(drafter, target.model)
-    assert SpeculativeEngine(target.model, proposer, adaptive=False).generate(prompt, 20).tokens == plain
+    assert assert_decodes_losslessly(tiny_target_dir, tmp_path / "drafter").kind == "eagle3"
 
 
 def test_eagle3_resumed_from_a_zero3_checkpoint_equals_the_uninterrupted_run(eagle3_ddp_run, tiny_target_dir,  # noqa: F811
                                                                               prompts_file, tmp_path):  # noqa: F811
     args = eagle3_args(tiny_target_dir, prompts_file, tmp_path, checkpoint_every=4)
-    first = launch(ZERO3, args + ["--stop_at_step", "4"])
-    assert first.returncode == 0, first.stderr[-3000:]
+    launch_ok(ZERO3, args + ["--stop_at_step", "4"])
     assert not (tmp_path / "drafter").exists()  # stopped early: nothing published yet
-    resumed = launch(ZERO3, args + ["--resume", "true"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    launch_ok(ZERO3, args + ["--resume", "true"])
     assert summary(tmp_path)["step"] == summary(eagle3_ddp_run)["step"]
     assert_same_weights(published_weights(tmp_path), published_weights(eagle3_ddp_run))
