@@ -31,11 +31,13 @@ class Generation:
 
 class SpeculativeEngine:
     def __init__(self, target_model: torch.nn.Module, proposer: Proposer | None = None,
-                 eos_token_ids: set[int] | frozenset = frozenset(), static_shapes: bool = False, max_tree_nodes: int = 64, adaptive: bool = True):
+                 eos_token_ids: set[int] | frozenset = frozenset(), static_shapes: bool | None = None, max_tree_nodes: int = 64, adaptive: bool = True,
+                 fixed_steps: bool | None = None):
         """adaptive: in greedy mode, choose each step's draft depth by measured cost and
         acceptance (decode.adaptive). Sampling always drafts the proposer's full depth, so that a
-        seed reproduces its output (timings must not steer which random draws are made)."""
-        self.target = ModelRunner(target_model, static_shapes=static_shapes)
+        seed reproduces its output (timings must not steer which random draws are made).
+        static_shapes, fixed_steps: see decode.runner.ModelRunner (by default both on CUDA: CUDA graphs)."""
+        self.target = ModelRunner(target_model, static_shapes=static_shapes, fixed_steps=fixed_steps)
         self.proposer = proposer
         self.eos_token_ids = set(eos_token_ids)
         self.max_tree_nodes = max_tree_nodes

@@ -49,6 +49,16 @@ class PreallocatedLayer(CacheLayerMixin):
             return self.keys, self.values
         return self.keys[:, :, :end], self.values[:, :, :end]
 
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor, slots: torch.Tensor):
+        """Write the N new entries at cache positions `slots` [N] (a tensor on the cache's device, so the
+        write is the same kernel whatever the positions: what a CUDA graph replays) and return the whole
+        buffers, [B, H, max_len, D]; the caller's mask hides what is not the sequence's."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys.index_copy_(2, slots, key_states)
+        self.values.index_copy_(2, slots, value_states)
+        return self.keys, self.values
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if self.owner.static_shapes:
             return self.owner.max_len, 0

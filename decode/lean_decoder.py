@@ -49,8 +49,12 @@ def lean_supported(model: torch.nn.Module) -> str | None:
     if getattr(config, "sliding_window", None) or getattr(config, "pretraining_tp", 1) != 1:
         return "sliding-window attention or pretraining_tp"
     decoder = model.get_decoder()
-    if not packing_supported(decoder):
-        return "its weights are not fp32 on the CPU (the lean forward runs on packed weights)"
+    param = next(decoder.parameters())
+    if param.device.type == "cuda":
+        if not param.dtype.is_floating_point:
+            return f"weights in {param.dtype}"
+    elif not packing_supported(decoder):
+        return "its weights are not fp32 on the CPU (there the lean forward runs on packed weights)"
     layer = decoder.layers[0]
     parts = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
              "mlp.up_proj", "mlp.down_proj")
@@ -69,13 +73,21 @@ def lean_decoder(model: torch.nn.Module, weights: str) -> "LeanDecoder | None":
     decoder = model.get_decoder()
     # the norms' weights are read in place; their identity joins the linears' signature
     key = (weights, weights_signature(decoder), tuple(p.data_ptr() for p in decoder.parameters()))
-    return cached_copy(_cache, decoder, key, lambda: LeanDecoder(decoder, packed_class(weights)))
+    return cached_copy(_cache, decoder, key, lambda: LeanDecoder(decoder, linear_class(decoder, weights)))
+
+
+def linear_class(decoder: torch.nn.Module, weights: str):
+    """What the fused projections become: packed copies on the CPU (models.packed_linear); on CUDA the fused
+    nn.Linear itself (cuBLAS reads it as it is)."""
+    if next(decoder.parameters()).device.type == "cuda":
+        return lambda linear: linear
+    return packed_class(weights)
 
 
 def fused_linear(linears: list[torch.nn.Linear], packed_class) -> torch.nn.Module:
     """One packed GEMM computing the outputs of `linears` (same input) side by side."""
     fused = torch.nn.Linear(linears[0].in_features, sum(m.out_features for m in linears),
-                            bias=linears[0].bias is not None, device="meta")
+                            bias=linears[0].bias is not None, device="meta", dtype=linears[0].weight.dtype)
     fused.weight = torch.nn.Parameter(torch.cat([m.weight.detach() for m in linears]), requires_grad=False)
     if fused.bias is not None:
         fused.bias = torch.nn.Parameter(torch.cat([m.bias.detach() for m in linears]), requires_grad=False)
@@ -100,8 +112,10 @@ class LeanLayer:
         self.norm_post = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_layer,
-                 mask: torch.Tensor) -> torch.Tensor:
-        """x [1, N, D], cos/sin [1, 1, N, hd], mask [1, 1, G*N, T] (tiled for the groups) -> [1, N, D]."""
+                 mask: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """x [1, N, D], cos/sin [1, 1, N, hd], mask [1, 1, G*N, T] (tiled for the groups) -> [1, N, D].
+        slots [N]: the cache positions to write (a fixed-shape step, decode.step_graphs); None: after the
+        committed prefix."""
         n = x.shape[1]
         h = F.rms_norm(x, x.shape[-1:], *self.norm_in)
         q, k, v = self.qkv(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -109,7 +123,8 @@ class LeanLayer:
         k = k.view(1, n, -1, self.head_dim).transpose(1, 2)  # [1, Hkv, N, hd]
         v = v.view(1, n, -1, self.head_dim).transpose(1, 2)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        keys, values = cache_layer.update(k, v)  # [1, Hkv, T, hd]
+        # [1, Hkv, T, hd]
+        keys, values = cache_layer.update(k, v) if slots is None else cache_layer.write(k, v, slots)
         heads, kv_heads = q.shape[1], k.shape[1]
         folded = q.reshape(1, kv_heads, heads // kv_heads * n, self.head_dim)  # row g*N + i: head hkv*G + g
         out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=self.scaling)
@@ -140,10 +155,11 @@ class LeanDecoder:
                                                      or config.num_attention_heads)
 
     def __call__(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, mask: torch.Tensor,
-                 position_ids: torch.Tensor, cache, feature_layers: list[int]
+                 position_ids: torch.Tensor, cache, feature_layers: list[int], slots: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """input_ids [1, N] (or inputs_embeds [1, N, D]), mask [1, 1, N, T] additive, position_ids [1, N]
-        -> (the final normed hidden states [1, N, D], the inputs of `feature_layers`, each [1, N, D])."""
+        -> (the final normed hidden states [1, N, D], the inputs of `feature_layers`, each [1, N, D]).
+        slots [N]: where the rows' keys and values go (see LeanLayer)."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary_emb(x, position_ids)  # [1, N, hd] each
         cos, sin = cos[:, None], sin[:, None]
@@ -152,5 +168,5 @@ class LeanDecoder:
         for index, layer in enumerate(self.layers):
             if index in wanted:
                 features[index] = x
-            x = layer(x, cos, sin, cache.layers[index], grouped)
+            x = layer(x, cos, sin, cache.layers[index], grouped, slots)
         return F.rms_norm(x, x.shape[-1:], *self.norm), [features[i] for i in feature_layers]

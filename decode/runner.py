@@ -10,6 +10,7 @@ import torch
 from decode.attention import grouped_mask_argument, use_grouped_query_sdpa
 from decode.kv_cache import SpecCache
 from decode.lean_decoder import lean_decoder
+from decode.step_graphs import StepSet, graphs_supported
 from decode.tree import attention_bias
 from models.hf_compat import cache_argument
 from models.packed_linear import inference_weights, packed_for_inference
@@ -40,9 +41,13 @@ class ModelRunner:
     implementation is switched from `sdpa`, the same attention). On a Llama-family model on the CPU the
     decoder is not transformers' forward but decode.lean_decoder's (the same layers in fewer, fused
     operations); under the float16-weights precision both read fp16 weight copies (models.packed_linear).
+
+    static_shapes (default: on CUDA): every forward attends over the whole preallocated cache, and
+    forwards of up to 64 token rows run as fixed-shape steps (decode.step_graphs), replayed as CUDA graphs
+    on a GPU; `fixed_steps=True` runs those steps eagerly elsewhere (the tests' view of the same path).
     """
 
-    def __init__(self, model: torch.nn.Module, static_shapes: bool = False):
+    def __init__(self, model: torch.nn.Module, static_shapes: bool | None = None, fixed_steps: bool | None = None):
         self.model = model
         use_grouped_query_sdpa(model)
         weights = inference_weights(model)  # "float16" for the float16-weights precision (models.target)
@@ -51,18 +56,30 @@ class ModelRunner:
         self.decoder = None if self.lean is not None else packed_for_inference(model.get_decoder(), weights)
         self.head = packed_for_inference(model.get_output_embeddings(), weights)
         self.num_layers = model.config.get_text_config().num_hidden_layers
-        self.static_shapes = static_shapes
-        self.cache = SpecCache(self.num_layers, 0, static_shapes)
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.static_shapes = self.device.type == "cuda" if static_shapes is None else static_shapes
+        self.cache = SpecCache(self.num_layers, 0, self.static_shapes)
+        # fixed-shape steps: CUDA graphs on a GPU (unless $SPECDISTILL_NO_CUDA_GRAPHS), eager when asked for
+        graphed = graphs_supported(self.device)
+        wanted = graphed if fixed_steps is None else fixed_steps
+        self.steps = None
+        if wanted and self.static_shapes and self.lean is not None:
+            self.steps = StepSet(self.lean, self.head, self.device, self.dtype, graphed=graphed)
         # EAGLE-3 reads these layers' inputs at every row (decode.proposers.eagle3): `features` after a forward
         self.feature_layers: list[int] = []
         self.features: torch.Tensor | None = None  # [N + L, len(feature_layers) x D]
-        param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
 
     def start(self, capacity: int) -> None:
         """Begin a new sequence; reallocate only when the buffers are too small."""
+        if self.steps is not None:
+            capacity += self.steps.max_rows  # a padded step writes up to a bucket past the committed prefix
         if capacity > self.cache.max_len:
-            self.cache = SpecCache(self.num_layers, _round_up(capacity, 256), self.static_shapes)
+            # with recorded steps, room to spare: a reallocation drops them (they point at the old buffers)
+            multiple = 1024 if self.steps is not None else 256
+            self.cache = SpecCache(self.num_layers, _round_up(capacity, multiple), self.static_shapes)
+        if self.steps is not None:
+            self.steps.bind(self.cache)
         self.cache.reset()
 
     def forward(
@@ -95,6 +112,10 @@ class ModelRunner:
         positions = torch.tensor(depths, dtype=torch.long, device=self.device) + prefix  # [N + L]
         total = self.cache.max_len if self.static_shapes else prefix + len(depths)
         mask = attention_bias(prefix, ancestors.to(self.device), total, self.dtype)  # [1, 1, N + L, total]
+        if self.steps is not None and extra is None and n <= self.steps.max_rows:
+            hidden, logits, features = self.steps.forward(ids, positions[None], mask, prefix, self.feature_layers)
+            self.features = features
+            return hidden, (logits if logits_rows is None else logits[logits_rows]).float()
         if self.lean is not None:
             last, features = self.lean(inputs.get("input_ids"), inputs.get("inputs_embeds"), mask, positions[None],
                                        self.cache, self.feature_layers)

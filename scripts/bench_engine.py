@@ -8,7 +8,12 @@ Variants of our engine (decode.runner):
   fp32      fp32, the lean Llama forward (decode.lean_decoder) on the same packed weights: the same model
   fp16w     the float16-weights precision: the lean forward on FBGEMM fp16 weight copies (another model)
   bf16      the model in bfloat16 (transformers' decoder; fast only on CPUs with native bf16)
-and transformers' `generate` (fp32) as the peer every user has, and vLLM's plain decoding in fp32 when its
+On a GPU (`--device cuda`):
+  cuda-bf16-hf      bf16, transformers' decoder, dynamic shapes (the CUDA engine before decode.step_graphs)
+  cuda-bf16-eager   bf16, the lean forward in fixed-shape steps over the static cache, run eagerly
+  cuda-bf16         bf16, the same steps replayed as CUDA graphs (the default on CUDA)
+  cuda-fp32         fp32, CUDA graphs (the first-divergence reference for bf16)
+and transformers' `generate` (fp32 on the CPU, bf16 on CUDA) as the peer every user has, and vLLM's plain decoding in fp32 when its
 environment exists (`make vllm`; decode/vllm_peer.py), else the report says why it was not run.
 
 It prints the machine's plain-decoding speed first (fp32, our engine: the figure every table cites),
@@ -24,6 +29,7 @@ DIR/engine.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -41,21 +47,28 @@ from decode.lean_decoder import DISABLE_ENV as NO_LEAN_ENV  # noqa: E402
 from decode.proposers import build_proposer  # noqa: E402
 from decode.questions import load_questions  # noqa: E402
 from decode.runner import ModelRunner  # noqa: E402
+from decode.step_graphs import DISABLE_ENV as NO_GRAPHS_ENV  # noqa: E402
 from decode.vllm_peer import VllmWorker, target_directory, unavailable_reason  # noqa: E402
 from models.drafters import load_drafter  # noqa: E402
 from models.target import load_target  # noqa: E402
 from scripts.bench_packing import switched_off, time_forward  # noqa: E402
 
 QUESTIONS = ROOT.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
-VARIANTS = {  # name: (precision, lean forward)
-    "fp32-hf": ("float32", False),
-    "fp32": ("float32", True),
-    "fp16w": ("float16-weights", True),
+VARIANTS = {  # name: (precision, lean forward, device, CUDA graphs)
+    "fp32-hf": ("float32", False, "cpu", False),
+    "fp32": ("float32", True, "cpu", False),
+    "fp16w": ("float16-weights", True, "cpu", False),
     # the model in bf16 (transformers' forward: bf16 is not packable); as a torch dtype, because the precision name
     # is refused on CPUs without native bf16 (their 1-row and N-row kernels round differently)
-    "bf16": (torch.bfloat16, True),
+    "bf16": (torch.bfloat16, True, "cpu", False),
+    "cuda-bf16-hf": ("bfloat16", False, "cuda", False),
+    "cuda-bf16-eager": ("bfloat16", True, "cuda", False),
+    "cuda-bf16": ("bfloat16", True, "cuda", True),
+    "cuda-fp32": ("float32", True, "cuda", True),
 }
-REFERENCE = "fp32"
+DEFAULT_VARIANTS = {"cpu": ["fp32-hf", "fp32", "fp16w"], "cuda": ["cuda-bf16-hf", "cuda-bf16-eager", "cuda-bf16", "cuda-fp32"]}
+REFERENCES = {"cpu": "fp32", "cuda": "cuda-bf16"}  # the plain decoding every figure of a device is cited against
+REFERENCE = REFERENCES["cpu"]
 
 
 def parse_args(argv):
@@ -64,7 +77,9 @@ def parse_args(argv):
     p.add_argument("--questions", default=str(QUESTIONS))
     p.add_argument("--limit", type=int, default=8, help="first turns of the first N questions")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["fp32-hf", "fp32", "fp16w"])
+    p.add_argument("--device", choices=list(REFERENCES), default="cpu")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=None,
+                   help="default: fp32-hf fp32 fp16w on the CPU, every cuda-* variant on CUDA")
     p.add_argument("--drafter", action="append", default=None,
                    help="drafter specs to speculate with under each variant (default: prompt_lookup)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
@@ -76,17 +91,29 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def lean_switch(lean: bool):
-    """Build runners with the lean forward on or off."""
-    return switched_off(NO_LEAN_ENV, not lean)
+def runner_options(name: str) -> dict:
+    """How variant `name` builds its runners: on CUDA the hf variant with dynamic shapes (the engine before fixed
+    steps), the eager one in fixed steps without graphs, the others as the runner's defaults."""
+    _, lean, device, graphs = VARIANTS[name]
+    if device == "cpu" or graphs:
+        return {}
+    return {"fixed_steps": True} if lean else {"static_shapes": False}
+
+
+@contextlib.contextmanager
+def variant_switch(name: str):
+    """Build runners as variant `name` does: the lean forward and CUDA graphs on or off."""
+    _, lean, _, graphs = VARIANTS[name]
+    with switched_off(NO_LEAN_ENV, not lean), switched_off(NO_GRAPHS_ENV, not graphs):
+        yield
 
 
 @torch.inference_mode()
 def bench_forwards(targets: dict, args) -> list[dict]:
     runners = {}
     for name, target in targets.items():
-        with lean_switch(VARIANTS[name][1]):
-            runners[name] = ModelRunner(target.model)
+        with variant_switch(name):
+            runners[name] = ModelRunner(target.model, **runner_options(name))
     context = list(range(100, 100 + args.context))
     table = []
     for rows in args.rows:
@@ -102,13 +129,14 @@ def engine_runs(targets: dict, drafters: list[str]) -> dict:
     """{method: (variant, generate(prompt_ids, n) -> (tokens, seconds))}: plain and each drafter per variant."""
     runs = {}
     for name, target in targets.items():
-        with lean_switch(VARIANTS[name][1]):
-            plain = SpeculativeEngine(target.model, None, target.eos_token_ids)
+        with variant_switch(name):
+            plain = SpeculativeEngine(target.model, None, target.eos_token_ids, **runner_options(name))
             runs[f"{name} plain"] = (name, plain)
             for spec in drafters:
                 drafter = load_drafter(spec, target)
                 proposer = build_proposer(drafter, target.model, eos_token_ids=target.eos_token_ids)
-                runs[f"{name} {spec}"] = (name, SpeculativeEngine(target.model, proposer, target.eos_token_ids))
+                runs[f"{name} {spec}"] = (name, SpeculativeEngine(target.model, proposer, target.eos_token_ids,
+                                                                  **runner_options(name)))
     return runs
 
 
@@ -127,7 +155,7 @@ def bench_generations(targets: dict, prompts: list[list[int]], args, drafters: l
     methods = {name: (lambda p, e=engine: e.generate(p, args.max_new_tokens).tokens) for name, (_, engine) in runs.items()}
     fp32 = targets[REFERENCE]
     if not args.no_hf:
-        methods["transformers generate fp32"] = lambda p: hf_generate(fp32, p, args.max_new_tokens)
+        methods[f"transformers generate {REFERENCE}"] = lambda p: hf_generate(fp32, p, args.max_new_tokens)
     worker = start_vllm(fp32, args)
     if worker is not None:
         stop = sorted(fp32.eos_token_ids)
@@ -160,7 +188,7 @@ def bench_generations(targets: dict, prompts: list[list[int]], args, drafters: l
     if reference is not None:
         for variant in targets:
             agreement[variant] = [first_difference(a, b) for a, b in zip(reference, outputs[f"{variant} plain"])]
-    return {"methods": rows, "first_divergence_vs_fp32": agreement}
+    return {"methods": rows, "first_divergence_vs_reference": agreement}
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -177,8 +205,8 @@ VLLM_STATUS = {"status": "not started"}
 def start_vllm(target, args):
     """A vLLM worker for plain fp32 decoding of the same target (decode.vllm_peer), or None with the reason kept
     for the report."""
-    if args.no_vllm:
-        VLLM_STATUS["status"] = "not run: --no-vllm"
+    if args.no_vllm or args.device != "cpu":
+        VLLM_STATUS["status"] = "not run: " + ("--no-vllm" if args.no_vllm else "the vLLM peer runs on the CPU only")
         return None
     reason = unavailable_reason(target)
     if reason:
@@ -203,7 +231,8 @@ def vllm_generate(worker, prompt_ids: list[int], n: int, stop: list[int]) -> lis
 def print_report(report: dict, args) -> None:
     names = [v for v in args.variants]
     print(f"machine: {report['machine']['processor']}, {report['machine']['threads']} torch threads; "
-          f"plain decoding of the target (our engine, fp32): {report['plain_tok_s_fp32']:.1f} tok/s")
+          f"{' on ' + report['machine']['gpu'] if report['machine']['gpu'] else ''}; plain decoding of the target "
+          f"(our engine, {report['reference']}): {report['plain_tok_s']:.1f} tok/s")
     print(f"\ntarget forward of N rows after {args.context} cached (median of {args.reps}, ms):")
     print("| N | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
@@ -211,35 +240,45 @@ def print_report(report: dict, args) -> None:
         print(f"| {row['rows']} | " + " | ".join(f"{row[n + '_ms']:.1f}" for n in names) + " |")
     gen = report["generations"]
     print(f"\ngreedy generations, first turns of {args.limit} MT-bench questions, {args.max_new_tokens} new tokens:")
-    print("| method | tok/s | speedup over its own plain | mismatches vs its own plain | x fp32-hf plain |")
+    first = args.variants[0]
+    print(f"| method | tok/s | speedup over its own plain | mismatches vs its own plain | x {first} plain |")
     print("|---|---|---|---|---|")
-    base = gen["methods"].get("fp32-hf plain", {}).get("tok_s")
+    base = gen["methods"].get(f"{first} plain", {}).get("tok_s")
     for name, row in gen["methods"].items():
         rel = f"{row['tok_s'] / base:.2f}x" if base else "-"
         print(f"| {name} | {row['tok_s']:.1f} | {row['speedup_over_own_plain']:.2f}x | "
               f"{row['mismatches_vs_own_plain']} | {rel} |")
     if report["vllm"]["status"] != "ran":
         print(f"| vLLM plain | {report['vllm']['status']} | | | |")
-    for variant, firsts in gen["first_divergence_vs_fp32"].items():
-        print(f"first token differing from fp32 plain, {variant}: {firsts}")
+    for variant, firsts in gen["first_divergence_vs_reference"].items():
+        print(f"first token differing from {report['reference']} plain, {variant}: {firsts}")
 
 
 def main(argv=None) -> dict:
+    global REFERENCE
     args = parse_args(argv)
     drafters = args.drafter if args.drafter is not None else ["prompt_lookup"]
+    REFERENCE = REFERENCES[args.device]
+    args.variants = args.variants or DEFAULT_VARIANTS[args.device]
     if REFERENCE not in args.variants:
         args.variants = [REFERENCE, *args.variants]
-    targets = {name: load_target(args.target, dtype=VARIANTS[name][0]) for name in args.variants}
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    targets = {name: load_target(args.target, device=VARIANTS[name][2], dtype=VARIANTS[name][0])
+               for name in args.variants}
     questions = load_questions(args.questions, args.limit)
     reference = targets[REFERENCE]
     prompts = [reference.encode_chat([{"role": "user", "content": q.turns[0]}]) for q in questions]
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else None
     report = {"machine": {"processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                          "gpu": gpu,
                           "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()},
               "variants": {n: {"precision": targets[n].precision, "lean": VARIANTS[n][1]} for n in args.variants},
               "forwards": bench_forwards(targets, args),
               "generations": bench_generations(targets, prompts, args, drafters),
               "vllm": VLLM_STATUS}
-    report["plain_tok_s_fp32"] = report["generations"]["methods"][f"{REFERENCE} plain"]["tok_s"]
+    report["reference"] = REFERENCE
+    report["plain_tok_s"] = report["generations"]["methods"][f"{REFERENCE} plain"]["tok_s"]
     print_report(report, args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

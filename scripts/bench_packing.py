@@ -15,7 +15,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import torch  # noqa: E402
 
 from decode.engine import SpeculativeEngine  # noqa: E402  (ROOT on sys.path first)
 from decode.questions import load_questions  # noqa: E402
-from decode.runner import ModelRunner  # noqa: E402
+from decode.runner import ModelRunner, synchronized_clock  # noqa: E402
 from models.packed_linear import DISABLE_ENV  # noqa: E402
 from models.target import load_target  # noqa: E402
 
@@ -69,9 +68,9 @@ def time_forward(runner: ModelRunner, context: list[int], rows: int) -> float:
     runner.start(len(context) + rows + 1)
     runner.forward(context, logits_rows=slice(len(context) - 1, len(context)))
     runner.cache.advance(len(context))
-    start = time.perf_counter()
+    start = synchronized_clock(runner.device)
     runner.forward(list(range(1000, 1000 + rows)))  # logits for every row, as verification needs
-    return time.perf_counter() - start
+    return synchronized_clock(runner.device) - start
 
 
 @torch.inference_mode()

@@ -1,5 +1,7 @@
 """The CUDA path: speculative decoding on a GPU is lossless against plain decoding of the same target in the
-same dtype, and an EAGLE-3 drafter trains there. Marked `gpu` (`make test-gpu`); skipped without CUDA."""
+same dtype, the verification steps replayed as CUDA graphs compute what the eager steps do (every bucket,
+recorded once and reused across requests), and an EAGLE-3 drafter trains there. Marked `gpu`
+(`make test-gpu`); skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -11,9 +13,12 @@ from decode.engine import SpeculativeEngine
 from decode.proposers import PromptLookupProposer, WithPromptLookup
 from decode.proposers.draft_model import DraftModelProposer
 from decode.proposers.eagle3 import Eagle3Proposer
+from decode.runner import ModelRunner
+from decode.step_graphs import BUCKETS, DISABLE_ENV, bucket_for
 from models.eagle3 import Eagle3Drafter
 from tests.conftest import make_tiny_llama
 from tests.decode.test_engine import PROMPT
+from tests.decode.test_step_graphs import random_tree, run_tree
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -49,8 +54,40 @@ def test_greedy_speculation_equals_plain_decoding_on_cuda(dtype):
     ref = plain(target)
     for name, proposer in proposers(target).items():
         for adaptive in (False, True):
-            out = SpeculativeEngine(target, proposer, adaptive=adaptive).generate(PROMPT, 48).tokens
+            engine = SpeculativeEngine(target, proposer, adaptive=adaptive)
+            assert engine.target.steps is not None and engine.target.steps.graphed
+            out = engine.generate(PROMPT, 48).tokens
             assert out == ref, f"{name} (adaptive={adaptive}, {dtype}) diverged from plain decoding"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_graph_replays_equal_eager_steps_for_every_bucket(dtype, monkeypatch):
+    target = tiny_on_gpu(dtype)
+    prompt = [3 + i % 60 for i in range(80)]  # longer than the largest bucket: an eager prefill
+    graphed = ModelRunner(target)
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    eager = ModelRunner(target, fixed_steps=True)
+    assert graphed.steps.graphed and not eager.steps.graphed
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    with torch.inference_mode():
+        for nodes in sorted({1, 2, 3, *BUCKETS, 37}):
+            tree = random_tree(nodes, seed=nodes)
+            got, want = run_tree(graphed, prompt, tree), run_tree(eager, prompt, tree)
+            for a, b in zip(got, want):  # prefill logits, tree logits, features, hidden
+                torch.testing.assert_close(a.float(), b.float(), **tol)
+            assert torch.equal(got[1].argmax(-1), want[1].argmax(-1))
+    assert graphed.steps.captures == len({bucket_for(n) for n in {1, 2, 3, *BUCKETS, 37}})
+
+
+def test_requests_reuse_the_recorded_graphs():
+    target = tiny_on_gpu(torch.bfloat16)
+    engine = SpeculativeEngine(target, PromptLookupProposer(), adaptive=False)  # the same trees every request
+    first = engine.generate(PROMPT, 48).tokens
+    recorded = engine.target.steps.captures
+    assert recorded == len(engine.target.steps.steps) > 0  # each step recorded once
+    for _ in range(3):
+        assert engine.generate(PROMPT, 48).tokens == first
+    assert engine.target.steps.captures == recorded  # nothing recorded again
 
 
 def test_plain_decoding_on_cuda_matches_cpu_in_fp32():
