@@ -17,6 +17,7 @@ from decode.adaptive import DraftLengthController
 from decode.metrics import RequestStats
 from decode.proposers import Proposer
 from decode.runner import ModelRunner
+from decode.step_graphs import BUCKETS
 from decode.sampling import SamplingConfig, Verdict, logits_to_probs, sample, verify_greedy, verify_sampling
 from decode.tree import TokenTree
 
@@ -32,12 +33,22 @@ class Generation:
 class SpeculativeEngine:
     def __init__(self, target_model: torch.nn.Module, proposer: Proposer | None = None,
                  eos_token_ids: set[int] | frozenset = frozenset(), static_shapes: bool | None = None, max_tree_nodes: int = 64, adaptive: bool = True,
-                 fixed_steps: bool | None = None):
+                 fixed_steps: bool | None = None, one_shape: bool | None = None):
         """adaptive: in greedy mode, choose each step's draft depth by measured cost and
         acceptance (decode.adaptive). Sampling always drafts the proposer's full depth, so that a
         seed reproduces its output (timings must not steer which random draws are made).
-        static_shapes, fixed_steps: see decode.runner.ModelRunner (by default both on CUDA: CUDA graphs)."""
-        self.target = ModelRunner(target_model, static_shapes=static_shapes, fixed_steps=fixed_steps)
+        static_shapes, fixed_steps: see decode.runner.ModelRunner (by default both on CUDA: CUDA graphs).
+        one_shape: every target forward of up to max_tree_nodes rows, plain decoding's one-row steps included, runs
+        as a step of exactly that many rows, so that every token's logits come from the same kernels; the default
+        for a bf16/fp16 target on CUDA, where a row's rounding depends on the forward's row count and speculation
+        would otherwise leave plain decoding's output (decode.step_graphs)."""
+        param = next(target_model.parameters())
+        if one_shape is None:
+            one_shape = param.device.type == "cuda" and param.dtype in (torch.bfloat16, torch.float16)
+        self.one_shape = one_shape
+        buckets = (max_tree_nodes,) if one_shape else BUCKETS
+        self.target = ModelRunner(target_model, static_shapes=static_shapes, fixed_steps=fixed_steps,
+                                  step_buckets=buckets)
         self.proposer = proposer
         self.eos_token_ids = set(eos_token_ids)
         self.max_tree_nodes = max_tree_nodes

@@ -4,8 +4,11 @@ The cache holds `length` committed positions. A forward of q new tokens writes t
 [length, length + q) and attends over [0, length + q); nothing is committed until the engine says
 which of those q entries survive (`commit_path` for a verified tree, `advance` for a chain the
 drafter wrote itself). Rolling back is therefore free: entries past `length` are simply overwritten
-by the next forward. Accepted tree nodes that are not already contiguous are moved down with one
-`index_copy_` per layer (accepted-path compaction).
+by the next forward. Accepted tree nodes that are not already contiguous are moved down in one
+`index_copy_` over all layers (accepted-path compaction): the layers' keys (and values) are views of one
+[layers, B, H, max_len, D] buffer where their shapes agree, as they do in Llama-family models; a GPU
+replaying a whole forward as one CUDA graph would otherwise spend more launching 4 x layers copies than
+verifying.
 
 With `static_shapes=True` (CUDA, for CUDA graphs / torch.compile) every forward sees the whole
 buffer and the caller's mask hides the unused tail; on CPU the attended length follows the real
@@ -24,15 +27,14 @@ class PreallocatedLayer(CacheLayerMixin):
     is_compileable = True
     is_sliding = False
 
-    def __init__(self, owner: "SpecCache"):
+    def __init__(self, owner: "SpecCache", index: int):
         super().__init__()
         self.owner = owner
+        self.index = index
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch, heads = key_states.shape[:2]
-        shape = (batch, heads, self.owner.max_len)
-        self.keys = key_states.new_zeros(*shape, key_states.shape[-1])  # [B, H, L, D]
-        self.values = value_states.new_zeros(*shape, value_states.shape[-1])
+        # [B, H, L, D] each: views of the owner's stacked buffers where the shapes agree
+        self.keys, self.values = self.owner.layer_buffers(self.index, key_states, value_states)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
@@ -86,7 +88,24 @@ class SpecCache(Cache):
         self.max_len = max_len
         self.length = 0
         self.static_shapes = static_shapes
-        super().__init__(layers=[PreallocatedLayer(self) for _ in range(num_layers)])
+        self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # [layers, B, H, max_len, D] keys, values
+        self.uniform = True  # every layer's buffers are views of `stacked`
+        super().__init__(layers=[PreallocatedLayer(self, i) for i in range(num_layers)])
+
+    def layer_buffers(self, index: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Layer `index`'s zeroed [B, H, max_len, D] key and value buffers, shaped like the states given."""
+        batch, heads = key_states.shape[:2]
+        shape = (batch, heads, self.max_len)
+        k_shape, v_shape = (*shape, key_states.shape[-1]), (*shape, value_states.shape[-1])
+        if self.stacked is None and self.uniform:
+            self.stacked = (key_states.new_zeros(len(self.layers), *k_shape),
+                            value_states.new_zeros(len(self.layers), *v_shape))
+        keys, values = self.stacked if self.stacked is not None else (None, None)
+        if keys is not None and keys.shape[1:] == k_shape and values.shape[1:] == v_shape \
+                and keys.dtype == key_states.dtype and keys.device == key_states.device:
+            return keys[index], values[index]
+        self.uniform = False  # a layer of another shape: it gets buffers of its own, compaction goes layer by layer
+        return key_states.new_zeros(*k_shape), value_states.new_zeros(*v_shape)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
@@ -112,6 +131,13 @@ class SpecCache(Cache):
             self.length += len(node_indices)  # the accepted path is already contiguous
             return
         src = torch.tensor(node_indices, dtype=torch.long) + self.length
-        for layer in self.layers:
-            layer.move_entries(src.to(layer.device if layer.is_initialized else "cpu"), self.length)
+        if self.uniform and self.stacked is not None:
+            keys, values = self.stacked  # [layers, B, H, max_len, D]: every layer's entries in one copy each
+            src = src.to(keys.device)
+            dst = torch.arange(self.length, self.length + src.numel(), device=keys.device)
+            keys.index_copy_(3, dst, keys.index_select(3, src))
+            values.index_copy_(3, dst, values.index_select(3, src))
+        else:
+            for layer in self.layers:
+                layer.move_entries(src.to(layer.device if layer.is_initialized else "cpu"), self.length)
         self.length += len(node_indices)

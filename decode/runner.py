@@ -10,7 +10,7 @@ import torch
 from decode.attention import grouped_mask_argument, use_grouped_query_sdpa
 from decode.kv_cache import SpecCache
 from decode.lean_decoder import lean_decoder
-from decode.step_graphs import StepSet, graphs_supported
+from decode.step_graphs import BUCKETS, StepSet, graphs_supported
 from decode.tree import attention_bias
 from models.hf_compat import cache_argument
 from models.packed_linear import inference_weights, packed_for_inference
@@ -45,9 +45,11 @@ class ModelRunner:
     static_shapes (default: on CUDA): every forward attends over the whole preallocated cache, and
     forwards of up to 64 token rows run as fixed-shape steps (decode.step_graphs), replayed as CUDA graphs
     on a GPU; `fixed_steps=True` runs those steps eagerly elsewhere (the tests' view of the same path).
+    step_buckets: the step sizes (one size: every forward of up to that many rows computed by the same kernels).
     """
 
-    def __init__(self, model: torch.nn.Module, static_shapes: bool | None = None, fixed_steps: bool | None = None):
+    def __init__(self, model: torch.nn.Module, static_shapes: bool | None = None, fixed_steps: bool | None = None,
+                 step_buckets: tuple[int, ...] = BUCKETS):
         self.model = model
         use_grouped_query_sdpa(model)
         weights = inference_weights(model)  # "float16" for the float16-weights precision (models.target)
@@ -65,7 +67,7 @@ class ModelRunner:
         wanted = graphed if fixed_steps is None else fixed_steps
         self.steps = None
         if wanted and self.static_shapes and self.lean is not None:
-            self.steps = StepSet(self.lean, self.head, self.device, self.dtype, graphed=graphed)
+            self.steps = StepSet(self.lean, self.head, self.device, self.dtype, graphed=graphed, buckets=step_buckets)
         # EAGLE-3 reads these layers' inputs at every row (decode.proposers.eagle3): `features` after a forward
         self.feature_layers: list[int] = []
         self.features: torch.Tensor | None = None  # [N + L, len(feature_layers) x D]
@@ -100,11 +102,15 @@ class ModelRunner:
         """
         n = len(tokens)
         prefix = self.cache.length
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, N]
         if depths is None:
             depths = list(range(n))
         if ancestors is None:
-            ancestors = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+            ancestors = torch.ones(n, n, dtype=torch.bool).tril()
+        if self.steps is not None and extra is None and n <= self.steps.max_rows:  # a fixed-shape step
+            hidden, logits, self.features = self.steps.forward(tokens, list(depths), ancestors.cpu(), prefix,
+                                                               self.feature_layers)
+            return hidden, (logits if logits_rows is None else logits[logits_rows]).float()
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, N]
         inputs = {"input_ids": ids}
         if extra is not None:
             inputs = {"inputs_embeds": with_extra_embeds(self.model.get_input_embeddings()(ids), extra)}
@@ -112,10 +118,6 @@ class ModelRunner:
         positions = torch.tensor(depths, dtype=torch.long, device=self.device) + prefix  # [N + L]
         total = self.cache.max_len if self.static_shapes else prefix + len(depths)
         mask = attention_bias(prefix, ancestors.to(self.device), total, self.dtype)  # [1, 1, N + L, total]
-        if self.steps is not None and extra is None and n <= self.steps.max_rows:
-            hidden, logits, features = self.steps.forward(ids, positions[None], mask, prefix, self.feature_layers)
-            self.features = features
-            return hidden, (logits if logits_rows is None else logits[logits_rows]).float()
         if self.lean is not None:
             last, features = self.lean(inputs.get("input_ids"), inputs.get("inputs_embeds"), mask, positions[None],
                                        self.cache, self.feature_layers)

@@ -5,8 +5,13 @@ the GPU waits on Python. A CUDA graph records one forward's kernels once and rep
 launch. A graph fixes every shape and address, so a step here is a forward of exactly N rows over the
 whole preallocated cache: the rows' token ids, positions, cache slots and attention mask are copied into
 buffers the graph reads, a tree of n rows runs in the smallest bucket N >= n (the extra rows are padding
-that attends to one cached position and writes its keys past the tree, where no real row looks), and the
-outputs are copied out before the next replay overwrites them.
+that attends to the prefix and itself and writes its keys past the tree, where no real row looks), and
+the outputs are copied out before the next replay overwrites them.
+
+In reduced precision a row's logits depend on how many rows its forward had (the GEMM kernels differ by
+shape), so speculation would not reproduce plain decoding token for token; with one bucket for every
+step (`buckets=(N,)`, what the engine does for a bf16/fp16 target on CUDA) every token's logits come
+from the same kernels whatever was drafted, plain decoding included.
 
 One graph per (bucket, captured feature layers) is recorded on first use and kept while the cache stays
 the same buffers: a new request reuses them (`ModelRunner.start` reallocates, and so drops them, only
@@ -40,45 +45,67 @@ def bucket_for(n: int, buckets: tuple[int, ...] = BUCKETS) -> int | None:
 
 
 class StaticStep:
-    """The forward of exactly `rows` rows: static input buffers, the lean decoder writing at `slots`, the
-    head on every row; `graphed` records it as a CUDA graph and replays it."""
+    """The forward of exactly `rows` rows: static input buffers, the lean decoder writing at the rows' cache
+    slots, the head on every row; `graphed` records it as a CUDA graph and replays it.
+
+    A step's inputs are two small tensors copied from the host per step, token ids, depths and the prefix
+    length in one [2N + 1] int64 tensor and the tree's [N, N] ancestor mask; positions, cache slots and the
+    [N, T] attention mask over the whole cache are computed inside the step (inside the graph), so that a
+    step costs the host two copies and one launch."""
 
     def __init__(self, lean, head, cache, rows: int, feature_layers: tuple[int, ...], device: torch.device,
                  dtype: torch.dtype, graphed: bool, pool=None):
         self.lean, self.head, self.cache = lean, head, cache
         self.rows, self.feature_layers = rows, list(feature_layers)
-        self.graphed, self.pool = graphed, pool
-        total = cache.max_len
-        self.ids = torch.zeros(1, rows, dtype=torch.long, device=device)  # [1, N]
-        self.positions = torch.zeros(1, rows, dtype=torch.long, device=device)  # [1, N]
-        self.slots = torch.arange(rows, dtype=torch.long, device=device)  # [N] cache positions written
-        self.mask = torch.full((1, 1, rows, total), torch.finfo(dtype).min, dtype=dtype, device=device)
-        self.mask[..., 0] = 0  # a padding row attends to position 0 only (never to nothing: no NaN)
-        self.pad_mask = self.mask[0, 0, :, :].clone()  # [N, T]
+        self.dtype, self.graphed, self.pool = dtype, graphed, pool
+        n = rows
+        self.host_ints = torch.zeros(2 * n + 1, dtype=torch.long)  # [ids | depths | prefix], staged on the host
+        self.host_ancestors = torch.zeros(n, n, dtype=torch.bool)
+        self.ints = torch.zeros(2 * n + 1, dtype=torch.long, device=device)
+        self.ancestors = torch.zeros(n, n, dtype=torch.bool, device=device)  # [N, N] row i sees node j
+        self.row_index = torch.arange(n, device=device)  # [N]
+        self.columns = torch.arange(cache.max_len, device=device)  # [T]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: tuple | None = None
 
     def compute(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """hidden [N, D], logits [N, V], features [N, F x D] (None without feature layers), from the buffers."""
-        last, features = self.lean(self.ids, None, self.mask, self.positions, self.cache, self.feature_layers,
-                                   slots=self.slots)
+        n = self.rows
+        ids = self.ints[None, :n]  # [1, N]
+        prefix = self.ints[2 * n:]  # [1]
+        positions = (prefix + self.ints[n:2 * n])[None]  # [1, N]
+        slots = prefix + self.row_index  # [N]: the tree's nodes at prefix + i, the padding past them
+        last, features = self.lean(ids, None, self.attention_mask(prefix), positions, self.cache,
+                                   self.feature_layers, slots=slots)
         hidden = last[0]
         logits = self.head(hidden)
         captured = torch.cat([f[0] for f in features], dim=-1) if features else None
         return hidden, logits, captured
 
-    def load(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, prefix: int) -> None:
-        """ids [1, n], positions [1, n], mask [1, 1, n, T] into the buffers; rows n..N-1 become padding."""
-        n = ids.shape[1]
-        self.ids[:, :n].copy_(ids)
-        self.positions[:, :n].copy_(positions)
-        self.mask[0, 0, :n].copy_(mask[0, 0])
-        if n < self.rows:
-            self.ids[:, n:].zero_()
-            self.positions[:, n:].fill_(prefix)
-            self.mask[0, 0, n:].copy_(self.pad_mask[n:])
-        # the rows write their keys and values at prefix + i: the tree's nodes, then the padding past them
-        torch.arange(prefix, prefix + self.rows, out=self.slots)
+    def attention_mask(self, prefix: torch.Tensor) -> torch.Tensor:
+        """[1, 1, N, T] additive: the committed prefix, and node i's ancestors at prefix + j (decode.tree's
+        attention_bias, computed from the buffers)."""
+        n = self.rows
+        offset = self.columns - prefix  # [T]: tree node index of each column
+        in_tree = (offset >= 0) & (offset < n)
+        allowed = (self.columns < prefix) | (self.ancestors[:, offset.clamp(0, n - 1)] & in_tree)  # [N, T]
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
+        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[None, None]
+
+    def load(self, tokens: list[int], depths: list[int], ancestors: torch.Tensor, prefix: int) -> None:
+        """A tree of n <= N nodes (ancestors [n, n] bool, on the host) after `prefix` committed positions; rows
+        n..N-1 become padding that sees the prefix and itself."""
+        n, size = len(tokens), self.rows
+        ints, anc = self.host_ints, self.host_ancestors
+        ints.zero_()
+        ints[:n] = torch.tensor(tokens, dtype=torch.long)
+        ints[size:size + n] = torch.tensor(depths, dtype=torch.long)
+        ints[2 * size] = prefix
+        anc.zero_()
+        anc[:n, :n] = ancestors
+        anc[range(n, size), range(n, size)] = True
+        self.ints.copy_(ints)
+        self.ancestors.copy_(anc)
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         if not self.graphed:
@@ -124,10 +151,11 @@ class StepSet:
             self.steps.clear()
             self.cache = cache
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, prefix: int,
+    def forward(self, tokens: list[int], depths: list[int], ancestors: torch.Tensor, prefix: int,
                 feature_layers: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The rows' (hidden [n, D], logits [n, V], features [n, F x D] or None), copied out of the step."""
-        n = ids.shape[1]
+        """n tokens at `depths` below the committed `prefix` (ancestors [n, n] bool): the rows' (hidden [n, D],
+        logits [n, V], features [n, F x D] or None), copied out of the step."""
+        n = len(tokens)
         rows = bucket_for(n, self.buckets)
         key = (rows, tuple(feature_layers))
         step = self.steps.get(key)
@@ -135,7 +163,7 @@ class StepSet:
             step = StaticStep(self.lean, self.head, self.cache, rows, key[1], self.device, self.dtype,
                               self.graphed, self.pool)
             self.steps[key] = step
-        step.load(ids, positions, mask, prefix)
+        step.load(tokens, depths, ancestors, prefix)
         fresh = step.graph is None
         hidden, logits, features = step.run()
         if self.graphed and fresh:

@@ -11,8 +11,9 @@ Variants of our engine (decode.runner):
 On a GPU (`--device cuda`):
   cuda-bf16-hf      bf16, transformers' decoder, dynamic shapes (the CUDA engine before decode.step_graphs)
   cuda-bf16-eager   bf16, the lean forward in fixed-shape steps over the static cache, run eagerly
-  cuda-bf16         bf16, the same steps replayed as CUDA graphs (the default on CUDA)
-  cuda-fp32         fp32, CUDA graphs (the first-divergence reference for bf16)
+  cuda-bf16-buckets bf16, the same steps replayed as CUDA graphs, each forward in the smallest of 1-64 rows
+  cuda-bf16         bf16, CUDA graphs, every forward a 64-row step (the default on CUDA: token-exact speculation)
+  cuda-fp32         fp32, CUDA graphs in buckets (the first-divergence reference for bf16)
 and transformers' `generate` (fp32 on the CPU, bf16 on CUDA) as the peer every user has, and vLLM's plain decoding in fp32 when its
 environment exists (`make vllm`; decode/vllm_peer.py), else the report says why it was not run.
 
@@ -54,7 +55,7 @@ from models.target import load_target  # noqa: E402
 from scripts.bench_packing import switched_off, time_forward  # noqa: E402
 
 QUESTIONS = ROOT.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
-VARIANTS = {  # name: (precision, lean forward, device, CUDA graphs)
+VARIANTS = {  # name: (precision, lean forward, device, CUDA graphs); cuda-bf16 runs one step shape
     "fp32-hf": ("float32", False, "cpu", False),
     "fp32": ("float32", True, "cpu", False),
     "fp16w": ("float16-weights", True, "cpu", False),
@@ -63,10 +64,12 @@ VARIANTS = {  # name: (precision, lean forward, device, CUDA graphs)
     "bf16": (torch.bfloat16, True, "cpu", False),
     "cuda-bf16-hf": ("bfloat16", False, "cuda", False),
     "cuda-bf16-eager": ("bfloat16", True, "cuda", False),
+    "cuda-bf16-buckets": ("bfloat16", True, "cuda", True),
     "cuda-bf16": ("bfloat16", True, "cuda", True),
     "cuda-fp32": ("float32", True, "cuda", True),
 }
-DEFAULT_VARIANTS = {"cpu": ["fp32-hf", "fp32", "fp16w"], "cuda": ["cuda-bf16-hf", "cuda-bf16-eager", "cuda-bf16", "cuda-fp32"]}
+DEFAULT_VARIANTS = {"cpu": ["fp32-hf", "fp32", "fp16w"],
+                    "cuda": ["cuda-bf16-hf", "cuda-bf16-eager", "cuda-bf16-buckets", "cuda-bf16", "cuda-fp32"]}
 REFERENCES = {"cpu": "fp32", "cuda": "cuda-bf16"}  # the plain decoding every figure of a device is cited against
 REFERENCE = REFERENCES["cpu"]
 
@@ -82,6 +85,8 @@ def parse_args(argv):
                    help="default: fp32-hf fp32 fp16w on the CPU, every cuda-* variant on CUDA")
     p.add_argument("--drafter", action="append", default=None,
                    help="drafter specs to speculate with under each variant (default: prompt_lookup)")
+    p.add_argument("--plain-only", nargs="*", default=[], metavar="VARIANT",
+                   help="variants timed in plain decoding only (no drafters), e.g. the slow ones kept as the reference")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     p.add_argument("--no-vllm", action="store_true", help="skip vLLM's plain decoding (run when `make vllm` was)")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
@@ -91,13 +96,23 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def runner_options(name: str) -> dict:
-    """How variant `name` builds its runners: on CUDA the hf variant with dynamic shapes (the engine before fixed
-    steps), the eager one in fixed steps without graphs, the others as the runner's defaults."""
+def engine_options(name: str) -> dict:
+    """How variant `name` builds its engines: on CUDA the hf variant with dynamic shapes (the engine before fixed
+    steps), the eager one in fixed steps without graphs, cuda-bf16-buckets in buckets, the others as the
+    engine's defaults (bf16 on CUDA: one step shape)."""
     _, lean, device, graphs = VARIANTS[name]
+    if name == "cuda-bf16-buckets":
+        return {"one_shape": False}
     if device == "cpu" or graphs:
         return {}
-    return {"fixed_steps": True} if lean else {"static_shapes": False}
+    return {"fixed_steps": True, "one_shape": False} if lean else {"static_shapes": False}
+
+
+def runner_options(name: str) -> dict:
+    """The same for a bare runner (the forward table): one shape means every forward is a 64-row step."""
+    options = engine_options(name)
+    one_shape = options.pop("one_shape", VARIANTS[name][2] == "cuda" and VARIANTS[name][0] == "bfloat16")
+    return {**options, **({"step_buckets": (64,)} if one_shape else {})}
 
 
 @contextlib.contextmanager
@@ -125,18 +140,18 @@ def bench_forwards(targets: dict, args) -> list[dict]:
     return table
 
 
-def engine_runs(targets: dict, drafters: list[str]) -> dict:
+def engine_runs(targets: dict, drafters: list[str], plain_only=()) -> dict:
     """{method: (variant, generate(prompt_ids, n) -> (tokens, seconds))}: plain and each drafter per variant."""
     runs = {}
     for name, target in targets.items():
         with variant_switch(name):
-            plain = SpeculativeEngine(target.model, None, target.eos_token_ids, **runner_options(name))
+            plain = SpeculativeEngine(target.model, None, target.eos_token_ids, **engine_options(name))
             runs[f"{name} plain"] = (name, plain)
-            for spec in drafters:
+            for spec in ([] if name in plain_only else drafters):
                 drafter = load_drafter(spec, target)
                 proposer = build_proposer(drafter, target.model, eos_token_ids=target.eos_token_ids)
                 runs[f"{name} {spec}"] = (name, SpeculativeEngine(target.model, proposer, target.eos_token_ids,
-                                                                  **runner_options(name)))
+                                                                  **engine_options(name)))
     return runs
 
 
@@ -151,8 +166,22 @@ def hf_generate(target, prompt_ids: list[int], n: int) -> list[int]:
 
 
 def bench_generations(targets: dict, prompts: list[list[int]], args, drafters: list[str]) -> dict:
-    runs = engine_runs(targets, drafters)
-    methods = {name: (lambda p, e=engine: e.generate(p, args.max_new_tokens).tokens) for name, (_, engine) in runs.items()}
+    runs = engine_runs(targets, drafters, args.plain_only)
+    # per engine method over the timed generations: target forwards (tau = tokens / forwards), drafting and
+    # verification seconds (RequestStats)
+    forwards = {name: [0, 0.0, 0.0] for name in runs}
+
+    def engine_method(name, engine):
+        def generate(prompt):
+            out = engine.generate(prompt, args.max_new_tokens)
+            counts = forwards[name]
+            counts[0] += out.stats.target_forwards
+            counts[1] += out.stats.draft_time_s
+            counts[2] += out.stats.verify_time_s
+            return out.tokens
+        return generate
+
+    methods = {name: engine_method(name, engine) for name, (_, engine) in runs.items()}
     fp32 = targets[REFERENCE]
     if not args.no_hf:
         methods[f"transformers generate {REFERENCE}"] = lambda p: hf_generate(fp32, p, args.max_new_tokens)
@@ -163,6 +192,7 @@ def bench_generations(targets: dict, prompts: list[list[int]], args, drafters: l
     with torch.inference_mode():
         for method in methods.values():  # warm up: kernels, caches, the adaptive controller's first costs
             method(prompts[0][:64])
+    forwards.update({name: [0, 0.0, 0.0] for name in runs})
     outputs = {name: [] for name in methods}
     seconds = {name: 0.0 for name in methods}
     for prompt in prompts:  # prompt by prompt, every method in turn: noise hits all alike
@@ -183,6 +213,10 @@ def bench_generations(targets: dict, prompts: list[list[int]], args, drafters: l
                       "speedup_over_own_plain": (tokens / seconds[name]) / (sum(len(t) for t in outputs[plain])
                                                                            / seconds[plain]),
                       "mismatches_vs_own_plain": sum(a != b for a, b in zip(outputs[name], outputs[plain]))}
+        if name in runs:
+            steps, draft_s, verify_s = forwards[name]
+            rows[name].update(tau=tokens / steps, draft_ms_per_step=1000 * draft_s / steps,
+                              verify_ms_per_step=1000 * verify_s / steps)
     reference = outputs.get(f"{REFERENCE} plain")
     agreement = {}
     if reference is not None:
@@ -241,15 +275,18 @@ def print_report(report: dict, args) -> None:
     gen = report["generations"]
     print(f"\ngreedy generations, first turns of {args.limit} MT-bench questions, {args.max_new_tokens} new tokens:")
     first = args.variants[0]
-    print(f"| method | tok/s | speedup over its own plain | mismatches vs its own plain | x {first} plain |")
-    print("|---|---|---|---|---|")
+    print(f"| method | tok/s | tau | draft / verify ms per step | speedup over its own plain | "
+          f"mismatches vs its own plain | x {first} plain |")
+    print("|---|---|---|---|---|---|---|")
     base = gen["methods"].get(f"{first} plain", {}).get("tok_s")
     for name, row in gen["methods"].items():
         rel = f"{row['tok_s'] / base:.2f}x" if base else "-"
-        print(f"| {name} | {row['tok_s']:.1f} | {row['speedup_over_own_plain']:.2f}x | "
+        tau = f"{row['tau']:.2f}" if "tau" in row else "-"
+        split = f"{row['draft_ms_per_step']:.2f} / {row['verify_ms_per_step']:.2f}" if "tau" in row else "-"
+        print(f"| {name} | {row['tok_s']:.1f} | {tau} | {split} | {row['speedup_over_own_plain']:.2f}x | "
               f"{row['mismatches_vs_own_plain']} | {rel} |")
     if report["vllm"]["status"] != "ran":
-        print(f"| vLLM plain | {report['vllm']['status']} | | | |")
+        print(f"| vLLM plain | {report['vllm']['status']} | | | | | |")
     for variant, firsts in gen["first_divergence_vs_reference"].items():
         print(f"first token differing from {report['reference']} plain, {variant}: {firsts}")
 

@@ -56,6 +56,7 @@ def test_greedy_speculation_equals_plain_decoding_on_cuda(dtype):
         for adaptive in (False, True):
             engine = SpeculativeEngine(target, proposer, adaptive=adaptive)
             assert engine.target.steps is not None and engine.target.steps.graphed
+            assert engine.one_shape == (dtype == torch.bfloat16)  # bf16: every forward one step shape
             out = engine.generate(PROMPT, 48).tokens
             assert out == ref, f"{name} (adaptive={adaptive}, {dtype}) diverged from plain decoding"
 

@@ -184,9 +184,10 @@ class Eagle3Proposer(Proposer):
         """Each parent's top-K children (logq [P, M]) as candidates; returns their indices."""
         top = logq.topk(min(self.topk, logq.shape[-1]), dim=-1)
         tokens = self.vocab_map[top.indices].tolist()  # [P, K] target ids
+        values = top.values.tolist()  # [P, K]: one device-to-host copy, not one per parent
         added = []
         for p, parent in enumerate(parents):
-            for token, lq in zip(tokens[p], top.values[p].tolist()):
+            for token, lq in zip(tokens[p], values[p]):
                 self.candidates.append(Candidate(int(token), parent, depth, scores[p] + lq))
                 added.append(len(self.candidates) - 1)
         return added

@@ -16,8 +16,8 @@ from decode.proposers.draft_model import DraftModelProposer
 from decode.proposers.eagle3 import Eagle3Proposer
 from decode.proposers.prompt_lookup import PromptLookupProposer
 from decode.runner import ModelRunner
-from decode.step_graphs import BUCKETS, bucket_for
-from decode.tree import TokenTree
+from decode.step_graphs import BUCKETS, StaticStep, bucket_for
+from decode.tree import TokenTree, attention_bias
 from models.eagle3 import Eagle3Drafter
 from tests.conftest import make_tiny_llama
 from tests.decode.test_engine import PROMPT
@@ -119,3 +119,57 @@ def test_fixed_steps_are_off_by_default_on_the_cpu():
     model = make_tiny_llama(layers=1)
     assert ModelRunner(model).steps is None
     assert ModelRunner(model, static_shapes=True).steps is None  # eager steps only when asked for
+
+
+def test_the_steps_mask_is_the_trees_attention_bias():
+    model = make_tiny_llama(layers=1, seed=3)
+    run = ModelRunner(model, static_shapes=True, fixed_steps=True)
+    run.start(40)
+    tree = random_tree(6, seed=11)
+    step = StaticStep(run.lean, run.head, run.cache, 8, (), torch.device("cpu"), torch.float32, graphed=False)
+    step.load(tree.tokens, tree.depths, tree.ancestor_mask(), prefix=9)
+    mask = step.attention_mask(step.ints[16:])  # [1, 1, 8, T]
+    expected = attention_bias(9, tree.ancestor_mask(), run.cache.max_len, torch.float32)  # [1, 1, 6, T]
+    assert torch.equal(mask[:, :, :6], expected)
+    for row in (6, 7):  # padding: the prefix and itself
+        allowed = (mask[0, 0, row] == 0).nonzero().flatten().tolist()
+        assert allowed == [*range(9), 9 + row]
+
+
+def test_one_shape_runs_every_forward_as_the_same_step_and_stays_exact():
+    target = make_tiny_llama(layers=2, seed=0, peak=4.0)
+    kw = {"static_shapes": True, "fixed_steps": True, "one_shape": True, "max_tree_nodes": 16}
+    plain = SpeculativeEngine(target, None, **kw)
+    expected = plain.generate(PROMPT, 40).tokens
+    assert set(plain.target.steps.steps) == {(16, ())}  # plain decoding's one-row steps too
+    engine = SpeculativeEngine(target, DraftModelProposer(make_tiny_llama(layers=1, seed=1, peak=4.0), gamma=5), **kw)
+    assert engine.generate(PROMPT, 40).tokens == expected
+    assert set(engine.target.steps.steps) == {(16, ())}
+
+
+def test_the_layers_share_one_stacked_buffer_and_a_path_moves_in_one_copy():
+    model = make_tiny_llama(layers=3, seed=5)
+    run = ModelRunner(model)
+    with torch.inference_mode():
+        run.start(32)
+        run.forward([1, 2, 3, 4, 5, 6])
+    keys, values = run.cache.stacked
+    assert run.cache.uniform and keys.shape[0] == 3
+    for index, layer in enumerate(run.cache.layers):
+        assert layer.keys.data_ptr() == keys[index].data_ptr()
+    before = keys[:, :, :, [1, 3, 5]].clone()
+    with torch.inference_mode():
+        run.cache.commit_path([1, 3, 5])
+    assert torch.equal(keys[:, :, :, :3], before)  # every layer's accepted entries, moved down
+
+
+def test_layers_of_different_shapes_get_their_own_buffers():
+    from decode.kv_cache import SpecCache
+    cache = SpecCache(2, 16)
+    k0, k1 = torch.randn(1, 2, 4, 8), torch.randn(1, 3, 4, 8)  # [B, H, N, D]: layer 1 has more heads
+    cache.layers[0].update(k0, k0)
+    cache.layers[1].update(k1, k1)
+    assert not cache.uniform
+    cache.commit_path([2, 0])
+    assert torch.equal(cache.layers[1].keys[:, :, :2], k1[:, :, [2, 0]])
+    assert torch.equal(cache.layers[0].keys[:, :, :2], k0[:, :, [2, 0]])
