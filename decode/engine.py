@@ -39,9 +39,10 @@ class SpeculativeEngine:
         seed reproduces its output (timings must not steer which random draws are made).
         static_shapes, fixed_steps: see decode.runner.ModelRunner (by default both on CUDA: CUDA graphs).
         one_shape: every target forward of up to max_tree_nodes rows, plain decoding's one-row steps included, runs
-        as a step of exactly that many rows, so that every token's logits come from the same kernels; the default
-        for a bf16/fp16 target on CUDA, where a row's rounding depends on the forward's row count and speculation
-        would otherwise leave plain decoding's output (decode.step_graphs)."""
+        as a step of exactly that many rows, so that every token's projections come from the same kernels; the
+        default for a bf16/fp16 target on CUDA, where a row's rounding depends on the forward's row count and
+        speculation would otherwise leave plain decoding's output (decode.step_graphs has the measured effect,
+        and the residual case of trees)."""
         param = next(target_model.parameters())
         if one_shape is None:
             one_shape = param.device.type == "cuda" and param.dtype in (torch.bfloat16, torch.float16)
