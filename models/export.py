@@ -79,10 +79,12 @@ from models.cache import make_temp_sibling, publish_dir
 from models.drafters import MANIFEST, load_drafter, read_manifest
 from models.eagle3 import Eagle3Drafter, check_config
 from models.embedded import EMBEDDED_NAME
+from models.export_vllm import export_vllm_draft_model, export_vllm_medusa, is_vllm_export
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("speculators",)
+FORMATS = ("speculators", "vllm")
+VLLM_KINDS = ("draft_model", "eagle3", "medusa")  # what vLLM's speculative decoding loads
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -122,17 +124,43 @@ def export_speculators(drafter_path: str | Path, out: str | Path, target, *, num
     return out
 
 
-def check_out_dir(out: str | Path, drafter_path: Path) -> Path:
-    """`out` may be absent, an empty directory or an earlier export (replaced); anything else is refused."""
+def check_out_dir(out: str | Path, drafter_path: Path | None) -> Path:
+    """`out` may be absent, an empty directory or an earlier export (replaced); anything else is refused.
+    drafter_path: the drafter directory exported (None for a built-in spec), which `out` must not replace."""
     out = Path(out).expanduser().absolute()
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is an existing file; give a directory path (it is created)")
-    if out.resolve() == drafter_path.resolve() or drafter_path.resolve().is_relative_to(out.resolve()):
+    if drafter_path is not None and (out.resolve() == drafter_path.resolve()
+                                     or drafter_path.resolve().is_relative_to(out.resolve())):
         raise ValueError(f"--out {out} would replace the drafter directory {drafter_path} itself")
-    if out.is_dir() and any(out.iterdir()) and not is_speculators_dir(out):
+    if out.is_dir() and any(out.iterdir()) and not (is_speculators_dir(out) or is_vllm_export(out)):
         raise ValueError(f"--out {out} is a non-empty directory that is not an earlier export; "
                          "give a new or empty directory (an earlier export there is replaced)")
     return out
+
+
+def export_for_vllm(drafter_spec: str | Path, out: str | Path, target, *, num_speculative_tokens: int = 5,
+                    verifier: str | None = None, dtype: torch.dtype = torch.float32) -> tuple[Path, str]:
+    """`--format vllm`: the drafter (a directory, or a built-in draft-model spec such as truncated:4) in the
+    format vLLM loads for its kind; returns (out, vLLM's speculative `method`). Kinds vLLM does not load are
+    refused naming the ones it does."""
+    text = str(drafter_spec)
+    is_dir = (Path(text).expanduser() / MANIFEST).is_file()
+    source = Path(text).expanduser().absolute()
+    out = check_out_dir(out, source if is_dir else None)
+    if is_dir and drafter_kind(source) == "eagle3":
+        return export_speculators(source, out, target, num_speculative_tokens=num_speculative_tokens,
+                                  verifier=verifier, dtype=dtype), "eagle3"
+    drafter = load_drafter(str(source) if is_dir else text, target)  # checks the manifest's target fingerprint
+    if drafter.with_lookup:
+        raise ValueError(f"drafter {text!r}: '+prompt_lookup' is a decoding option of ours, not a drafter vLLM "
+                         "loads; export the drafter without it")
+    if drafter.kind == "draft_model":
+        return export_vllm_draft_model(drafter, target, out, dtype), "draft_model"
+    if drafter.kind == "medusa":
+        return export_vllm_medusa(drafter, target, out, dtype), "medusa"
+    raise ValueError(f"drafter {text!r} is of kind {drafter.kind!r}, which vLLM's speculative decoding does not "
+                     f"load (it loads {', '.join(VLLM_KINDS)}; prompt lookup is its built-in `ngram` method)")
 
 
 def is_speculators_dir(path: Path) -> bool:
@@ -319,10 +347,13 @@ def positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m models.export", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("drafter", help="a drafter directory (manifest.json) of kind eagle3")
+    p.add_argument("drafter", help="a drafter directory (manifest.json); for --format vllm also a built-in draft "
+                   "model spec (truncated:N, small:...)")
     p.add_argument("--format", choices=FORMATS, default="speculators",
                    help="speculators: the speculators library's EAGLE-3 checkpoint, which vLLM loads for "
-                        "method eagle3")
+                        "method eagle3 (kind eagle3 only); vllm: what vLLM loads for the drafter's kind "
+                        "(draft_model: an HF directory with a full-vocabulary head; eagle3: speculators; "
+                        "medusa: vLLM's Medusa checkpoint)")
     p.add_argument("--out", required=True, help="output directory (created; an earlier export there is replaced)")
     p.add_argument("--target", default=None, help="the target the drafter was trained for: an HF model directory, "
                    "a .gguf file, a hub id in the local HF cache, or nothing for the embedded default "
@@ -344,6 +375,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from models.target import load_target  # deferred so --help stays fast
 
+    if args.format == "vllm":
+        try:
+            target = load_target(args.target)
+        except (ValueError, OSError) as err:
+            parser.error(f"argument --target: {err}")
+        try:
+            out, method = export_for_vllm(args.drafter, args.out, target,
+                                          num_speculative_tokens=args.num_speculative_tokens,
+                                          verifier=args.verifier, dtype=DTYPES[args.dtype])
+        except (ValueError, FileNotFoundError) as err:
+            parser.error(f"argument drafter: {err}")
+        sys.stdout.write(f"{out}\n")
+        log.info("serve it with vLLM's speculative_config {'method': %r, 'model': %r, ...}", method, str(out))
+        return 0
     try:
         out = check_out_dir(args.out, Path(args.drafter).expanduser().absolute())
     except ValueError as err:

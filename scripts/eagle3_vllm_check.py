@@ -16,7 +16,7 @@ from decode.engine import SpeculativeEngine  # noqa: E402
 from decode.metrics import aggregate_stats  # noqa: E402
 from decode.proposers import build_proposer  # noqa: E402
 from decode.questions import load_questions  # noqa: E402
-from decode.vllm_peer import VllmWorker, eagle3_config, stats_from, target_directory  # noqa: E402
+from decode.vllm_peer import VllmWorker, exported_config, stats_from, target_directory  # noqa: E402
 from models.drafters import load_drafter  # noqa: E402
 from models.target import load_target  # noqa: E402
 
@@ -41,7 +41,7 @@ def main(argv=None) -> dict:
     ours = aggregate_stats([engine.generate(prompt, n).stats for prompt in prompts])
     plain = SpeculativeEngine(target.model, None, target.eos_token_ids)
     plain_tokens = [plain.generate(prompt, n).tokens for prompt in prompts]
-    config = eagle3_config(drafter, target, ROOT / "runs" / "vllm_exports")
+    config = exported_config(drafter.path, drafter, target, ROOT / "runs" / "vllm_exports")
     config["num_speculative_tokens"] = depth
     worker = VllmWorker(target_directory(target), "float32", config)
     try:

@@ -9,8 +9,12 @@ Protocol, one JSON object a line: on start it builds the engine, generates once 
 {"ready": true, "startup_s": ..., "vllm": version}; then for each request line {"prompt_ids": [...],
 "max_tokens": N, "stop_token_ids": [...]} it generates greedily (batch size 1) and writes {"tokens": [...],
 "wall_s": ..., "finish_reason": ..., "spec": {"drafts", "draft_tokens", "accepted", "accepted_per_position"}}
-(the spec counters are vLLM's own metrics, the difference across this request; zeros without speculation). A
-request that fails is answered {"error": "..."} and the worker goes on; end of input ends it. Replies go to the
+(the spec counters are vLLM's own metrics, the difference across this request; zeros without speculation).
+A batch request {"batch": [{"prompt_ids": [...], "temperature": T, "top_p": P, "seed": S}, ...], "max_tokens": N,
+"stop_token_ids": [...]} runs every sequence in one `LLM.generate` call (vLLM batches them itself; temperature 0 is
+greedy) and writes {"batch": [{"tokens": [...], "finish_reason": ...}, ...], "wall_s": ...}: the teacher-data
+backend (distill/teacher_vllm.py). A request that fails is answered {"error": "..."} and the worker goes on; end
+of input ends it. Replies go to the
 original standard output only; everything vLLM prints goes to standard error.
 """
 
@@ -80,10 +84,38 @@ def difference(after: dict, before: dict) -> dict:
             "accepted_per_position": per_position}
 
 
+def with_stop_token(output, stop: list[int]) -> list[int]:
+    """The answer's tokens, ending with the stop token that ended it (vLLM leaves it out; our answers keep it)."""
+    tokens = list(output.token_ids)
+    if output.finish_reason == "stop" and (not tokens or tokens[-1] not in stop):
+        tokens.append(output.stop_reason if isinstance(output.stop_reason, int) else stop[0])
+    return tokens
+
+
+def generate_batch(llm, request: dict) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    stop = [int(t) for t in request.get("stop_token_ids", [])]
+    prompts, params = [], []
+    for item in request["batch"]:
+        prompts.append(TokensPrompt(prompt_token_ids=[int(t) for t in item["prompt_ids"]]))
+        params.append(SamplingParams(temperature=float(item.get("temperature", 0.0)), top_p=float(item.get("top_p", 1.0)),
+                                     seed=item.get("seed"), max_tokens=int(request["max_tokens"]),
+                                     stop_token_ids=stop or None, detokenize=False))
+    start = time.perf_counter()
+    results = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    return {"batch": [{"tokens": with_stop_token(r.outputs[0], stop), "finish_reason": r.outputs[0].finish_reason}
+                      for r in results], "wall_s": wall}
+
+
 def generate(llm, request: dict) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    if "batch" in request:
+        return generate_batch(llm, request)
     stop = [int(t) for t in request.get("stop_token_ids", [])]
     params = SamplingParams(temperature=0.0, max_tokens=int(request["max_tokens"]), stop_token_ids=stop or None,
                             detokenize=False)
@@ -93,10 +125,7 @@ def generate(llm, request: dict) -> dict:
                           use_tqdm=False)
     wall = time.perf_counter() - start
     output = result[0].outputs[0]
-    tokens = list(output.token_ids)
-    if output.finish_reason == "stop" and (not tokens or tokens[-1] not in stop):
-        # stopped by a stop token it did not keep: put it back, as our engine ends an answer with its EOS
-        tokens.append(output.stop_reason if isinstance(output.stop_reason, int) else stop[0])
+    tokens = with_stop_token(output, stop)
     return {"tokens": tokens, "wall_s": wall, "finish_reason": output.finish_reason,
             "spec": difference(spec_counters(llm), before)}
 

@@ -9,6 +9,7 @@ from train.config import ConfigError, check_choice
 METHODS = ("seqkd", "kd", "colbt", "medusa", "lookahead", "eagle3")
 LOSSES = ("ce", "fkl", "rkl", "jsd", "tvd")
 TARGET_DTYPES = ("auto", "float32", "bfloat16")
+TEACHER_BACKENDS = ("builtin", "vllm")  # distill.teacher_vllm.BACKENDS (kept here: configs load without torch)
 TRACKERS = ("none", "wandb")
 
 
@@ -41,6 +42,8 @@ class DistillConfig:
     gen_top_p: float = _f(1.0, "teacher nucleus sampling")
     gen_batch_size: int = _f(16, "prompts per batched target generation")
     topk: int = _f(0, "store the target's top-k log-probs per response token (needed by kd); 0 = none")
+    teacher_backend: str = _f("builtin", "who writes the teacher data: builtin (the target here) or vllm (vLLM's "
+                                         "batched generation, from `make vllm`; the same cache format)")
 
     # colbt: collective boost-tuning of several drafters (train/colbt.py)
     colbt_members: list[str] = _f(["truncated:2", "truncated:3", "small:layers=2,hidden=256"],
@@ -124,6 +127,7 @@ class DistillConfig:
         check_choice("tracker", self.tracker, TRACKERS)
         check_choice("mixed_precision", self.mixed_precision, ("auto", "no", "bf16", "fp16"))
         check_choice("target_dtype", self.target_dtype, TARGET_DTYPES)
+        check_choice("teacher_backend", self.teacher_backend, TEACHER_BACKENDS)
         if self.method == "seqkd" and self.loss != "ce":
             raise ConfigError(f"loss: seqkd trains with ce on the target's tokens, got {self.loss!r} (use method: kd)")
         if self.method == "kd" and self.loss == "ce":

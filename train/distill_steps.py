@@ -133,7 +133,7 @@ def teacher_settings(cfg) -> TeacherDataSettings:
                                temperature=cfg.gen_temperature if not greedy else 1.0, top_p=cfg.gen_top_p,
                                topk=cfg.topk, batch_size=cfg.gen_batch_size, seed=cfg.seed,
                                # a prompt longer than the training window would be cut to its end anyway
-                               max_prompt_tokens=cfg.max_seq_len)
+                               max_prompt_tokens=cfg.max_seq_len, backend=cfg.teacher_backend)
 
 
 def teacher_data_plan(cfg, target) -> tuple[list, TeacherDataSettings, Path]:

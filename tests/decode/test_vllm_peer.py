@@ -30,11 +30,15 @@ def test_drafters_vllm_cannot_load_are_reasons_naming_them(monkeypatch, tmp_path
     monkeypatch.setenv(PYTHON_ENV, str(tmp_path / "missing" / "python"))
     drafters = {"truncated:1": Drafter(kind="draft_model", model=None, vocab_map=None, manifest={}, path=None),
                 "prompt_lookup": Drafter(kind="prompt_lookup", model=None, vocab_map=None, manifest={}, path=None),
-                "e3": Drafter(kind="eagle3", model=None, vocab_map=None, manifest={}, path="e3")}
+                "e3": Drafter(kind="eagle3", model=None, vocab_map=None, manifest={}, path="e3"),
+                "la": Drafter(kind="lookahead", model=None, vocab_map=None, manifest={}, path="la"),
+                "e3+pl": Drafter(kind="eagle3", model=None, vocab_map=None, manifest={}, path="e3", with_lookup=True)}
     methods, skipped = vllm_methods(chat_target, 16, True, drafters=drafters)
     assert methods == []
-    assert "no draft_model drafter" in skipped["vllm_draft_model[truncated:1]"]
-    assert "make vllm" in skipped["vllm_eagle3[e3]"] and "make vllm" in skipped["vllm_ngram"]
+    assert "no lookahead drafter" in skipped["vllm_lookahead[la]"]
+    assert "prompt-lookup chain" in skipped["vllm_eagle3[e3+pl]"]
+    for name in ("vllm_draft_model[truncated:1]", "vllm_eagle3[e3]", "vllm_ngram"):  # loadable: the reason is
+        assert "make vllm" in skipped[name]  # the missing environment
     assert not any("prompt_lookup" in name for name in skipped)  # its vLLM counterpart is vllm_ngram
 
 
@@ -82,3 +86,34 @@ def test_vllm_greedy_equals_our_engine_on_the_default_target():
     finally:
         worker.close()
     assert reply["tokens"] == ours, (reply["tokens"], ours, sys.version)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (ROOT / ".venv-vllm" / "bin" / "python").exists(), reason="no vLLM environment (make vllm)")
+def test_vllm_runs_an_exported_draft_model_losslessly(tmp_path):
+    """The real engine on a `--format vllm` export: truncated:24 of the default target as vLLM's draft model (the
+    untrained shallower truncations are accepted nowhere, in either engine). Its answer is our plain decoding's, and
+    its acceptance is ours for the same 5-token chains, within 15%."""
+    from decode.engine import SpeculativeEngine
+    from decode.proposers import build_proposer
+    from decode.vllm_peer import exported_config, stats_from, target_directory
+    from models.drafters import load_drafter
+    from models.target import load_target
+
+    target = load_target()
+    drafter = load_drafter("truncated:24", target)
+    speculative = exported_config("truncated:24", drafter, target, tmp_path)
+    assert speculative["method"] == "draft_model" and speculative["num_speculative_tokens"] == 5
+    prompt = target.encode_chat([{"role": "user", "content": "List the days of the week."}])
+    plain = SpeculativeEngine(target.model, None, target.eos_token_ids).generate(prompt, 48).tokens
+    proposer = build_proposer(drafter, target.model, gamma=5, eos_token_ids=target.eos_token_ids)
+    ours = SpeculativeEngine(target.model, proposer, target.eos_token_ids, adaptive=False).generate(prompt, 48)
+    worker = VllmWorker(target_directory(target), "float32", speculative, 2)
+    try:
+        reply = worker.generate(prompt, 48, sorted(target.eos_token_ids))
+    finally:
+        worker.close()
+    assert reply["tokens"] == plain == ours.tokens
+    theirs = stats_from(reply)
+    assert theirs is not None and ours.stats.tau > 1.5
+    assert abs(theirs.tau - ours.stats.tau) <= 0.15 * ours.stats.tau, (theirs.tau, ours.stats.tau)

@@ -119,9 +119,9 @@ def test_resume_regenerates_only_missing_shards(target, tmp_path, monkeypatch):
     made: list[int] = []
     real = teacher_data.generate_shard
 
-    def counting(target, prompts, settings, shard):
+    def counting(target, prompts, settings, shard, teacher=None):
         made.append(shard)
-        return real(target, prompts, settings, shard)
+        return real(target, prompts, settings, shard, teacher)
 
     monkeypatch.setattr(teacher_data, "generate_shard", counting)
     full = rows(generate_teacher_data(target, prompts, SETTINGS, out_dir=tmp_path))
@@ -181,3 +181,82 @@ def test_long_prompts_are_skipped(target, tmp_path):
                Prompt("long", [{"role": "user", "content": " ".join(WORDS[:30])}])]
     settings = TeacherDataSettings(max_new_tokens=4, max_prompt_tokens=12)
     assert [r["prompt_id"] for r in generate_teacher_data(target, prompts, settings, out_dir=tmp_path)] == ["short"]
+
+
+# ---- teacher_backend: vllm (distill.teacher_vllm) ------------------------------------------------------
+
+class TeacherFromTarget:
+    """Stands in for the vLLM worker: answers with the tiny target's own greedy decoding, and records the
+    requests (a real vLLM run is scripts/teacher_backends.py and the vllm tests)."""
+
+    calls: list = []
+
+    def __init__(self, target):
+        self.target = target
+
+    def responses(self, prompts, samples, max_new_tokens, temperature, top_p):
+        from distill.generation import generate_batch
+        TeacherFromTarget.calls.append((len(prompts), list(samples), temperature, top_p))
+        eos = set(self.target.eos_token_ids)
+        return [generate_batch(self.target.model, [p], max_new_tokens=max_new_tokens, pad_id=0, eos_token_ids=eos)[0]
+                for p in prompts]
+
+    def close(self):
+        pass
+
+
+def test_the_builtin_backend_keeps_its_cache_keys_and_vllm_gets_its_own(target):
+    import hashlib
+    from dataclasses import asdict
+    prompts = make_prompts(3)
+    settings = {k: v for k, v in asdict(SETTINGS).items() if k != "backend"}  # the settings before backends
+    payload = {"format_version": teacher_data.FORMAT_VERSION, "fingerprint": target.fingerprint,
+               "chat_template": getattr(target.tokenizer, "chat_template", None),
+               "eos_token_ids": sorted(target.eos_token_ids), "prompts": [[p.id, p.messages] for p in prompts],
+               "settings": settings}
+    before = hashlib.sha256(json.dumps(payload, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
+    assert teacher_data_key(target, prompts, SETTINGS) == before
+    vllm = TeacherDataSettings(**{**SETTINGS.__dict__, "backend": "vllm"})
+    assert teacher_data_key(target, prompts, vllm) != before
+
+
+def test_vllm_backend_rows_are_the_builtin_format_and_train_identically(target, tmp_path, monkeypatch):
+    monkeypatch.setattr(teacher_data, "VllmTeacher", TeacherFromTarget)
+    TeacherFromTarget.calls = []
+    greedy = TeacherDataSettings(max_new_tokens=12, greedy=True, topk=4, batch_size=3, shard_size=2, seed=5)
+    prompts = make_prompts(5)
+    builtin = rows(generate_teacher_data(target, prompts, greedy, out_dir=tmp_path / "builtin"))
+    via_vllm = TeacherDataSettings(**{**greedy.__dict__, "backend": "vllm"})
+    served = rows(generate_teacher_data(target, prompts, via_vllm, out_dir=tmp_path / "vllm"))
+    assert served == builtin  # same rows, same columns, same top-k
+    assert [n for n, *_ in TeacherFromTarget.calls] == [2, 2, 1]  # one batched request per shard
+    assert all(sample == (True, sample[1]) for _, samples, _, _ in TeacherFromTarget.calls for sample in samples)
+    losses = []
+    for data in (builtin, served):
+        batch = collate(data, pad_id=0, max_len=64)
+        logits = make_tiny_target(seed=9).model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        losses.append(distill_loss("fkl", logits, target=TopK(batch.topk_ids, batch.topk_logprobs),
+                                   mask=batch.loss_mask).item())
+    assert losses[0] == losses[1]
+
+
+def test_vllm_backend_asks_for_seeded_samples(target, tmp_path, monkeypatch):
+    monkeypatch.setattr(teacher_data, "VllmTeacher", TeacherFromTarget)
+    TeacherFromTarget.calls = []
+    settings = TeacherDataSettings(**{**SETTINGS.__dict__, "backend": "vllm", "topk": 0})
+    generate_teacher_data(target, make_prompts(2), settings, out_dir=tmp_path)
+    (n, samples, temperature, top_p), = TeacherFromTarget.calls
+    assert n == 6 and [g for g, _ in samples] == [True, False, False] * 2
+    seeds = [seed for g, seed in samples if not g]
+    assert len(set(seeds)) == 4 and (temperature, top_p) == (1.0, 1.0)
+
+
+def test_vllm_backend_without_its_environment_is_a_clear_error(target, tmp_path, monkeypatch):
+    from decode.vllm_peer import PYTHON_ENV
+    monkeypatch.setenv(PYTHON_ENV, str(tmp_path / "missing" / "python"))
+    settings = TeacherDataSettings(**{**SETTINGS.__dict__, "backend": "vllm"})
+    with pytest.raises(RuntimeError, match="teacher_backend vllm: no vLLM environment.*make vllm"):
+        generate_teacher_data(target, make_prompts(2), settings, out_dir=tmp_path / "t")
+    assert not list((tmp_path / "t").glob("shards/*"))
+    with pytest.raises(ValueError, match="builtin, vllm"):
+        TeacherDataSettings(backend="sglang")

@@ -83,6 +83,9 @@ def test_config_typo_is_an_error_naming_the_key(tmp_path):
         load_config(DistillConfig, ["--batch_size", "many"])
     with pytest.raises(ConfigError, match="loss"):
         load_config(DistillConfig, ["--method", "kd", "--loss", "ce", "--topk", "4"])
+    with pytest.raises(ConfigError, match="teacher_backend.*builtin.*vllm"):
+        load_config(DistillConfig, ["--teacher_backend", "sglang"])
+    assert load_config(DistillConfig, ["--teacher_backend", "vllm"]).teacher_backend == "vllm"
 
 
 def test_precedence_default_yaml_cli(tmp_path):
