@@ -10,13 +10,14 @@ over the unrepeated key/value cache (the query heads of a group folded into rows
 does), and the inputs of the layers EAGLE-3 reads captured as they pass. BENCHMARKS.md, "The engine's
 own speed", has the measured gain (`scripts/bench_engine.py`).
 
-It reads the model's own parameters (the fused projections are packed copies, rebuilt when the weights
-change, like models.packed_linear's), uses the model's own rotary module (so RoPE scaling variants stay
+It reads the model's own parameters (the fused projections are packed copies on the CPU and plain
+concatenated linears on CUDA, rebuilt when the weights change, like models.packed_linear's), uses the model's own rotary module (so RoPE scaling variants stay
 the model's) and the engine's SpecCache. It runs only where it computes exactly what transformers'
 Llama forward does, up to float rounding: `lean_supported` checks the architecture and the
-configuration (model type, projections, activation, no sliding window, packing available) and anything
-else runs transformers' decoder as before. The tests compare the two forwards' outputs and greedy
-decodes.
+configuration (model type, projections, activation, no sliding window, packing available on the CPU)
+and anything else runs transformers' decoder as before. The tests compare the two forwards' outputs and
+greedy decodes. On CUDA it is also the computation decode.step_graphs records as CUDA graphs (its cache
+writes then go to explicit slots, `slots`).
 """
 
 from __future__ import annotations

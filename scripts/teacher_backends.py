@@ -37,6 +37,8 @@ def parse_args(argv):
     p.add_argument("--limit", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=16, help="the built-in generator's batch (vLLM batches itself)")
+    p.add_argument("--max-prompt-tokens", type=int, default=288,
+                   help="skip longer prompts, as the distill configs do (max_seq_len); 0 keeps all")
     p.add_argument("--out", default="runs/teacher_backends")
     return p.parse_args(argv)
 
@@ -44,9 +46,13 @@ def parse_args(argv):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     target = load_target()
-    prompts = load_prompt_sources([args.prompts], target=target)[:args.limit]
+    prompts = load_prompt_sources([args.prompts], target=target)
+    if args.max_prompt_tokens:  # the first `limit` prompts that a training job would keep
+        prompts = [p for p in prompts if len(target.encode_chat(p.messages)) <= args.max_prompt_tokens]
+    prompts = prompts[:args.limit]
     settings = {backend: TeacherDataSettings(max_new_tokens=args.max_new_tokens, greedy=True, batch_size=args.batch_size,
-                                             shard_size=len(prompts), backend=backend)
+                                             shard_size=len(prompts), backend=backend,
+                                             max_prompt_tokens=args.max_prompt_tokens or None)
                 for backend in ("builtin", "vllm")}
     report = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads()}
     start = time.perf_counter()
@@ -67,7 +73,8 @@ def main(argv=None) -> dict:
     firsts = [first_difference(a["response_ids"], b["response_ids"]) for a, b in pairs]
     report["identical"] = sum(f is None for f in firsts)
     report["first_difference"] = firsts
-    print(f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, greedy, {report['threads']} threads")
+    print(f"{len(prompts)} prompts of at most {args.max_prompt_tokens} tokens, {args.max_new_tokens} new tokens, "
+          f"greedy, {report['threads']} threads")
     print("| backend | answer tokens | seconds | tok/s |")
     print("|---|---|---|---|")
     for backend in rows:
