@@ -29,7 +29,7 @@ class VllmTeacher:
     def __init__(self, target, threads: int | None = None):
         import torch
 
-        from decode.vllm_peer import VLLM_DTYPES, VllmWorker, target_directory, unavailable_reason
+        from models.vllm_env import VLLM_DTYPES, VllmWorker, target_directory, unavailable_reason
 
         reason = unavailable_reason(target)
         if reason:

@@ -252,7 +252,7 @@ def test_vllm_backend_asks_for_seeded_samples(target, tmp_path, monkeypatch):
 
 
 def test_vllm_backend_without_its_environment_is_a_clear_error(target, tmp_path, monkeypatch):
-    from decode.vllm_peer import PYTHON_ENV
+    from models.vllm_env import PYTHON_ENV
     monkeypatch.setenv(PYTHON_ENV, str(tmp_path / "missing" / "python"))
     settings = TeacherDataSettings(**{**SETTINGS.__dict__, "backend": "vllm"})
     with pytest.raises(RuntimeError, match="teacher_backend vllm: no vLLM environment.*make vllm"):
