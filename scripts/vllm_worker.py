@@ -1,4 +1,5 @@
-"""A vLLM engine behind a pipe, for the `--peers vllm` methods (decode/vllm_peer.py) and the vLLM teacher-data backend (distill/teacher_vllm.py), both through models/vllm_env.py. Runs inside the vLLM
+"""A vLLM engine behind a pipe, for the `--peers vllm` methods (decode/vllm_peer.py) and the vLLM teacher-data
+backend (distill/teacher_vllm.py), both through its client in models/vllm_env.py. Runs inside the vLLM
 environment (`make vllm`: .venv-vllm, its own transformers pin), never in the project's; imports nothing from
 the project.
 
