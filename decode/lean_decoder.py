@@ -50,11 +50,7 @@ def lean_supported(model: torch.nn.Module) -> str | None:
     if getattr(config, "sliding_window", None) or getattr(config, "pretraining_tp", 1) != 1:
         return "sliding-window attention or pretraining_tp"
     decoder = model.get_decoder()
-    param = next(decoder.parameters())
-    if param.device.type == "cuda":
-        if not param.dtype.is_floating_point:
-            return f"weights in {param.dtype}"
-    elif not packing_supported(decoder):
+    if next(decoder.parameters()).device.type != "cuda" and not packing_supported(decoder):
         return "its weights are not fp32 on the CPU (there the lean forward runs on packed weights)"
     layer = decoder.layers[0]
     parts = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",

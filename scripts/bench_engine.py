@@ -47,7 +47,6 @@ from decode.engine import SpeculativeEngine  # noqa: E402  (ROOT on sys.path fir
 from decode.lean_decoder import DISABLE_ENV as NO_LEAN_ENV  # noqa: E402
 from decode.proposers import build_proposer  # noqa: E402
 from decode.questions import load_questions  # noqa: E402
-from decode.runner import ModelRunner  # noqa: E402
 from decode.step_graphs import DISABLE_ENV as NO_GRAPHS_ENV  # noqa: E402
 from decode.vllm_peer import VllmWorker, target_directory, unavailable_reason  # noqa: E402
 from models.drafters import load_drafter  # noqa: E402
@@ -108,13 +107,6 @@ def engine_options(name: str) -> dict:
     return {"fixed_steps": True, "one_shape": False} if lean else {"static_shapes": False}
 
 
-def runner_options(name: str) -> dict:
-    """The same for a bare runner (the forward table): one shape means every forward is a 64-row step."""
-    options = engine_options(name)
-    one_shape = options.pop("one_shape", VARIANTS[name][2] == "cuda" and VARIANTS[name][0] == "bfloat16")
-    return {**options, **({"step_buckets": (64,)} if one_shape else {})}
-
-
 @contextlib.contextmanager
 def variant_switch(name: str):
     """Build runners as variant `name` does: the lean forward and CUDA graphs on or off."""
@@ -127,8 +119,8 @@ def variant_switch(name: str):
 def bench_forwards(targets: dict, args) -> list[dict]:
     runners = {}
     for name, target in targets.items():
-        with variant_switch(name):
-            runners[name] = ModelRunner(target.model, **runner_options(name))
+        with variant_switch(name):  # the target runner of the variant's plain engine (its step shapes included)
+            runners[name] = SpeculativeEngine(target.model, None, target.eos_token_ids, **engine_options(name)).target
     context = list(range(100, 100 + args.context))
     table = []
     for rows in args.rows:
