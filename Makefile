@@ -33,12 +33,15 @@ test-all: venv
 test-gpu: venv
 	$(PY) -m pytest -q -m gpu
 
-# the quickstart: self-prompted Seq-KD of a truncated drafter on the embedded default, then its speedup
+# the quickstart: Medusa heads trained on the embedded default's own answers, then their speedup on MT-bench
+# (one question per category) against plain decoding and against the untrained heads, in one run
 demo: venv
 	$(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
 		train/distill.py --config configs/distill/quickstart.yaml
-	$(PY) -m decode.evaluate --drafter runs/quickstart/drafter --questions $(QUESTIONS) --limit 4 \
-		--max-new-tokens 96 --out runs/quickstart/eval
+	$(PY) -m decode.evaluate --drafter runs/quickstart/drafter --drafter runs/quickstart/untrained \
+		--questions $(QUESTIONS) --per-category 1 --max-new-tokens 64 --out runs/quickstart/eval
+	$(PY) scripts/training_gain.py runs/quickstart/eval/report.json \
+		--trained runs/quickstart/drafter --untrained runs/quickstart/untrained
 
 bench: venv
 	$(PY) scripts/bench_decode.py

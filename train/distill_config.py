@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from train.config import ConfigError, check_choice
 
@@ -69,6 +70,8 @@ class DistillConfig:
     medusa_tree_nodes: int = _f(24, "medusa: draft nodes of the calibrated sparse tree (root excluded)")
     medusa_topk: int = _f(8, "medusa: ranks per head measured in calibration (the tree's widest branching)")
     medusa_calibration: int = _f(16, "medusa: prompts held out to measure per-head top-k accuracy")
+    medusa_untrained_dir: str = _f("", "medusa: also write the heads as initialised (calibrated on the same held-out "
+                                       "prompts) here, the starting point a run's gain is measured against; '' = no")
 
     # lookahead: [LA] embeddings for the frozen target, PaSS (train/lookahead.py)
     lookahead_tokens: int = _f(4, "lookahead: number k of [LA] embeddings; LA_j predicts the token j+1 after the last real one")
@@ -182,6 +185,8 @@ class DistillConfig:
             raise ConfigError(f"loss: medusa trains with ce + medusa_kl_weight * KL, got {self.loss!r}")
         if self.lora_r:
             raise ConfigError("lora_r: Medusa-2 (LoRA on the target) is not implemented; set lora_r: 0")
+        if self.medusa_untrained_dir and Path(self.medusa_untrained_dir).resolve() == Path(self.output_dir).resolve():
+            raise ConfigError(f"medusa_untrained_dir: must differ from output_dir ({self.output_dir})")
 
     def check_lookahead(self) -> None:
         for name in ("lookahead_tokens", "lookahead_insertions", "lookahead_chains", "lookahead_branches"):

@@ -24,6 +24,7 @@ medusa_kl_weight, medusa_tree_nodes, medusa_topk, medusa_calibration, draft_voca
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 from pathlib import Path
@@ -58,25 +59,36 @@ def train_medusa(cfg, accelerator, target, records: list[dict]) -> Path:
                                     prefix_layer=cfg.medusa_prefix_layer).float().train()
     heads.requires_grad_(True)
     vocab_map = candidate_vocab(cfg, target, train_records)
-    embed = target.model.get_input_embeddings()  # sequential heads read the tree's tokens through it
+    if cfg.medusa_untrained_dir:
+        calibrate_and_save(cfg, accelerator, target, heads.eval(), calib_set, vocab_map, Path(cfg.medusa_untrained_dir),
+                           {"untrained": True, "calibration_records": len(calibration)})
+        heads.train()
     total = cfg.max_steps or cfg.epochs * -(-len(train_set) // (cfg.batch_size * accelerator.num_processes))
     optimizer, scheduler = steps.make_optimizer(cfg, heads, total)
     heads, optimizer, scheduler = accelerator.prepare(heads, optimizer, scheduler)
     losses = train_heads(cfg, accelerator, target, heads, train_set, optimizer, scheduler, total, vocab_map)
     heads = accelerator.unwrap_model(heads).eval()
+    out = Path(cfg.output_dir)
+    calibrate_and_save(cfg, accelerator, target, heads, calib_set, vocab_map, out,
+                       {"loss_history": losses, "calibration_records": len(calibration)})
+    return out
+
+
+def calibrate_and_save(cfg, accelerator, target, heads, calib_set: list[Example], vocab_map, out: Path,
+                       extra: dict) -> None:
+    """Choose the sparse tree from the heads' top-k accuracies on the held-out records and write the drafter
+    directory (the tree and accuracies go in its manifest). The heads keep their dtype; a copy is saved."""
+    embed = target.model.get_input_embeddings()
     accuracy = topk_accuracy(heads, calib_set, cfg.medusa_topk, vocab_map, embed)
     tree = choose_tree(accuracy, cfg.medusa_tree_nodes)
-    log.info("calibrated tree: %d nodes, expected accepted drafts %.2f per step; top-1 accuracy per head %s",
-             len(tree), expected_accept_length(tree, accuracy), [round(a[0], 3) for a in accuracy])
-    out = Path(cfg.output_dir)
+    log.info("calibrated tree (%s): %d nodes, expected accepted drafts %.2f per step; top-1 accuracy per head %s",
+             out, len(tree), expected_accept_length(tree, accuracy), [round(a[0], 3) for a in accuracy])
+    config = {**heads.config, **config_dict(cfg)}
     if accelerator.is_main_process:
-        save_drafter(out, heads.to(target.dtype), target, "medusa", config={**heads.config, **config_dict(cfg)},
-                     vocab_map=vocab_map,
-                     extra={"tree": tree, "topk_accuracy": accuracy, "loss_history": losses,
-                            "expected_accept_length": expected_accept_length(tree, accuracy),
-                            "calibration_records": len(calibration)})
+        save_drafter(out, copy.deepcopy(heads).to(target.dtype), target, "medusa", config=config, vocab_map=vocab_map,
+                     extra={"tree": tree, "topk_accuracy": accuracy,
+                            "expected_accept_length": expected_accept_length(tree, accuracy), **extra})
     accelerator.wait_for_everyone()
-    return out
 
 
 # ---- data: the target's hidden states ------------------------------------------------------------------
@@ -94,17 +106,21 @@ def target_hidden_states(cfg, target, records: list[dict], name: str) -> list[Ex
         if saved.get("key") == key:
             return saved["examples"]
     pad_id = pad_token_id(target.tokenizer, target.eos_token_ids)
-    examples = []
-    for start in tqdm(range(0, len(records), cfg.gen_batch_size), desc=f"target hidden ({name})"):
-        batch = collate(records[start:start + cfg.gen_batch_size], pad_id, cfg.max_seq_len).to(target.device)
+    # batches of similar lengths pad little: the forward's cost is its padded width (right padding and causal
+    # attention leave every real position's state as it is alone)
+    order = sorted(range(len(records)), key=lambda i: len(records[i]["prompt_ids"]) + len(records[i]["response_ids"]))
+    examples: list[Example | None] = [None] * len(records)
+    for start in tqdm(range(0, len(order), cfg.gen_batch_size), desc=f"target hidden ({name})"):
+        indices = order[start:start + cfg.gen_batch_size]
+        batch = collate([records[i] for i in indices], pad_id, cfg.max_seq_len).to(target.device)
         hidden = target.model.get_decoder()(input_ids=batch.input_ids,
                                             attention_mask=batch.attention_mask).last_hidden_state  # [B, T, D]
-        for row in range(hidden.shape[0]):
+        for row, index in enumerate(indices):
             positions = batch.loss_mask[row].nonzero().flatten()  # [R], consecutive
             if positions.numel() and positions[-1] - positions[0] + 1 != positions.numel():
-                raise ValueError(f"record {start + row}: its response positions are not consecutive")
+                raise ValueError(f"record {index}: its response positions are not consecutive")
             end = int(positions[-1]) + 1 if positions.numel() else 0
-            examples.append((hidden[row][:end].float().cpu(), batch.labels[row][positions].cpu()))
+            examples[index] = (hidden[row][:end].float().cpu(), batch.labels[row][positions].cpu())
     cache.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"key": key, "examples": examples}, cache)
     return examples

@@ -52,7 +52,8 @@ def trained(target, records, tmp_path_factory):
 @pytest.fixture(scope="module")
 def trained_sequential(target, records, tmp_path_factory):
     before = {k: v.clone() for k, v in target.model.state_dict().items()}
-    cfg = medusa_config(tmp_path_factory.mktemp("sequential"), medusa_sequential=True)
+    path = tmp_path_factory.mktemp("sequential")
+    cfg = medusa_config(path, medusa_sequential=True, medusa_untrained_dir=str(path / "untrained"))
     return train_medusa(cfg, Accelerator(cpu=True), target, records), before
 
 
@@ -79,6 +80,20 @@ def test_training_changes_only_the_heads(target, any_trained):
                                     prefix_layer=heads.prefix is not None)
     changed = [not torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), heads.state_dict().values())]
     assert all(changed)  # every block and projection of every head trained
+
+
+def test_the_untrained_starting_point_is_saved_as_initialised_and_calibrated(target, trained_sequential):
+    out, _ = trained_sequential
+    untrained, trained = load_drafter(str(out.parent / "untrained"), target), load_drafter(str(out), target)
+    fresh = MedusaHeads.from_target(target.model, 3, 1, sequential=True)
+    saved = untrained.model.state_dict()
+    assert fresh.state_dict().keys() == saved.keys()
+    for name, tensor in fresh.state_dict().items():
+        assert torch.equal(tensor.to(saved[name].dtype), saved[name]), name
+    assert untrained.manifest["extra"]["untrained"] is True and "untrained" not in trained.manifest["extra"]
+    check_tree(untrained.manifest["extra"]["tree"], 3)
+    # calibrated on the same held-out records: training raised head 1's top-1 accuracy there
+    assert trained.manifest["extra"]["topk_accuracy"][0][0] > untrained.manifest["extra"]["topk_accuracy"][0][0] + 0.2
 
 
 def test_heads_learn_the_shifted_tokens(target, records, trained, tmp_path):
@@ -200,6 +215,8 @@ def test_medusa_config_is_checked():
         DistillConfig(method="medusa", medusa_decay=0.0)
     with pytest.raises(ConfigError, match="lora_r"):
         DistillConfig(method="medusa", lora_r=4)
+    with pytest.raises(ConfigError, match="medusa_untrained_dir"):
+        DistillConfig(method="medusa", output_dir="runs/x/drafter", medusa_untrained_dir="runs/x/drafter/")
 
 
 def test_draft_vocab_stores_the_candidate_vocabulary(target, records, tmp_path):
