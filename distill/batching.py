@@ -33,6 +33,14 @@ class Batch:
         return Batch(**moved)
 
 
+def batches_by_length(records: list[dict], batch_size: int) -> list[list[int]]:
+    """Record indices in batches of similar length (prompt + response, shortest first): a right-padded
+    batch costs a forward as wide as its longest row, and under a causal mask a real position's output does
+    not depend on the padding after it, so grouping by length only saves time."""
+    order = sorted(range(len(records)), key=lambda i: len(records[i]["prompt_ids"]) + len(records[i]["response_ids"]))
+    return [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
+
+
 def fit_to_length(prompt: list[int], response: list[int], max_len: int) -> tuple[list[int], list[int]]:
     """Cut the response to leave room for at least one prompt token, then the prompt from the
     left (its end, next to the response, is what conditions the response)."""

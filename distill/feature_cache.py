@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from distill.batching import collate
+from distill.batching import batches_by_length, collate
 from models.cache import MARKER, cache_root, publish_dir, write_marker
 
 FORMAT_VERSION = 1
@@ -119,19 +119,19 @@ def check_layers(model, layers: list[int]) -> None:
 @torch.no_grad()
 def compute_shard(target, records: list[dict], layers: list[int], max_seq_len: int, batch_size: int,
                   pad_id: int) -> list[FeatureRecord]:
-    out = []
+    out: list[FeatureRecord | None] = [None] * len(records)
     decoder = target.model.get_decoder()
-    for start in range(0, len(records), batch_size):
-        batch = collate(records[start:start + batch_size], pad_id, max_seq_len).to(target.device)
+    for indices in batches_by_length(records, batch_size):
+        batch = collate([records[i] for i in indices], pad_id, max_seq_len).to(target.device)
         result = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True)
         if getattr(result, "hidden_states", None) is None:
             raise ValueError(f"eagle3: the target's decoder ({type(decoder).__name__}) returned no hidden "
                              "states for output_hidden_states=True")
         features = torch.cat([result.hidden_states[i] for i in layers], dim=-1)  # [B, T, 3D]
-        for row, length in enumerate(batch.attention_mask.sum(-1).tolist()):
-            out.append(FeatureRecord(batch.input_ids[row, :length].cpu(), features[row, :length].to("cpu", STORE_DTYPE),
-                                     result.last_hidden_state[row, :length].to("cpu", STORE_DTYPE),
-                                     batch.loss_mask[row, :length].cpu()))
+        for row, (index, length) in enumerate(zip(indices, batch.attention_mask.sum(-1).tolist())):
+            out[index] = FeatureRecord(batch.input_ids[row, :length].cpu(), features[row, :length].to("cpu", STORE_DTYPE),
+                                       result.last_hidden_state[row, :length].to("cpu", STORE_DTYPE),
+                                       batch.loss_mask[row, :length].cpu())
     return out
 
 

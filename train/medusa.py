@@ -33,7 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from decode.proposers.medusa import choose_tree, expected_accept_length
-from distill.batching import collate
+from distill.batching import batches_by_length, collate
 from distill.generation import pad_token_id
 from distill.losses import cross_entropy_loss, forward_kl
 from distill.vocab import count_response_tokens, coverage, select_draft_vocab
@@ -106,12 +106,8 @@ def target_hidden_states(cfg, target, records: list[dict], name: str) -> list[Ex
         if saved.get("key") == key:
             return saved["examples"]
     pad_id = pad_token_id(target.tokenizer, target.eos_token_ids)
-    # batches of similar lengths pad little: the forward's cost is its padded width (right padding and causal
-    # attention leave every real position's state as it is alone)
-    order = sorted(range(len(records)), key=lambda i: len(records[i]["prompt_ids"]) + len(records[i]["response_ids"]))
     examples: list[Example | None] = [None] * len(records)
-    for start in tqdm(range(0, len(order), cfg.gen_batch_size), desc=f"target hidden ({name})"):
-        indices = order[start:start + cfg.gen_batch_size]
+    for indices in tqdm(batches_by_length(records, cfg.gen_batch_size), desc=f"target hidden ({name})"):
         batch = collate([records[i] for i in indices], pad_id, cfg.max_seq_len).to(target.device)
         hidden = target.model.get_decoder()(input_ids=batch.input_ids,
                                             attention_mask=batch.attention_mask).last_hidden_state  # [B, T, D]

@@ -4,7 +4,7 @@ from collections import Counter
 
 import torch
 
-from distill.batching import collate, fit_to_length, with_absent_column
+from distill.batching import batches_by_length, collate, fit_to_length, with_absent_column
 from distill.vocab import coverage, inverse_map, select_draft_vocab
 
 
@@ -59,3 +59,15 @@ def test_tokens_to_add_are_the_most_frequent_absent_ones_above_the_count_floor()
     assert tokens_to_add(counts, vocab_map, max_new=10, min_count=3).tolist() == [13, 7, 8]  # ties by id
     assert tokens_to_add(counts, vocab_map, max_new=2, min_count=3).tolist() == [13, 7]
     assert tokens_to_add(counts, vocab_map, max_new=10, min_count=7).tolist() == []
+
+
+def test_batches_by_length_cover_every_record_once_shortest_first():
+    lengths = [(5, 9), (1, 1), (30, 2), (4, 4), (2, 0), (7, 7), (3, 3)]
+    records = [{"prompt_ids": [1] * p, "response_ids": [2] * r} for p, r in lengths]
+    batches = batches_by_length(records, 3)
+    assert [len(b) for b in batches] == [3, 3, 1]
+    flat = [i for b in batches for i in b]
+    assert sorted(flat) == list(range(len(records)))
+    totals = [sum(lengths[i]) for i in flat]
+    assert totals == sorted(totals)
+    assert batches_by_length([], 4) == []

@@ -15,8 +15,8 @@ from accelerate import Accelerator
 
 from decode.engine import SpeculativeEngine
 from decode.proposers import build_proposer
-from distill.feature_cache import (FeatureCache, FeatureCacheError, feature_cache_dir, feature_cache_key,
-                                   open_or_build, partial_dir)
+from distill.feature_cache import (FeatureCache, FeatureCacheError, compute_shard, feature_cache_dir,
+                                   feature_cache_key, open_or_build, partial_dir)
 from models.drafters import load_drafter
 from models.eagle3 import Eagle3Drafter
 from tests.train.support import greedy_records, peaked_tiny_target
@@ -160,3 +160,13 @@ def test_layer_out_of_range_and_oversized_vocabulary_name_the_field(target, reco
         Eagle3Drafter.for_target(target.model, None, [0, 1, 7])
     with pytest.raises(ValueError, match="draft_vocab"):
         train_eagle3(eagle3_config(tmp_path, draft_vocab=VOCAB + 1), Accelerator(cpu=True), target, records[:8], [])
+
+
+def test_features_batched_by_length_equal_each_record_alone_in_the_records_order(target, records):
+    mixed = [records[0], {**records[1], "response_ids": records[1]["response_ids"][:3]}, *records[2:6]]
+    batched = compute_shard(target, mixed, [0, 1], 48, 4, pad_id=0)
+    for record, got in zip(mixed, batched):
+        alone = compute_shard(target, [record], [0, 1], 48, 1, pad_id=0)[0]
+        assert torch.equal(got.ids, alone.ids) and torch.equal(got.mask, alone.mask)
+        torch.testing.assert_close(got.features.float(), alone.features.float(), atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(got.final.float(), alone.final.float(), atol=2e-2, rtol=1e-2)

@@ -96,6 +96,15 @@ def test_the_untrained_starting_point_is_saved_as_initialised_and_calibrated(tar
     assert trained.manifest["extra"]["topk_accuracy"][0][0] > untrained.manifest["extra"]["topk_accuracy"][0][0] + 0.2
 
 
+def test_hidden_states_batched_by_length_equal_each_record_alone_in_the_records_order(target, records, tmp_path):
+    mixed = [records[0], {**records[1], "response_ids": records[1]["response_ids"][:3]}, *records[2:6]]
+    batched = target_hidden_states(medusa_config(tmp_path / "a", gen_batch_size=4), target, mixed, "check")
+    alone = target_hidden_states(medusa_config(tmp_path / "b", gen_batch_size=1), target, mixed, "check")
+    for (hidden, labels), (hidden_1, labels_1) in zip(batched, alone, strict=True):
+        assert torch.equal(labels, labels_1)
+        torch.testing.assert_close(hidden, hidden_1, atol=1e-4, rtol=1e-4)
+
+
 def test_heads_learn_the_shifted_tokens(target, records, trained, tmp_path):
     out, _ = trained
     heads = load_drafter(str(out), target).model.float()
