@@ -1,8 +1,10 @@
-"""Check an exported EAGLE-3 drafter in vLLM against our engine: the same drafter, the same chain depth, the same
-prompts, greedy; prints both engines' tau and acceptance per position and vLLM's mismatches against our plain
-decoding. Needs `make vllm` (vLLM compiles for about 3.5 minutes at start).
+"""Check a drafter exported for vLLM (EAGLE-3, Medusa heads, a draft model) against our engine: the same drafter,
+the same chain depth, the same prompts, greedy; prints both engines' tau and acceptance per position and vLLM's
+mismatches against our plain decoding. Our engine drafts what vLLM drafts: a top-1 chain, in full every step
+(EAGLE-3 and a draft model `--depth` deep, Medusa one token per head). Needs `make vllm` (vLLM compiles for
+about 3.5 minutes at start).
 
-    .venv/bin/python scripts/eagle3_vllm_check.py [DRAFTER] [--depth 6] [--max-new-tokens 96]
+    .venv/bin/python scripts/vllm_check.py [DRAFTER] [--depth 6] [--max-new-tokens 96]
 """
 import argparse
 import json
@@ -15,10 +17,21 @@ sys.path.insert(0, str(ROOT))
 from decode.engine import SpeculativeEngine  # noqa: E402
 from decode.metrics import aggregate_stats  # noqa: E402
 from decode.proposers import build_proposer  # noqa: E402
+from decode.proposers.medusa import MedusaProposer, default_chain  # noqa: E402
 from decode.questions import load_questions  # noqa: E402
 from decode.vllm_peer import VllmWorker, exported_config, stats_from, target_directory  # noqa: E402
 from models.drafters import load_drafter  # noqa: E402
 from models.target import load_target  # noqa: E402
+
+
+def chain_proposer(drafter, target, depth: int):
+    """Ours drafting what vLLM drafts for this drafter: a top-1 chain `depth` deep."""
+    if drafter.kind == "medusa":
+        return MedusaProposer(drafter.model, tree=default_chain(depth), vocab_map=drafter.vocab_map,
+                              embed=target.model.get_input_embeddings())
+    if drafter.kind == "eagle3":
+        return build_proposer(drafter, target.model, eagle3_depth=depth, eagle3_topk=1, eagle3_tree_nodes=depth)
+    return build_proposer(drafter, target.model, gamma=depth, eos_token_ids=target.eos_token_ids)
 
 
 def main(argv=None) -> dict:
@@ -26,17 +39,17 @@ def main(argv=None) -> dict:
     p.add_argument("drafter", nargs="?", default="runs/smollm2_eagle3_gpu/drafter")
     p.add_argument("--questions", default=str(ROOT.parent / "shared/data/mt_bench/question.jsonl"))
     p.add_argument("--per-category", type=int, default=1)
-    p.add_argument("--depth", type=int, default=6)
+    p.add_argument("--depth", type=int, default=6, help="chain depth (EAGLE-3, draft model; Medusa: its heads)")
     p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--out", default="runs/eagle3_vllm_check.json")
+    p.add_argument("--out", default="runs/vllm_check.json")
     args = p.parse_args(argv)
     target = load_target()
     drafter = load_drafter(args.drafter, target)
     questions = load_questions(args.questions, per_category=args.per_category)
     prompts = [target.encode_chat([{"role": "user", "content": q.turns[0]}]) for q in questions]
-    n, depth, eos = args.max_new_tokens, args.depth, sorted(target.eos_token_ids)
-    # ours: a chain (top-1) of the same depth, drafted in full every step, as vLLM drafts
-    proposer = build_proposer(drafter, target.model, eagle3_depth=depth, eagle3_topk=1, eagle3_tree_nodes=depth)
+    n, eos = args.max_new_tokens, sorted(target.eos_token_ids)
+    depth = drafter.model.config["num_heads"] if drafter.kind == "medusa" else args.depth
+    proposer = chain_proposer(drafter, target, depth)
     engine = SpeculativeEngine(target.model, proposer, target.eos_token_ids, adaptive=False)
     ours = aggregate_stats([engine.generate(prompt, n).stats for prompt in prompts])
     plain = SpeculativeEngine(target.model, None, target.eos_token_ids)
