@@ -116,24 +116,42 @@ def run_question(method: Method, question: Question, target) -> list[TurnResult]
     return results
 
 
-def warm_up(methods: list[Method], questions: list[Question], target, n: int) -> None:
+def warm_up(methods: list[Method], questions: list[Question], target, n: int,
+            failed: dict[str, str] | None = None) -> None:
     """n untimed generations per method (first turns of the first questions, round robin): allocator,
     thread pools and the engine's adaptive draft length settle before anything is measured."""
     prompts = [target.encode_chat(conversation_for_turn(q.turns, [], 0)) for q in questions[:n]]
     for i in range(n):
-        for method in methods:
-            method.run(prompts[i % len(prompts)])
+        for method in list(methods):
+            survive(method, methods, failed, lambda: method.run(prompts[i % len(prompts)]))
 
 
 def run_methods(methods: list[Method], questions: list[Question], target, warmup: int = 2,
-                progress: bool = True) -> list[TurnResult]:
-    """Warm up, then for each question run every method (interleaved), in the given order."""
-    warm_up(methods, questions, target, warmup)
+                progress: bool = True, failed: dict[str, str] | None = None) -> list[TurnResult]:
+    """Warm up, then for each question run every method (interleaved), in the given order. A fallible
+    method (a vLLM worker) that fails is dropped with all its turns, and `failed[name]` says why; any
+    other method's error ends the run."""
+    active = list(methods)
+    warm_up(active, questions, target, warmup, failed)
     results = []
     for question in tqdm(questions, desc="questions", unit="q", disable=not progress):
-        for method in methods:
-            results += run_question(method, question, target)
-    return results
+        for method in list(active):
+            results += survive(method, active, failed, lambda: run_question(method, question, target)) or []
+    dropped = {m.name for m in methods} - {m.name for m in active}
+    return [r for r in results if r.method not in dropped]
+
+
+def survive(method: Method, active: list[Method], failed: dict[str, str] | None, call):
+    """call(); if a fallible method raises RuntimeError, remove it from `active`, record why, return None."""
+    try:
+        return call()
+    except RuntimeError as err:
+        if not method.fallible or failed is None:
+            raise
+        failed[method.name] = f"failed during the run, dropped with all its turns: {err}"
+        active.remove(method)
+        log.warning("dropping %s: %s", method.name, err)
+        return None
 
 
 # ---- building the methods ----------------------------------------------------------------------------
@@ -202,14 +220,15 @@ def run_evaluation(target, drafters, questions: list[Question], config: EvalConf
 
 def evaluate_methods(methods: list[Method], skipped: dict[str, str], target, drafters: Mapping[str, object],
                      questions: list[Question], config: EvalConfig, progress: bool = True) -> EvalResult:
+    failed: dict[str, str] = {}
     try:
-        results = run_methods(methods, questions, target, config.warmup, progress)
+        results = run_methods(methods, questions, target, config.warmup, progress, failed)
     finally:
         for method in methods:
             if method.close is not None:
                 method.close()
-    summary = summarize(results, [m.name for m in methods], greedy=config.sampling.greedy)
-    return EvalResult(describe_run(target, drafters, questions, config), summary, results, skipped)
+    summary = summarize(results, [m.name for m in methods if m.name not in failed], greedy=config.sampling.greedy)
+    return EvalResult(describe_run(target, drafters, questions, config), summary, results, {**skipped, **failed})
 
 
 def describe_run(target, drafters: Mapping[str, object], questions: list[Question], config: EvalConfig) -> dict:

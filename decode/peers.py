@@ -35,6 +35,8 @@ class Method:
     run: Callable[[list[int]], TurnOutput]
     lossless: bool = True  # greedy output must equal the baseline's token for token
     close: Callable[[], None] | None = None  # frees what it holds (a vLLM worker process) after the evaluation
+    fallible: bool = False  # runs in another process (a vLLM worker): if it dies mid-run (RuntimeError), the
+    #                         evaluation drops this method and reports why instead of ending
 
 
 def engine_method(name: str, target, proposer: Proposer | None, max_new_tokens: int,

@@ -12,6 +12,7 @@ is a reason in the report's `skipped`, never a crash and never silently left out
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import sys
 from collections.abc import Mapping
@@ -54,7 +55,7 @@ def worker_method(name: str, worker: VllmWorker, max_new_tokens: int, eos_token_
         return TurnOutput(reply["tokens"], reply["wall_s"], stats_from(reply))
 
     # its own kernels: mismatches are reported, not required to be 0
-    return Method(name, run, lossless=False, close=worker.close)
+    return Method(name, run, lossless=False, close=worker.close, fallible=True)
 
 
 def vllm_methods(target, max_new_tokens: int, greedy: bool, threads: int | None = None,
@@ -116,9 +117,12 @@ def exported_config(spec: str, drafter, target, export_dir: Path) -> dict:
 
 
 def export_name(source: str) -> str:
-    """A directory name for an export of `source` (a drafter directory, or a spec such as truncated:4)."""
-    name = Path(str(source)).name or "drafter"
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+    """A directory name for an export of `source` (a drafter directory, or a spec such as truncated:4): its last two
+    path parts, readable, and a digest of the whole, so that runs/a/drafter and runs/b/drafter never share one."""
+    text = str(source)
+    readable = "_".join(Path(text).parts[-2:]) or "drafter"
+    readable = "".join(c if c.isalnum() or c in "-_." else "_" for c in readable)
+    return f"{readable}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
 
 
 def main() -> int:  # a smoke check: python -m decode.vllm_peer

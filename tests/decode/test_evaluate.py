@@ -13,8 +13,8 @@ from tokenizers.pre_tokenizers import Whitespace
 from transformers import PreTrainedTokenizerFast
 
 from tests.conftest import ROOT, SHARED_DATA, make_tiny_llama
-from decode.evaluate import (EvalConfig, build_parser, config_from_args, conversation_for_turn, main, run_evaluation,
-                             run_question)
+from decode.evaluate import (EvalConfig, build_methods, build_parser, config_from_args, conversation_for_turn,
+                             evaluate_methods, main, run_evaluation, run_question)
 from decode.peers import Method, TurnOutput, assisted_skip_reason
 from decode.questions import Question, QuestionFileError, categories, load_questions
 from decode.report import BASELINE, training_gain, write_report
@@ -193,6 +193,40 @@ def test_sampling_run_reports_no_mismatch_count(tmp_path, chat_target):
     result = run_evaluation(chat_target, load_drafter("truncated:1", chat_target), questions, config, progress=False)
     assert set(result.summary) == {BASELINE, "speculative"}
     assert all(row["mismatches"] is None for row in result.summary.values())
+
+
+def dies_on_call(name: str, n: int, fallible: bool) -> Method:
+    """A peer whose n-th call raises RuntimeError, as a vLLM worker killed mid-run does."""
+    calls = []
+
+    def run(prompt_ids):
+        calls.append(1)
+        if len(calls) == n:
+            raise RuntimeError("vLLM worker failed (EngineDeadError)")
+        return TurnOutput([1, 2], 0.01, None)
+
+    return Method(name, run, lossless=False, fallible=fallible)
+
+
+@pytest.mark.parametrize("n", [1, 3])  # dies in the warm-up, or after some measured turns
+def test_a_fallible_peer_that_dies_is_dropped_with_its_reason_and_the_run_goes_on(tmp_path, chat_target, n):
+    questions = load_questions(write_lines(tmp_path / "q.jsonl", MT_BENCH_LINES))
+    config = EvalConfig(drafters=("x",), questions="q", max_new_tokens=6, warmup=1)
+    methods, skipped = build_methods(chat_target, {}, config)
+    result = evaluate_methods([*methods, dies_on_call("vllm_x", n, fallible=True)], skipped, chat_target, {},
+                              questions, config, progress=False)
+    assert set(result.summary) == {BASELINE}
+    assert "failed during the run" in result.skipped["vllm_x"] and "EngineDeadError" in result.skipped["vllm_x"]
+    assert {r.method for r in result.results} == {BASELINE}
+    assert len(result.results) == sum(len(q.turns) for q in questions)
+
+
+def test_an_error_of_our_own_method_ends_the_run(tmp_path, chat_target):
+    questions = load_questions(write_lines(tmp_path / "q.jsonl", MT_BENCH_LINES))
+    config = EvalConfig(drafters=("x",), questions="q", max_new_tokens=6, warmup=0)
+    with pytest.raises(RuntimeError, match="EngineDeadError"):
+        evaluate_methods([dies_on_call("ours", 2, fallible=False)], {}, chat_target, {}, questions, config,
+                         progress=False)
 
 
 # ---- the command line ------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from decode.evaluate import EvalConfig, build_methods
-from decode.vllm_peer import PYTHON_ENV, VllmWorker, stats_from, unavailable_reason, vllm_python
+from decode.vllm_peer import PYTHON_ENV, VllmWorker, export_name, stats_from, unavailable_reason, vllm_python
 from tests.conftest import ROOT
 from tests.decode.test_evaluate import chat_target  # noqa: F401  (fixture)
 
@@ -58,6 +58,13 @@ def test_a_worker_that_dies_at_start_is_an_error_with_its_output(monkeypatch, tm
     assert vllm_python() == fake
     with pytest.raises(RuntimeError, match="ImportError: no module named vllm"):
         VllmWorker(tmp_path, "float32", None)
+
+
+def test_exports_of_drafters_with_the_same_directory_name_never_share_a_directory():
+    names = [export_name(s) for s in ("runs/a/drafter", "runs/b/drafter", "/abs/runs/a/drafter", "truncated:4")]
+    assert len(set(names)) == len(names)
+    assert names[0].startswith("a_drafter-") and export_name("runs/a/drafter") == names[0]  # stable
+    assert all(c.isalnum() or c in "-_." for name in names for c in name)
 
 
 def test_vllm_counters_become_our_statistics():
