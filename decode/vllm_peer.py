@@ -85,6 +85,10 @@ def vllm_methods(target, max_new_tokens: int, greedy: bool, threads: int | None 
         return [], {**dict.fromkeys(configs, reason), **skipped}
     methods = []
     for name, speculative_config in configs.items():
+        if (short := memory_shortfall()) is not None:
+            skipped[name] = short
+            log.warning("skipping %s: %s", name, short)
+            continue
         try:
             speculative = speculative_config()
             log.info("starting %s (vLLM compiles its kernels: minutes)", name)
@@ -95,6 +99,30 @@ def vllm_methods(target, max_new_tokens: int, greedy: bool, threads: int | None 
             continue
         methods.append(worker_method(name, worker, max_new_tokens, target.eos_token_ids))
     return methods, skipped
+
+
+# What one vLLM method holds on the 2-core CPU, measured with the default target and VLLM_CPU_KVCACHE_SPACE=1:
+# its VLLM::Worker 2.8-3.7 GB, the worker client 0.7 GB, VLLM::EngineCore 0.65 GB (a fifth engine beside four was
+# killed by the kernel on a 24 GiB machine, and with it the whole evaluation, before this check)
+WORKER_MEMORY_GIB = 5.0
+
+
+def memory_shortfall(available_gib: float | None = None) -> str | None:
+    """Why another vLLM engine should not start now (too little memory left), or None. Reads MemAvailable
+    from /proc/meminfo (None where it cannot: no check)."""
+    if available_gib is None:
+        try:
+            text = Path("/proc/meminfo").read_text()
+        except OSError:
+            return None
+        kib = next((int(line.split()[1]) for line in text.splitlines() if line.startswith("MemAvailable:")), None)
+        if kib is None:
+            return None
+        available_gib = kib / 2**20
+    if available_gib >= WORKER_MEMORY_GIB:
+        return None
+    return (f"not enough memory for another vLLM engine: {available_gib:.1f} GiB available, each takes about "
+            f"{WORKER_MEMORY_GIB:.0f} GiB (fewer drafters per run, or a larger machine)")
 
 
 def exported_config(spec: str, drafter, target, export_dir: Path) -> dict:

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from decode.evaluate import EvalConfig, build_methods
-from decode.vllm_peer import PYTHON_ENV, VllmWorker, export_name, stats_from, unavailable_reason, vllm_python
+from decode.vllm_peer import (PYTHON_ENV, WORKER_MEMORY_GIB, VllmWorker, export_name, memory_shortfall, stats_from,
+                              unavailable_reason, vllm_python)
 from tests.conftest import ROOT
 from tests.decode.test_evaluate import chat_target  # noqa: F401  (fixture)
 
@@ -65,6 +66,12 @@ def test_exports_of_drafters_with_the_same_directory_name_never_share_a_director
     assert len(set(names)) == len(names)
     assert names[0].startswith("a_drafter-") and export_name("runs/a/drafter") == names[0]  # stable
     assert all(c.isalnum() or c in "-_." for name in names for c in name)
+
+
+def test_another_engine_is_refused_with_a_reason_when_memory_is_short():
+    assert memory_shortfall(WORKER_MEMORY_GIB + 0.5) is None
+    reason = memory_shortfall(WORKER_MEMORY_GIB - 1.5)
+    assert "not enough memory for another vLLM engine" in reason and "3.5 GiB available" in reason
 
 
 def test_vllm_counters_become_our_statistics():
