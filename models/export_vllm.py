@@ -15,9 +15,11 @@ medusa -> vLLM's Medusa checkpoint (`vllm/model_executor/models/medusa.py`, `tra
     medusa.py`, read in vLLM 0.32.0): config.json {"model_type": "medusa", "architectures": ["MedusaModel"],
     hidden_size, vocab_size, num_heads, num_hidden_layers, medusa_fc_bias}, weights
     blocks.{head}.layers.{block}.weight/.bias (x + SiLU(W x + b), ours exactly) and lm_heads.{head}.weight.
-    The heads' projections are written over the whole vocabulary (what training learns); a vocab_map the
-    drafter decodes with is not carried (vLLM's token_map path sizes its heads by the full vocabulary and
-    cannot load a truncated one), so vLLM's Medusa drafts over every token. Heads vLLM cannot compute are
+    vLLM's token_map path sizes its heads by the full vocabulary and cannot load a truncated one, so the heads
+    are written over the whole vocabulary; when the drafter decodes with a candidate vocabulary (vocab_map,
+    config `draft_vocab`, the only rows training fits), every other id gets the row of the nearest smaller
+    candidate, as for draft models: vLLM's argmax over all ids then lands on the candidate ours proposes
+    (untrained rows would otherwise win it). Heads vLLM cannot compute are
     refused with the reason: sequential (Hydra) heads read the tree's tokens, a prefix layer re-reads the
     context; vLLM's Medusa reads only the last hidden state.
 
@@ -98,14 +100,14 @@ def export_vllm_medusa(drafter: Drafter, target, out: Path, dtype: torch.dtype =
     if getattr(heads, "prefix", None) is not None:
         raise ValueError("medusa drafter has a prefix-attention layer (Hydra++), which re-reads the context; vLLM's "
                          "Medusa heads read only the target's last hidden state, so it cannot serve it")
-    state = medusa_state(heads, dtype)
+    state = medusa_state(heads, dtype, drafter.vocab_map)
     vllm_config = {"model_type": "medusa", "architectures": ["MedusaModel"],
                    "hidden_size": int(config["hidden_size"]), "vocab_size": int(config["vocab_size"]),
                    "num_heads": int(config["num_heads"]), "num_hidden_layers": int(config["num_layers"]),
                    "medusa_fc_bias": True, "truncated_vocab_size": int(config["vocab_size"]),
                    "torch_dtype": str(dtype).removeprefix("torch.")}
     provenance = provenance_of(drafter, target, method="medusa",
-                               extra={"vocab_map_not_exported": drafter.vocab_map is not None})
+                               extra={"draft_vocab": None if drafter.vocab_map is None else drafter.vocab_map.numel()})
 
     def write(tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(vllm_config, indent=2) + "\n")
@@ -114,14 +116,21 @@ def export_vllm_medusa(drafter: Drafter, target, out: Path, dtype: torch.dtype =
     return publish_export(out, write, provenance)
 
 
-def medusa_state(heads: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Our names (heads.{i}.blocks.{j}.linear.*, heads.{i}.proj.weight) under vLLM's."""
+def medusa_state(heads: torch.nn.Module, dtype: torch.dtype,
+                 vocab_map: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Our names (heads.{i}.blocks.{j}.linear.*, heads.{i}.proj.weight) under vLLM's; with a candidate
+    vocabulary vocab_map [M], each head's [V, D] projection keeps the candidates' rows and fills every other id
+    from the nearest smaller candidate (full_vocabulary_rows)."""
     state = {}
     for i, head in enumerate(heads.heads):
         for j, block in enumerate(head.blocks):
             state[f"blocks.{i}.layers.{j}.weight"] = block.linear.weight
             state[f"blocks.{i}.layers.{j}.bias"] = block.linear.bias
-        state[f"lm_heads.{i}.weight"] = head.proj.weight
+        proj = head.proj.weight.detach()  # [V, D]
+        if vocab_map is not None:
+            ids = vocab_map.to(proj.device).long()
+            proj = full_vocabulary_rows(proj[ids], ids.cpu(), proj.shape[0])
+        state[f"lm_heads.{i}.weight"] = proj
     return {name: tensor.detach().to("cpu", dtype).contiguous() for name, tensor in state.items()}
 
 

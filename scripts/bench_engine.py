@@ -14,8 +14,9 @@ On a GPU (`--device cuda`):
   cuda-bf16-buckets bf16, the same steps replayed as CUDA graphs, each forward in the smallest of 1-64 rows
   cuda-bf16         bf16, CUDA graphs, every forward a 64-row step (the default on CUDA: token-exact speculation)
   cuda-fp32         fp32, CUDA graphs in buckets (the first-divergence reference for bf16)
-and transformers' `generate` (fp32 on the CPU, bf16 on CUDA) as the peer every user has, and vLLM's plain decoding in fp32 when its
-environment exists (`make vllm`; decode/vllm_peer.py), else the report says why it was not run.
+and transformers' `generate` (fp32 on the CPU, bf16 on CUDA) as the peer every user has, and vLLM's plain decoding
+in fp32 (`--vllm-dtypes float32 float16 bfloat16`: one engine per dtype) when its environment exists (`make vllm`;
+decode/vllm_peer.py), else the report says why it was not run.
 
 It prints the machine's plain-decoding speed first (fp32, our engine: the figure every table cites),
 then one target forward of N rows after a 300-token context (the shape of a verification) for each
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import platform
 import statistics
@@ -88,6 +90,8 @@ def parse_args(argv):
                    help="variants timed in plain decoding only (no drafters), e.g. the slow ones kept as the reference")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     p.add_argument("--no-vllm", action="store_true", help="skip vLLM's plain decoding (run when `make vllm` was)")
+    p.add_argument("--vllm-dtypes", nargs="+", choices=["float32", "float16", "bfloat16"], default=["float32"],
+                   help="vLLM's plain decoding in each of these dtypes, one engine each (default: float32)")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--context", type=int, default=300)
@@ -177,10 +181,13 @@ def bench_generations(targets: dict, prompts: list[list[int]], args, drafters: l
     fp32 = targets[REFERENCE]
     if not args.no_hf:
         methods[f"transformers generate {REFERENCE}"] = lambda p: hf_generate(fp32, p, args.max_new_tokens)
-    worker = start_vllm(fp32, args)
-    if worker is not None:
-        stop = sorted(fp32.eos_token_ids)
-        methods["vLLM plain fp32"] = lambda p: vllm_generate(worker, p, args.max_new_tokens, stop)
+    stop = sorted(fp32.eos_token_ids)
+    workers = {}
+    for dtype in args.vllm_dtypes:
+        worker = start_vllm(fp32, args, dtype)
+        if worker is not None:
+            workers[dtype] = worker
+            methods[f"vLLM plain {dtype}"] = functools.partial(vllm_generate, worker, n=args.max_new_tokens, stop=stop)
     with torch.inference_mode():
         for method in methods.values():  # warm up: kernels, caches, the adaptive controller's first costs
             method(prompts[0][:64])
@@ -194,7 +201,7 @@ def bench_generations(targets: dict, prompts: list[list[int]], args, drafters: l
                 tokens = method(prompt)
             seconds[name] += time.perf_counter() - start
             outputs[name].append(tokens)
-    if worker is not None:
+    for worker in workers.values():
         worker.close()
     rows = {}
     for name in methods:
@@ -225,26 +232,27 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-VLLM_STATUS = {"status": "not started"}
-
-
-def start_vllm(target, args):
-    """A vLLM worker for plain fp32 decoding of the same target (decode.vllm_peer), or None with the reason kept
-    for the report."""
+def start_vllm(target, args, dtype: str):
+    """A vLLM worker for plain decoding of the same target in `dtype` (decode.vllm_peer), or None with the reason
+    kept for the report (VLLM_STATUS[dtype])."""
+    status = VLLM_STATUS.setdefault(dtype, {})
     if args.no_vllm or args.device != "cpu":
-        VLLM_STATUS["status"] = "not run: " + ("--no-vllm" if args.no_vllm else "the vLLM peer runs on the CPU only")
+        status["status"] = "not run: " + ("--no-vllm" if args.no_vllm else "the vLLM peer runs on the CPU only")
         return None
     reason = unavailable_reason(target)
     if reason:
-        VLLM_STATUS["status"] = f"not run: {reason}"
+        status["status"] = f"not run: {reason}"
         return None
     try:
-        worker = VllmWorker(target_directory(target), "float32", None, torch.get_num_threads())
+        worker = VllmWorker(target_directory(target), dtype, None, torch.get_num_threads())
     except (RuntimeError, OSError) as err:
-        VLLM_STATUS["status"] = f"not run: {err}"
+        status["status"] = f"not run: {err}"
         return None
-    VLLM_STATUS.update(status="ran", vllm=worker.info.get("vllm"), startup_s=worker.info.get("startup_s"))
+    status.update(status="ran", vllm=worker.info.get("vllm"), startup_s=worker.info.get("startup_s"))
     return worker
+
+
+VLLM_STATUS: dict[str, dict] = {}  # dtype: how its engine fared
 
 
 def vllm_generate(worker, prompt_ids: list[int], n: int, stop: list[int]) -> list[int]:
@@ -277,8 +285,9 @@ def print_report(report: dict, args) -> None:
         split = f"{row['draft_ms_per_step']:.2f} / {row['verify_ms_per_step']:.2f}" if "tau" in row else "-"
         print(f"| {name} | {row['tok_s']:.1f} | {tau} | {split} | {row['speedup_over_own_plain']:.2f}x | "
               f"{row['mismatches_vs_own_plain']} | {rel} |")
-    if report["vllm"]["status"] != "ran":
-        print(f"| vLLM plain | {report['vllm']['status']} | | | | | |")
+    for dtype, status in report["vllm"].items():
+        if status["status"] != "ran":
+            print(f"| vLLM plain {dtype} | {status['status']} | | | | | |")
     for variant, firsts in gen["first_divergence_vs_reference"].items():
         print(f"first token differing from {report['reference']} plain, {variant}: {firsts}")
 

@@ -71,14 +71,15 @@ def test_a_built_in_spec_is_materialised(target, tmp_path):
     assert json.loads((out / PROVENANCE_FILE).read_text())["source"] == "truncated:2"
 
 
-def save_medusa(target, tmp_path, **kw) -> MedusaHeads:
+def save_medusa(target, tmp_path, vocab_map: torch.Tensor | None = None, **kw) -> MedusaHeads:
     config = target.model.config
     heads = MedusaHeads(3, 2, config.hidden_size, config.vocab_size, **kw)
     torch.manual_seed(4)
     with torch.no_grad():
         for param in heads.parameters():
             param.normal_(0, 0.2)
-    save_drafter(tmp_path / "m", heads, target, "medusa", config=dict(heads.config), extra={"tree": [[0]]})
+    save_drafter(tmp_path / "m", heads, target, "medusa", config=dict(heads.config), extra={"tree": [[0]]},
+                 vocab_map=vocab_map)
     return heads
 
 
@@ -114,6 +115,32 @@ def test_medusa_heads_export_to_vllms_names_and_compute_the_same_logits(target, 
         ours = [head(hidden) for head in heads.heads]
     for a, b in zip(vllm_medusa_logits(config, state, hidden), ours):
         torch.testing.assert_close(a, b)
+
+
+def test_medusa_heads_with_a_candidate_vocabulary_draft_the_same_tokens_in_vllm(target, tmp_path):
+    """Training fits the candidates' rows only; vLLM's Medusa argmaxes over every id, so the export must make
+    the candidate ours proposes win there too, with the candidates' logits unchanged."""
+    vocab_map = torch.tensor([0, 2, 3, 9, 17, 30, 31, 50, 63])
+    heads = save_medusa(target, tmp_path, vocab_map=vocab_map)
+    with torch.no_grad():  # untrained rows that would win vLLM's argmax over the full vocabulary
+        for head in heads.heads:
+            head.proj.weight[~torch.isin(torch.arange(target.vocab_size), vocab_map)] *= 20
+    save_drafter(tmp_path / "m", heads, target, "medusa", config=dict(heads.config), extra={"tree": [[0]]},
+                 vocab_map=vocab_map)
+    out, _ = export_for_vllm(tmp_path / "m", tmp_path / "out", target)
+    config = json.loads((out / "config.json").read_text())
+    state = load_file(str(out / "model.safetensors"))
+    assert state["lm_heads.0.weight"].shape == (target.vocab_size, target.model.config.hidden_size)
+    hidden = torch.randn(64, target.model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = [head(hidden)[:, vocab_map] for head in heads.heads]  # [64, M]: what our decoding ranks
+    untouched = [head.proj.weight.detach().clone() for head in heads.heads]
+    for full, candidates in zip(vllm_medusa_logits(config, state, hidden), ours):
+        torch.testing.assert_close(full[:, vocab_map], candidates)
+        assert torch.equal(full.argmax(-1), vocab_map[candidates.argmax(-1)])  # vLLM drafts our token
+    for head, before in zip(heads.heads, untouched):  # the drafter itself is not modified by exporting
+        assert torch.equal(head.proj.weight, before)
+    assert json.loads((out / PROVENANCE_FILE).read_text())["draft_vocab"] == vocab_map.numel()
 
 
 @pytest.mark.parametrize("kw, reason", [({"sequential": True}, "sequential"),
