@@ -126,10 +126,10 @@ def medusa_state(heads: torch.nn.Module, dtype: torch.dtype,
         for j, block in enumerate(head.blocks):
             state[f"blocks.{i}.layers.{j}.weight"] = block.linear.weight
             state[f"blocks.{i}.layers.{j}.bias"] = block.linear.bias
-        proj = head.proj.weight.detach()  # [V, D]
+        proj = head.proj.weight.detach().cpu()  # [V, D]
         if vocab_map is not None:
-            ids = vocab_map.to(proj.device).long()
-            proj = full_vocabulary_rows(proj[ids], ids.cpu(), proj.shape[0])
+            ids = vocab_map.long().cpu()
+            proj = full_vocabulary_rows(proj[ids], ids, proj.shape[0])
         state[f"lm_heads.{i}.weight"] = proj
     return {name: tensor.detach().to("cpu", dtype).contiguous() for name, tensor in state.items()}
 
