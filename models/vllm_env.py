@@ -54,7 +54,8 @@ class VllmWorker:
         self.stderr_tail: list[str] = []
         self.process = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, text=True, bufsize=1)
-        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        self.stderr_reader = threading.Thread(target=self._drain_stderr, daemon=True)
+        self.stderr_reader.start()
         self.info = self._read(STARTUP_TIMEOUT_S)
         if not self.info.get("ready"):
             raise RuntimeError(f"vLLM worker did not start: {self.info}")
@@ -80,8 +81,9 @@ class VllmWorker:
         reader.start()
         reader.join(timeout_s)
         if reader.is_alive() or "error" in result and not result.get("ready"):
-            tail = self.failure_lines()
             self.close()
+            self.stderr_reader.join(10)  # the stderr pipe's last lines may still be in flight when stdout ends
+            tail = self.failure_lines()
             raise RuntimeError(f"vLLM worker failed ({result.get('error', f'no answer in {timeout_s:.0f} s')}); "
                                f"its last output:\n{tail}")
         return result
