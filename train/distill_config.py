@@ -42,6 +42,9 @@ class DistillConfig:
     gen_temperature: float = _f(0.0, "teacher sampling temperature; 0 = greedy")
     gen_top_p: float = _f(1.0, "teacher nucleus sampling")
     gen_batch_size: int = _f(16, "prompts per batched target generation")
+    gen_keep_greedy: bool = _f(False, "with gen_temperature > 0: store the greedy answer too, beside the samples")
+    gen_shard_size: int = _f(64, "prompts per teacher-data shard (the unit of resuming; bounds a generate "
+                                 "batch: a GPU wants it at least gen_batch_size / responses per prompt)")
     topk: int = _f(0, "store the target's top-k log-probs per response token (needed by kd); 0 = none")
     teacher_backend: str = _f("builtin", "who writes the teacher data: builtin (the target here) or vllm (vLLM's "
                                          "batched generation, from `make vllm`; the same cache format)")
@@ -153,6 +156,10 @@ class DistillConfig:
             raise ConfigError("lr and kd_temperature must be > 0")
         if not self.prompts:
             raise ConfigError("prompts: at least one prompt source is needed")
+        if self.gen_keep_greedy and self.gen_temperature == 0:
+            raise ConfigError("gen_keep_greedy: needs gen_temperature > 0 (at 0 the greedy answer is all there is)")
+        if self.gen_shard_size < 1:
+            raise ConfigError(f"gen_shard_size: must be >= 1, got {self.gen_shard_size}")
         if self.samples_per_prompt > 1 and self.gen_temperature == 0:
             raise ConfigError("samples_per_prompt: several samples per prompt need gen_temperature > 0")
         if self.method == "colbt":

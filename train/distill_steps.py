@@ -127,11 +127,12 @@ def load_target_for(cfg, accelerator):
 
 
 def teacher_settings(cfg) -> TeacherDataSettings:
-    greedy = cfg.gen_temperature == 0
-    return TeacherDataSettings(max_new_tokens=cfg.max_new_tokens, greedy=greedy,
-                               num_samples=0 if greedy else cfg.samples_per_prompt,
-                               temperature=cfg.gen_temperature if not greedy else 1.0, top_p=cfg.gen_top_p,
+    sampled = cfg.gen_temperature > 0
+    return TeacherDataSettings(max_new_tokens=cfg.max_new_tokens, greedy=not sampled or cfg.gen_keep_greedy,
+                               num_samples=cfg.samples_per_prompt if sampled else 0,
+                               temperature=cfg.gen_temperature if sampled else 1.0, top_p=cfg.gen_top_p,
                                topk=cfg.topk, batch_size=cfg.gen_batch_size, seed=cfg.seed,
+                               shard_size=cfg.gen_shard_size,
                                # a prompt longer than the training window would be cut to its end anyway
                                max_prompt_tokens=cfg.max_seq_len, backend=cfg.teacher_backend)
 

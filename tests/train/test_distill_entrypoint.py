@@ -88,6 +88,23 @@ def test_config_typo_is_an_error_naming_the_key(tmp_path):
     assert load_config(DistillConfig, ["--teacher_backend", "vllm"]).teacher_backend == "vllm"
 
 
+def test_teacher_settings_keep_the_greedy_answer_beside_samples_when_asked():
+    from train.distill_steps import teacher_settings
+
+    greedy = teacher_settings(load_config(DistillConfig, []))
+    assert (greedy.sample_indices, greedy.shard_size) == ([0], 64)  # the defaults keep every existing cache key
+    cfg = load_config(DistillConfig, ["--gen_temperature", "0.8", "--samples_per_prompt", "2",
+                                      "--gen_keep_greedy", "true", "--gen_shard_size", "256"])
+    both = teacher_settings(cfg)
+    assert (both.sample_indices, both.temperature, both.shard_size) == ([0, 1, 2], 0.8, 256)
+    sampled = teacher_settings(load_config(DistillConfig, ["--gen_temperature", "0.8", "--samples_per_prompt", "2"]))
+    assert sampled.sample_indices == [0, 1]  # samples only: index 0 is a sample, not the greedy answer
+    with pytest.raises(ConfigError, match="gen_keep_greedy"):
+        load_config(DistillConfig, ["--gen_keep_greedy", "true"])
+    with pytest.raises(ConfigError, match="gen_shard_size"):
+        load_config(DistillConfig, ["--gen_shard_size", "0"])
+
+
 def test_precedence_default_yaml_cli(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text("lr: 0.01\nbatch_size: 3\nprompts: ['self:5']\n")
