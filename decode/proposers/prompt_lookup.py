@@ -25,9 +25,12 @@ class PromptLookupProposer(Proposer):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def propose(self, seq, max_depth, sampling, generator):
+        return TokenTree.chain(seq[-1], self.match(seq, max_depth)[1])
+
+    def match(self, seq: list[int], max_depth: int) -> tuple[int, list[int]]:
+        """(n, drafts): the matched n-gram's length (0: none) and up to min(num_tokens, max_depth) drafts."""
         depth = min(self.num_tokens, max_depth)
-        drafts = lookup_continuation(seq, depth, self.max_ngram, self.min_ngram) if depth > 0 else []
-        return TokenTree.chain(seq[-1], drafts)
+        return lookup_match(seq, depth, self.max_ngram, self.min_ngram) if depth > 0 else (0, [])
 
 
 LOOKUP_SOURCE = 1 << 20  # the lookup chain's source index: after any member of an inner ensemble
@@ -38,7 +41,15 @@ class WithPromptLookup(Proposer):
 
     The two draft different things: a trained drafter guesses what the target writes, n-gram lookup
     finds what it copies (names, code, quoted text), and the lookup costs no model call, only the
-    verification rows of its drafts. The chain merges into the tree with shared prefixes once, as
+    verification rows of its drafts. How much a lookup chain is worth depends on the length n of the
+    n-gram it matched: on the target's greedy answers (MT-bench and held-out Arena-Hard first turns,
+    BENCHMARKS.md "Prompt lookup first") a 3-gram match's 10-token chain was accepted 4.5-5.8 tokens deep
+    on average, a 2-gram's 1.6-2.7, a 1-gram's 0.6-1.1, where the EAGLE-3 tree's whole step gets about
+    0.65 for half a target forward of drafting. So a match of at least `lookup_first` tokens is drafted
+    alone: the inner proposer skips the step (a draft model or EAGLE-3 feeds the skipped positions with
+    its next step's context rows, in one forward). A shorter match adds at most `weak_chain` tokens to
+    the inner tree (its rows cost verification time for little). `lookup_first=0` always merges the
+    whole chain into the tree. The chain merges into the tree with shared prefixes once, as
     source LOOKUP_SOURCE: greedy verification is lossless whatever the tree, and in sampling the
     lookup drafts are deterministic functions of the sequence (q one-hot, proposal None), tried after
     the inner proposer's drafts at each node, which the multi-draft rule (decode.proposers.ensemble)
@@ -48,10 +59,15 @@ class WithPromptLookup(Proposer):
 
     name = "with_prompt_lookup"
 
-    def __init__(self, inner: Proposer, lookup: PromptLookupProposer):
+    def __init__(self, inner: Proposer, lookup: PromptLookupProposer, lookup_first: int = 2,
+                 weak_chain: int | None = None):
         if hasattr(inner, "verification_rows"):
             raise ValueError("+prompt_lookup cannot wrap a lookahead ([LA]) drafter: its rows follow the tree's nodes")
+        if lookup_first < 0 or (weak_chain is not None and weak_chain < 0):
+            raise ValueError(f"lookup_first and weak_chain must be >= 0, got {lookup_first}, {weak_chain}")
         self.inner, self.lookup = inner, lookup
+        self.lookup_first = lookup_first
+        self.weak_chain = lookup.num_tokens if weak_chain is None else weak_chain
         self.self_drafting = bool(getattr(inner, "self_drafting", False))
         self.feature_layers = getattr(inner, "feature_layers", None)  # EAGLE-3 reads these target layers
         self.max_depth = max(inner.max_depth, lookup.max_depth)
@@ -69,21 +85,30 @@ class WithPromptLookup(Proposer):
         self.inner.observe_verification(hidden, verdict)
 
     def propose(self, seq, max_depth, sampling, generator):
+        matched, drafts = self.lookup.match(seq, max_depth)
+        if self.lookup_first and matched >= self.lookup_first and drafts:
+            return TokenTree.chain(seq[-1], drafts)  # the inner proposer drafts nothing this step
         tree = self.inner.propose(seq, min(max_depth, self.inner.max_depth), sampling, generator)
-        chain = self.lookup.propose(seq, max_depth, sampling, generator)
-        tree.add_chain(chain.tokens[1:], None, source=LOOKUP_SOURCE)  # shares the nodes the inner tree already has
+        # shares the nodes the inner tree already has
+        tree.add_chain(drafts if not self.lookup_first else drafts[:self.weak_chain], None, source=LOOKUP_SOURCE)
         return tree
 
 
 def lookup_continuation(seq: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
     """Up to k tokens that followed the latest earlier occurrence of seq's last n tokens."""
+    return lookup_match(seq, k, max_ngram, min_ngram)[1]
+
+
+def lookup_match(seq: list[int], k: int, max_ngram: int, min_ngram: int) -> tuple[int, list[int]]:
+    """(n, up to k tokens that followed the latest earlier occurrence of seq's last n tokens), the longest
+    n in [min_ngram, max_ngram] that occurs; (0, []) when none does."""
     n_seq = len(seq)
     for n in range(min(max_ngram, n_seq - 1), min_ngram - 1, -1):
         pattern = seq[n_seq - n:]
         for start in range(n_seq - n - 1, -1, -1):  # latest match first, excluding the suffix itself
             if seq[start:start + n] == pattern:
-                return seq[start + n:start + n + k]
-    return []
+                return n, seq[start + n:start + n + k]
+    return 0, []
 
 
 def prompt_lookup_proposer(gamma: int, kw: dict) -> PromptLookupProposer:
@@ -98,8 +123,10 @@ def build_prompt_lookup_proposer(drafter, target_model, gamma: int = 5, eos_toke
 
 def add_prompt_lookup(inner: Proposer, drafter, target_model, gamma: int = 5,
                       eos_token_ids: set[int] = frozenset(), **kw) -> WithPromptLookup:
-    """`inner` with a prompt-lookup chain added to its trees (a drafter whose `with_lookup` is set)."""
-    return WithPromptLookup(inner, prompt_lookup_proposer(gamma, kw))
+    """`inner` with a prompt-lookup chain added to its trees (a drafter whose `with_lookup` is set);
+    kw lookup_first / lookup_weak_chain set WithPromptLookup's lookup_first / weak_chain."""
+    return WithPromptLookup(inner, prompt_lookup_proposer(gamma, kw), lookup_first=kw.get("lookup_first", 2),
+                            weak_chain=kw.get("lookup_weak_chain"))
 
 
 register_proposer("prompt_lookup", build_prompt_lookup_proposer)

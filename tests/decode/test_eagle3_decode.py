@@ -65,12 +65,23 @@ def test_eos_and_max_new_tokens_inside_a_draft():
         assert SpeculativeEngine(target, proposer, adaptive=False).generate(PROMPT, max_new).tokens == ref[:max_new]
 
 
-def test_with_prompt_lookup_stays_lossless():
+@pytest.mark.parametrize("lookup_first", [0, 1, 2])
+def test_with_prompt_lookup_stays_lossless(lookup_first):
+    """Also when lookup-only steps skip the drafter: it feeds the skipped positions at its next step."""
     target = make_tiny_llama(seed=0, layers=2, peak=4.0)
     ref = target_greedy(target, PROMPT, 40)
     inner = Eagle3Proposer(tiny_eagle(target), target.get_input_embeddings(), depth=4, topk=2, tree_nodes=6)
-    engine = SpeculativeEngine(target, WithPromptLookup(inner, PromptLookupProposer(num_tokens=6)), adaptive=False)
+    drafted = []
+    original = inner.propose
+    inner.propose = lambda seq, *a: drafted.append(len(seq)) or original(seq, *a)
+    wrapped = WithPromptLookup(inner, PromptLookupProposer(num_tokens=6), lookup_first=lookup_first)
+    engine = SpeculativeEngine(target, wrapped, adaptive=False)
+    steps = []
+    engine_propose = wrapped.propose
+    wrapped.propose = lambda seq, *a: steps.append(len(seq)) or engine_propose(seq, *a)
     assert engine.generate(PROMPT, 40).tokens == ref
+    if lookup_first == 1:
+        assert 0 < len(drafted) < len(steps)  # some steps were the lookup's alone
 
 
 def test_reduced_vocabulary_drafts_only_its_tokens():

@@ -29,14 +29,39 @@ class FixedChain(Proposer):
 
 
 def test_lookup_chain_merges_into_the_inner_tree_with_shared_prefixes_once():
-    tree = WithPromptLookup(FixedChain(), PromptLookupProposer(4)).propose(REPEATING, 4, SamplingConfig(), None)
+    tree = WithPromptLookup(FixedChain(), PromptLookupProposer(4), lookup_first=0).propose(REPEATING, 4, SamplingConfig(),
+                                                                                         None)
     # inner: 7 -> 9 -> 8; lookup after "5 7": 9 3 5 7, sharing the 9
     assert tree.tokens == [7, 9, 8, 3, 5, 7]
     assert tree.parents == [-1, 0, 1, 1, 3, 4]
     assert [s for s, _ in tree.proposals[1]] == [0, LOOKUP_SOURCE]  # one node, both sources, inner first
     assert [s for s, _ in tree.proposals[3]] == [LOOKUP_SOURCE]
-    shallow = WithPromptLookup(FixedChain(), PromptLookupProposer(4)).propose(REPEATING, 1, SamplingConfig(), None)
+    shallow = WithPromptLookup(FixedChain(), PromptLookupProposer(4), lookup_first=0).propose(REPEATING, 1,
+                                                                                            SamplingConfig(), None)
     assert shallow.max_depth == 1  # the engine's depth binds both
+
+
+class CountingChain(FixedChain):
+    calls = 0
+
+    def propose(self, seq, max_depth, sampling, generator):
+        self.calls += 1
+        return super().propose(seq, max_depth, sampling, generator)
+
+
+def test_a_long_match_is_drafted_alone_and_a_short_one_beside_the_inner_tree():
+    inner = CountingChain()
+    wrapped = WithPromptLookup(inner, PromptLookupProposer(4, max_ngram=3), lookup_first=2, weak_chain=1)
+    alone = wrapped.propose(REPEATING, 4, SamplingConfig(), None)  # "5 7" recurs: a 2-gram match
+    assert (alone.tokens, inner.calls) == ([7, 9, 3, 5, 7], 0)  # the lookup chain only; the inner drafted nothing
+    no_match = [1, 4, 6, 4, 2, 8]  # the last token, 8, never occurred before
+    assert wrapped.propose(no_match, 4, SamplingConfig(), None).tokens == [8, 9, 8]  # no match: the inner tree alone
+    short = [1, 4, 6, 2, 4]  # the last token 4 occurred once, followed by 6 2 4: a 1-gram match
+    tree = wrapped.propose(short, 4, SamplingConfig(), None)
+    assert tree.tokens == [4, 9, 8, 6]  # the inner tree plus the lookup's first weak_chain=1 draft
+    assert inner.calls == 2
+    with pytest.raises(ValueError, match="lookup_first"):
+        WithPromptLookup(inner, PromptLookupProposer(4), lookup_first=-1)
 
 
 def random_medusa(target, **kind):
@@ -69,7 +94,8 @@ def test_greedy_with_lookup_is_the_targets_output(tiny_target, inner, adaptive):
     assert sum(looked_up) > 0  # the lookup chain was really in the trees
 
 
-def test_sampled_drafts_and_lookup_drafts_keep_the_target_distribution():
+@pytest.mark.parametrize("lookup_first", [0, 2])
+def test_sampled_drafts_and_lookup_drafts_keep_the_target_distribution(lookup_first):
     """A drafter sampling from its q and the lookup's one-hot drafts share nodes; the multi-draft rule
     tries the drafter's first. The 2nd and 3rd emitted tokens must follow the target's sampling."""
     vocab, prompt, n = 8, [1, 3, 1, 3, 1], 1500
@@ -77,7 +103,8 @@ def test_sampled_drafts_and_lookup_drafts_keep_the_target_distribution():
     drafter = make_tiny_llama(vocab_size=vocab, seed=7, layers=1, peak=3.0)
     cfg = SamplingConfig(temperature=0.9, top_k=6)
     exp2, exp3 = exact_marginals(target, prompt, cfg, vocab)
-    engine = SpeculativeEngine(target, WithPromptLookup(DraftModelProposer(drafter, gamma=2), PromptLookupProposer(3)))
+    engine = SpeculativeEngine(target, WithPromptLookup(DraftModelProposer(drafter, gamma=2), PromptLookupProposer(3),
+                                                        lookup_first=lookup_first))
     outs = [engine.generate(prompt, 3, SamplingConfig(cfg.temperature, cfg.top_p, cfg.top_k, seed=s)).tokens
             for s in range(n)]
     assert chi2_pvalue([o[1] for o in outs], exp2) > 1e-3
