@@ -45,8 +45,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 ID_FIELDS = ("question_id", "uid", "task_id", "id")
-SPEC_OPTIONS = ("field", "limit")
-SPEC_GRAMMAR = "jsonl:PATH, hf:NAME[:SPLIT] or self:N, optionally followed by ?field=KEY&limit=N"
+SPEC_OPTIONS = ("field", "limit", "batch")
+SPEC_GRAMMAR = ("jsonl:PATH, hf:NAME[:SPLIT] or self:N, optionally followed by ?field=KEY&limit=N "
+                "(self:N also ?batch=N: prompts sampled per generate call, 16 by default; a GPU wants 256)")
+SELF_PROMPT_BATCH = 16
 
 
 @dataclass
@@ -103,6 +105,12 @@ def split_options(spec: str) -> tuple[str, dict]:
         if not options["limit"].isdigit():
             raise ValueError(f"prompt source spec {spec!r}: limit must be a non-negative integer")
         options["limit"] = int(options["limit"])
+    if "batch" in options:
+        if not body.startswith("self:"):
+            raise ValueError(f"prompt source spec {spec!r}: batch is an option of self:N only")
+        if not (options["batch"].isdigit() and int(options["batch"]) > 0):
+            raise ValueError(f"prompt source spec {spec!r}: batch must be a positive integer")
+        options["batch"] = int(options["batch"])
     return body, options
 
 
@@ -133,7 +141,8 @@ def load_prompts(spec: str, *, target=None, field: str | None = None, limit: int
         if target is None:
             raise ValueError(f"prompt source {spec!r} samples prompts from the target, but no target was given")
         return cached_self_prompts(target, int(parsed.location), seed=seed, exclude=excluded,
-                                   min_chars=max(min_chars, 8))[:limit]
+                                   min_chars=max(min_chars, 8),
+                                   batch_size=parsed.options.get("batch", SELF_PROMPT_BATCH))[:limit]
     label, records = open_records(parsed, spec)
     candidates = (record_to_prompt(r, i, label, field, spec) for i, r in records)
     return list(keep_prompts(candidates, excluded, min_chars, limit))
@@ -315,17 +324,21 @@ def user_turn_prefix(tokenizer) -> tuple[list[int], set[int]]:
 SELF_PROMPT_CACHE_VERSION = 1
 
 
-def cached_self_prompts(target, n: int, *, seed: int, exclude: Collection[str], min_chars: int) -> list[Prompt]:
+def cached_self_prompts(target, n: int, *, seed: int, exclude: Collection[str], min_chars: int,
+                        batch_size: int = SELF_PROMPT_BATCH) -> list[Prompt]:
     """sample_self_prompts, cached under $SPECDISTILL_CACHE/self_prompts/ by a key of the target's
-    fingerprint, n, the seed, min_chars and the excluded texts: self-prompting takes minutes of target
-    generation, and every job over the same target and settings asks for the same prompts."""
+    fingerprint, n, the seed, min_chars, the excluded texts and the batch size (it changes the samples; the
+    default one stays out of the key, so caches written before it was an option keep theirs): self-prompting
+    takes minutes of target generation, and every job over the same target and settings asks for the same prompts."""
     excluded = sorted({normalize_text(t) for t in exclude})
-    key = hashlib.sha256(json.dumps([SELF_PROMPT_CACHE_VERSION, target.fingerprint, n, seed, min_chars, excluded])
-                         .encode()).hexdigest()[:32]
+    parts = [SELF_PROMPT_CACHE_VERSION, target.fingerprint, n, seed, min_chars, excluded]
+    if batch_size != SELF_PROMPT_BATCH:
+        parts.append(batch_size)
+    key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
     file = cache_root() / "self_prompts" / f"{key}.json"
     if file.exists():
         return [Prompt(id=row["id"], messages=row["messages"]) for row in json.loads(file.read_text())]
-    prompts = sample_self_prompts(target, n, seed=seed, exclude=excluded, min_chars=min_chars)
+    prompts = sample_self_prompts(target, n, seed=seed, exclude=excluded, min_chars=min_chars, batch_size=batch_size)
     write_json_atomically(file, [{"id": p.id, "messages": p.messages} for p in prompts])
     return prompts
 
@@ -339,7 +352,7 @@ def write_json_atomically(file: Path, value) -> None:
 
 
 def sample_self_prompts(target, n: int, *, seed: int = 0, temperature: float = 1.0, max_prompt_tokens: int = 128,
-                        min_chars: int = 8, batch_size: int = 16, exclude: Collection[str] = (),
+                        min_chars: int = 8, batch_size: int = SELF_PROMPT_BATCH, exclude: Collection[str] = (),
                         max_rounds: int | None = None) -> list[Prompt]:
     """n distinct user prompts sampled by the target after its own user-turn prefix, each a finished
     turn (stopped at end-of-turn, not cut by max_prompt_tokens), deduplicated, at least min_chars long."""

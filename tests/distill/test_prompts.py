@@ -100,9 +100,10 @@ def test_spec_grammar():
     assert parse_prompt_spec("hf:org/name").split is None
     assert parse_prompt_spec("hf:/data/my_set").location == "/data/my_set"
     assert parse_prompt_spec("self:12?limit=5").options == {"limit": 5}
+    assert parse_prompt_spec("self:12?batch=256").options == {"batch": 256}
     assert parse_prompt_spec("jsonl:a.jsonl?field=q").options == {"field": "q"}
     for bad in ["", "csv:a.csv", "prompts.txt", "self:many", "self:0", "jsonl:", "jsonl:a.jsonl?color=red",
-                "jsonl:a.jsonl?limit=x"]:
+                "jsonl:a.jsonl?limit=x", "self:4?batch=0", "self:4?batch=x", "jsonl:a.jsonl?batch=8"]:
         with pytest.raises(ValueError) as err:
             parse_prompt_spec(bad)
         assert repr(bad) in str(err.value)
@@ -184,6 +185,9 @@ def test_self_prompts_are_cached_by_target_and_settings(tiny_chat_target, tmp_pa
         load_prompts("self:4", target=tiny_chat_target, seed=2, min_chars=2)
     with pytest.raises(AssertionError, match="generated again"):  # so is another exclusion set
         load_prompts("self:4", target=tiny_chat_target, seed=1, min_chars=2, exclude={"some question"})
+    assert load_prompts("self:4?batch=16", target=tiny_chat_target, seed=1, min_chars=2) == first  # the default
+    with pytest.raises(AssertionError, match="generated again"):  # another batch size samples other prompts
+        load_prompts("self:4?batch=8", target=tiny_chat_target, seed=1, min_chars=2)
 
 
 def test_self_spec_needs_a_target():
