@@ -60,9 +60,9 @@ class SpeculativeEngine:
         # a lookahead proposer (decode.proposers.lookahead) adds rows fed by embedding to every target forward
         # and reads the next proposals from them: `prefill_rows`, `verification_rows`, `observe_rows`
         self.lookahead = hasattr(proposer, "verification_rows")
-        self.controller = None
-        if proposer is not None and adaptive:
-            self.controller = DraftLengthController(max_depth=proposer.max_depth)
+        # one controller per drafting regime (see regime()); `controller` is the proposer's only or default one
+        self.controllers: dict[str | None, DraftLengthController] = {}
+        self.controller = self.controller_for(None, proposer.max_depth) if proposer is not None and adaptive else None
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int,
@@ -121,13 +121,14 @@ class SpeculativeEngine:
         """One target forward: draft a tree after seq, verify it, commit the accepted path.
         Returns the emitted tokens (accepted drafts + the bonus token)."""
         adapt = self.controller is not None and sampling.greedy
-        depth = self.controller.choose(remaining - 1) if adapt else remaining - 1
+        controller = self.controller_for(*self.regime(seq)) if adapt else None
+        depth = controller.choose(remaining - 1) if adapt else remaining - 1
         t0 = time.perf_counter()
         tree = self.draft(seq, depth, sampling, generator)
         t1 = time.perf_counter()
         n = len(tree)
         # [LA] chains as deep as the next step can draft: its proposals, without rows it won't use
-        extra = self.proposer.verification_rows(tree, self.next_depth_bound(depth, remaining, adapt)) \
+        extra = self.proposer.verification_rows(tree, self.next_depth_bound(depth, remaining, controller)) \
             if self.lookahead else None
         hidden, logits = self.target.forward(tree.tokens, tree.depths, tree.ancestor_mask(),
                                              logits_rows=slice(0, None), extra=extra)  # [N(+L), D], [N(+L), V]
@@ -144,7 +145,7 @@ class SpeculativeEngine:
         stats.record_step(tree.max_depth, len(verdict.path) - 1)
         if adapt:  # resuming after plain-decoding steps is a one-off, not a cost of this depth
             draft_s = t1 - t0 - (self.proposer.last_catch_up_s() if depth > 0 else 0.0)  # drafted iff depth > 0
-            self.controller.observe(tree.max_depth, len(verdict.path) - 1, len(tree), draft_s, t2 - t1)
+            controller.observe(tree.max_depth, len(verdict.path) - 1, len(tree), draft_s, t2 - t1)
         return [tree.tokens[i] for i in verdict.path[1:]] + [verdict.bonus]
 
     def drafting_states(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -152,12 +153,25 @@ class SpeculativeEngine:
         fused layers' inputs [N, 3 x D] (EAGLE-3), both from the forward just run."""
         return self.target.features if self.target.feature_layers else hidden
 
-    def next_depth_bound(self, depth: int, remaining: int, adapt: bool) -> int:
+    def next_depth_bound(self, depth: int, remaining: int, controller: DraftLengthController | None) -> int:
         """How deep the next step may draft: what the controller would choose (its probes included),
         else one deeper than this step, which drafts the proposer's full depth anyway."""
-        if adapt:
-            return self.controller.next_step_bound(remaining - 2)  # this step emits at least one token
+        if controller is not None:
+            return controller.next_step_bound(remaining - 2)  # this step emits at least one token
         return depth + 1
+
+    def regime(self, seq: list[int]) -> tuple[str | None, int]:
+        """(name, deepest draft) of the way the proposer will draft after seq. A proposer that drafts in
+        several ways whose acceptance and costs differ (WithPromptLookup: a long n-gram match's chain alone,
+        else the inner tree) names them in `regime(seq)`, and each gets a controller of its own, so that the
+        depth chosen for one is not priced by the other's acceptance."""
+        regime = getattr(self.proposer, "regime", None)
+        return regime(seq) if regime is not None else (None, self.proposer.max_depth)
+
+    def controller_for(self, name: str | None, max_depth: int) -> DraftLengthController:
+        if name not in self.controllers:
+            self.controllers[name] = DraftLengthController(max_depth=max_depth)
+        return self.controllers[name]
 
     def draft(self, seq: list[int], max_depth: int, sampling: SamplingConfig,
               generator: torch.Generator | None) -> TokenTree:

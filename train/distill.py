@@ -107,9 +107,23 @@ def make_accelerator(cfg: DistillConfig) -> Accelerator:
         check_deepspeed(cfg, accelerator)
     logging.basicConfig(level=logging.INFO if accelerator.is_main_process else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    if accelerator.device.type == "cpu":
+        threads = cpu_threads(cfg.threads, accelerator.num_processes)
+        torch.set_num_threads(threads)
+        log.info("torch threads per process: %d", threads)
     if cfg.tracker != "none":
         accelerator.init_trackers("specdistill", config=asdict(cfg))
     return accelerator
+
+
+def cpu_threads(requested: int, num_processes: int) -> int:
+    """Torch threads per process on the CPU: `requested`, else this machine's usable cores shared among the
+    processes. `accelerate launch` sets OMP_NUM_THREADS=1 unless told otherwise, so without this a single CPU
+    process trains on one core of however many there are (measured: 97% of one core of two)."""
+    if requested:
+        return requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, num_processes))
 
 
 def deepspeed_launch() -> bool:

@@ -111,6 +111,8 @@ class DistillConfig:
     max_seq_len: int = _f(384, "prompt + response tokens per sequence (the prompt is cut from the left)")
     seed: int = _f(0, "seed for data order, teacher sampling and initialization")
     mixed_precision: str = _f("auto", "no, bf16, fp16, or auto (bf16 on CUDA, no on CPU)")
+    threads: int = _f(0, "torch threads per process on the CPU; 0 = the machine's cores shared among the processes "
+                         "(accelerate launch would leave one per process)")
     target_dtype: str = _f("auto", "the frozen target's weights: float32, bfloat16, or auto (bf16 on CUDA, fp32 on CPU); "
                                    "float32 on a GPU makes teacher data and hidden states those of the fp32 target a CPU evaluates")
 
@@ -144,7 +146,7 @@ class DistillConfig:
                      "max_seq_len", "samples_per_prompt", "eval_max_new_tokens", "eval_gamma"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("draft_vocab", "lora_r", "max_prompts", "max_steps", "topk", "warmup_steps",
+        for name in ("draft_vocab", "lora_r", "max_prompts", "max_steps", "topk", "warmup_steps", "threads",
                      "eval_every", "checkpoint_every", "stop_at_step"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")

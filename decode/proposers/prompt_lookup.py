@@ -68,11 +68,13 @@ class WithPromptLookup(Proposer):
         self.inner, self.lookup = inner, lookup
         self.lookup_first = lookup_first
         self.weak_chain = lookup.num_tokens if weak_chain is None else weak_chain
+        self.last_match: tuple = (None, (0, []))
         self.self_drafting = bool(getattr(inner, "self_drafting", False))
         self.feature_layers = getattr(inner, "feature_layers", None)  # EAGLE-3 reads these target layers
         self.max_depth = max(inner.max_depth, lookup.max_depth)
 
     def begin(self, prompt_ids: list[int], capacity: int) -> None:
+        self.last_match = (None, (0, []))
         self.inner.begin(prompt_ids, capacity)
 
     def last_catch_up_s(self) -> float:
@@ -84,10 +86,32 @@ class WithPromptLookup(Proposer):
     def observe_verification(self, hidden: torch.Tensor, verdict) -> None:
         self.inner.observe_verification(hidden, verdict)
 
+    def regime(self, seq: list[int]) -> tuple[str | None, int]:
+        """(name, deepest draft) of this step's drafting, for the engine's adaptive depth: "lookup" (the
+        chain alone) or "inner" (the inner tree and a weak chain); one regime when lookup_first is 0."""
+        if not self.lookup_first:
+            return None, self.max_depth
+        if self.drafts_alone(self.match(seq)):
+            return "lookup", self.lookup.max_depth
+        return "inner", max(self.inner.max_depth, min(self.weak_chain, self.lookup.max_depth))
+
+    def match(self, seq: list[int]) -> tuple[int, list[int]]:
+        """The lookup's (n, drafts) at full depth, computed once per step (regime() and propose() both ask)."""
+        key = (id(seq), len(seq), seq[-1])
+        if self.last_match[0] != key:
+            self.last_match = (key, self.lookup.match(seq, self.lookup.num_tokens))
+        return self.last_match[1]
+
+    def drafts_alone(self, match: tuple[int, list[int]]) -> bool:
+        return bool(self.lookup_first and match[0] >= self.lookup_first and match[1])
+
     def propose(self, seq, max_depth, sampling, generator):
-        matched, drafts = self.lookup.match(seq, max_depth)
-        if self.lookup_first and matched >= self.lookup_first and drafts:
-            return TokenTree.chain(seq[-1], drafts)  # the inner proposer drafts nothing this step
+        matched, drafts = found = self.match(seq)
+        drafts = drafts[:max_depth]
+        if self.drafts_alone(found):  # the inner proposer drafts nothing this step
+            tree = TokenTree.root(seq[-1])
+            tree.add_chain(drafts, None, source=LOOKUP_SOURCE)
+            return tree
         tree = self.inner.propose(seq, min(max_depth, self.inner.max_depth), sampling, generator)
         # shares the nodes the inner tree already has
         tree.add_chain(drafts if not self.lookup_first else drafts[:self.weak_chain], None, source=LOOKUP_SOURCE)

@@ -120,3 +120,18 @@ def test_spec_suffix_adds_the_lookup_and_bad_specs_are_named():
     for bad in ("prompt_lookup+prompt_lookup", "+prompt_lookup", "truncated:1+prompt_lookup+prompt_lookup"):
         with pytest.raises(ValueError, match=r"\+prompt_lookup"):
             load_drafter(bad, target)
+
+
+def test_the_adaptive_depth_learns_lookup_steps_and_inner_steps_apart(tiny_target):
+    """Long-match steps (the lookup chain alone, no drafting cost) and inner-tree steps get a controller each."""
+    inner = DraftModelProposer(make_tiny_llama(seed=1, layers=1), gamma=3)
+    wrapped = WithPromptLookup(inner, PromptLookupProposer(6), lookup_first=2)
+    engine = SpeculativeEngine(tiny_target, wrapped, adaptive=True)
+    assert engine.generate(REPEATING, 60).tokens == target_greedy(tiny_target, REPEATING, 60)
+    assert set(engine.controllers) == {None, "lookup", "inner"}  # None: the default, unused with regimes
+    lookup, tree = engine.controllers["lookup"], engine.controllers["inner"]
+    assert lookup.max_depth == 6 and tree.max_depth == 6  # the inner regime: max(gamma 3, the weak chain's 6)
+    assert lookup.verify_cost and tree.verify_cost  # both regimes drafted and were measured
+    assert wrapped.regime(REPEATING) == ("lookup", 6)  # "5 7" recurs
+    union = WithPromptLookup(inner, PromptLookupProposer(6), lookup_first=0)
+    assert union.regime(REPEATING) == (None, union.max_depth)

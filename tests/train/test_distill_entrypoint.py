@@ -105,6 +105,17 @@ def test_teacher_settings_keep_the_greedy_answer_beside_samples_when_asked():
         load_config(DistillConfig, ["--gen_shard_size", "0"])
 
 
+def test_cpu_training_uses_the_machines_cores_not_accelerates_one_thread():
+    from train.distill import cpu_threads
+
+    cores = len(os.sched_getaffinity(0))
+    assert cpu_threads(0, 1) == cores  # accelerate launch's OMP_NUM_THREADS=1 is not what a lone process gets
+    assert cpu_threads(0, 2) == max(1, cores // 2) and cpu_threads(0, 4 * cores) == 1
+    assert cpu_threads(3, 1) == 3  # asked for
+    with pytest.raises(ConfigError, match="threads"):
+        load_config(DistillConfig, ["--threads", "-1"])
+
+
 def test_precedence_default_yaml_cli(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text("lr: 0.01\nbatch_size: 3\nprompts: ['self:5']\n")
