@@ -15,12 +15,10 @@ import argparse
 import json
 from collections import defaultdict
 
-from transformers import AutoTokenizer
-
 from decode.evaluate import conversation_for_turn
 from decode.proposers.prompt_lookup import lookup_match
 from decode.questions import load_questions
-from models.target import resolve_target_source
+from models.target import load_target
 
 
 def main() -> None:
@@ -31,7 +29,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=10, help="drafts per lookup (the +prompt_lookup chain: 10)")
     parser.add_argument("--max-ngram", type=int, default=3)
     args = parser.parse_args()
-    tokenizer = AutoTokenizer.from_pretrained(resolve_target_source(args.target))
+    target = load_target(args.target)
     questions = {q.question_id: q for q in load_questions(args.questions)}
     stats = defaultdict(lambda: [0, 0, 0])  # n -> [positions, first draft accepted, drafts accepted]
     for line in open(args.turns):
@@ -39,9 +37,7 @@ def main() -> None:
         if turn["method"] != "baseline" or turn["turn"] != 0:
             continue
         question = questions[str(turn["question_id"])]
-        prompt = tokenizer.apply_chat_template(conversation_for_turn(question.turns, [], 0),
-                                               add_generation_prompt=True, tokenize=False)
-        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        prompt_ids = target.encode_chat(conversation_for_turn(question.turns, [], 0))  # as decode.evaluate does
         answer = turn["tokens"]
         for t in range(1, len(answer)):
             n, drafts = lookup_match(prompt_ids + answer[:t], args.tokens, args.max_ngram, 1)

@@ -143,7 +143,7 @@ class DistillConfig:
         if self.method == "kd" and self.topk <= 0 and self.on_policy_lambda < 1.0:
             raise ConfigError("topk: kd on teacher data needs the target's stored top-k log-probs (topk > 0)")
         for name in ("max_new_tokens", "gen_batch_size", "batch_size", "grad_accum", "epochs",
-                     "max_seq_len", "samples_per_prompt", "eval_max_new_tokens", "eval_gamma"):
+                     "max_seq_len", "samples_per_prompt", "eval_max_new_tokens", "eval_gamma", "gen_shard_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("draft_vocab", "lora_r", "max_prompts", "max_steps", "topk", "warmup_steps", "threads",
@@ -160,8 +160,6 @@ class DistillConfig:
             raise ConfigError("prompts: at least one prompt source is needed")
         if self.gen_keep_greedy and self.gen_temperature == 0:
             raise ConfigError("gen_keep_greedy: needs gen_temperature > 0 (at 0 the greedy answer is all there is)")
-        if self.gen_shard_size < 1:
-            raise ConfigError(f"gen_shard_size: must be >= 1, got {self.gen_shard_size}")
         if self.samples_per_prompt > 1 and self.gen_temperature == 0:
             raise ConfigError("samples_per_prompt: several samples per prompt need gen_temperature > 0")
         if self.method == "colbt":

@@ -48,8 +48,8 @@ class WithPromptLookup(Proposer):
     0.65 for half a target forward of drafting. So a match of at least `lookup_first` tokens is drafted
     alone: the inner proposer skips the step (a draft model or EAGLE-3 feeds the skipped positions with
     its next step's context rows, in one forward). A shorter match adds at most `weak_chain` tokens to
-    the inner tree (its rows cost verification time for little). `lookup_first=0` always merges the
-    whole chain into the tree. The chain merges into the tree with shared prefixes once, as
+    the inner tree (its rows cost verification time for little; all of the chain by default).
+    `lookup_first=0` never drafts the chain alone. The chain merges into the tree with shared prefixes once, as
     source LOOKUP_SOURCE: greedy verification is lossless whatever the tree, and in sampling the
     lookup drafts are deterministic functions of the sequence (q one-hot, proposal None), tried after
     the inner proposer's drafts at each node, which the multi-draft rule (decode.proposers.ensemble)
@@ -106,15 +106,14 @@ class WithPromptLookup(Proposer):
         return bool(self.lookup_first and match[0] >= self.lookup_first and match[1])
 
     def propose(self, seq, max_depth, sampling, generator):
-        matched, drafts = found = self.match(seq)
-        drafts = drafts[:max_depth]
+        found = self.match(seq)
+        drafts = found[1][:max_depth]
         if self.drafts_alone(found):  # the inner proposer drafts nothing this step
             tree = TokenTree.root(seq[-1])
             tree.add_chain(drafts, None, source=LOOKUP_SOURCE)
             return tree
         tree = self.inner.propose(seq, min(max_depth, self.inner.max_depth), sampling, generator)
-        # shares the nodes the inner tree already has
-        tree.add_chain(drafts if not self.lookup_first else drafts[:self.weak_chain], None, source=LOOKUP_SOURCE)
+        tree.add_chain(drafts[:self.weak_chain], None, source=LOOKUP_SOURCE)  # shares the inner tree's nodes
         return tree
 
 
