@@ -31,6 +31,7 @@ from decode.proposers import build_proposer
 from decode.questions import Question, QuestionFileError, load_questions
 from decode.report import BASELINE, TurnResult, format_tables, summarize, write_report
 from decode.sampling import SamplingConfig
+from models.packed_linear import DRAFTING_WEIGHTS
 from models.target import PRECISIONS
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ class EvalConfig:
     warmup: int = 2  # untimed generations per method before measuring
     device: str = "cpu"
     dtype: str | None = None  # the target's precision (models.target.PRECISIONS); None = the device's default
+    # the drafters' packed weights on the CPU (models.packed_linear.drafting_weights): auto = fp16 where FBGEMM runs
+    drafter_weights: str = "auto"
     seed: int = 0  # for sampling
     out: str | None = None  # output directory; None = runs/evaluate/<time>
 
@@ -68,7 +71,8 @@ class EvalConfig:
         checks = {"limit": self.limit is None or self.limit >= 1,
                   "per_category": self.per_category is None or self.per_category >= 1, "max_new_tokens": self.max_new_tokens >= 1,
                   "temperature": self.temperature >= 0, "gamma": self.gamma >= 1, "warmup": self.warmup >= 0,
-                  "peers": all(p in PEERS for p in self.peers), "dtype": self.dtype is None or self.dtype in PRECISIONS}
+                  "peers": all(p in PEERS for p in self.peers), "dtype": self.dtype is None or self.dtype in PRECISIONS,
+                  "drafter_weights": self.drafter_weights in DRAFTING_WEIGHTS}
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"{name}: invalid value {getattr(self, name)!r}")
@@ -164,7 +168,7 @@ def build_methods(target, drafters: Mapping[str, object], config: EvalConfig) ->
     methods = [engine_method(BASELINE, target, None, config.max_new_tokens, sampling)]
     for spec, drafter in drafters.items():
         proposer = build_proposer(drafter, target.model, gamma=config.gamma, eos_token_ids=target.eos_token_ids,
-                                  prompt_vocab=config.prompt_vocab)
+                                  prompt_vocab=config.prompt_vocab, drafter_weights=config.drafter_weights)
         methods.append(engine_method(method_name("speculative", spec, one), target, proposer,
                                      config.max_new_tokens, sampling, adaptive=not config.fixed_depth))
     skipped = {}
@@ -322,6 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what the target computes in (default: float32 on CPU, bfloat16 on CUDA); float16-weights: "
                         "fp16 copies of the linear weights with fp32 activations (CPU, FBGEMM); auto: the fastest "
                         "this machine has. Each is its own model: outputs are compared within one precision")
+    p.add_argument("--drafter-weights", choices=DRAFTING_WEIGHTS, default=d["drafter_weights"].default,
+                   help="the drafters' linear weights on the CPU: auto = fp16 copies wherever FBGEMM's fp16 GEMM runs "
+                        "(half the bytes per draft step; the target still verifies every draft in its own precision), "
+                        "float32 = the drafter as trained")
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--seed", type=non_negative_int, default=d["seed"].default, help="sampling seed")
     p.add_argument("--out", default=None, help="output directory (default: runs/evaluate/<date-time>)")
@@ -337,7 +345,8 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
                       per_category=args.per_category,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, gamma=args.gamma,
                       fixed_depth=args.fixed_depth, prompt_vocab=args.prompt_vocab, peers=tuple(args.peers or ()),
-                      warmup=args.warmup, device=device, dtype=args.dtype, seed=args.seed, out=out)
+                      warmup=args.warmup, device=device, dtype=args.dtype, drafter_weights=args.drafter_weights,
+                      seed=args.seed, out=out)
 
 
 def load_inputs(parser: argparse.ArgumentParser, config: EvalConfig):

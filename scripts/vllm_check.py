@@ -29,9 +29,12 @@ def chain_proposer(drafter, target, depth: int):
     if drafter.kind == "medusa":
         return MedusaProposer(drafter.model, tree=default_chain(depth), vocab_map=drafter.vocab_map,
                               embed=target.model.get_input_embeddings())
+    # fp32 drafter weights: vLLM runs the drafter as exported, so ours must not round it to fp16
     if drafter.kind == "eagle3":
-        return build_proposer(drafter, target.model, eagle3_depth=depth, eagle3_topk=1, eagle3_tree_nodes=depth)
-    return build_proposer(drafter, target.model, gamma=depth, eos_token_ids=target.eos_token_ids)
+        return build_proposer(drafter, target.model, eagle3_depth=depth, eagle3_topk=1, eagle3_tree_nodes=depth,
+                              drafter_weights="float32")
+    return build_proposer(drafter, target.model, gamma=depth, eos_token_ids=target.eos_token_ids,
+                          drafter_weights="float32")
 
 
 def main(argv=None) -> dict:

@@ -10,7 +10,7 @@ from decode.proposers.base import (CATCH_UP_SPLIT, Alternate, Proposer, common_p
 from decode.runner import ModelRunner, synchronized_clock
 from decode.sampling import SamplingConfig, logits_to_probs, sample
 from decode.tree import TokenTree
-from models.packed_linear import inference_weights, packing_supported, set_inference_weights
+from models.packed_linear import drafting_weights, set_inference_weights
 
 __all__ = ["DraftModelProposer", "build_draft_model_proposer", "check_vocab"]
 
@@ -156,8 +156,9 @@ def build_draft_model_proposer(drafter, target_model, gamma: int = 5, eos_token_
     """A loaded draft_model drafter's proposer, checked against the target's vocabulary."""
     check_vocab(drafter.model, target_model, drafter.vocab_map)
     use_gemv_friendly_head(drafter.model)
-    if inference_weights(target_model) == "float16" and packing_supported(drafter.model):
-        set_inference_weights(drafter.model, "float16")  # the target's precision drafts cheaper too
+    # fp16 weights draft at half the bytes wherever FBGEMM runs them (models.packed_linear.drafting_weights)
+    set_inference_weights(drafter.model, drafting_weights(drafter.model, target_model,
+                                                          kw.get("drafter_weights") or "auto"))
     prompt_vocab = kw.get("prompt_vocab")
     if prompt_vocab is None:  # default: what the drafter's manifest asks for
         prompt_vocab = bool((drafter.manifest.get("extra") or {}).get("prompt_vocab", False))

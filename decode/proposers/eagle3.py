@@ -32,7 +32,7 @@ from decode.runner import synchronized_clock
 from decode.sampling import SamplingConfig, logits_to_probs, sample
 from decode.tree import TokenTree
 from models.eagle3 import DraftCache, Eagle3Drafter  # importing models.eagle3 registers the drafter kind "eagle3"
-from models.packed_linear import inference_weights, packed_for_inference, packing_supported
+from models.packed_linear import drafting_weights, packed_for_inference, packing_supported
 
 __all__ = ["Eagle3Proposer", "DEFAULT_TREE"]
 
@@ -57,8 +57,8 @@ class Eagle3Proposer(Proposer):
     def __init__(self, drafter: Eagle3Drafter, embed: torch.nn.Module, depth: int | None = None,
                  topk: int | None = None, tree_nodes: int | None = None,
                  eos_token_ids: set[int] = frozenset(), weights: str = "float32"):
-        """weights: the format of the drafter's packed linear weights (models.packed_linear), "float16" where
-        the target computes in float16-weights."""
+        """weights: the format of the drafter's packed linear weights on the CPU (models.packed_linear,
+        `drafting_weights`: float16 wherever FBGEMM runs it)."""
         device = drafter.fc.weight.device
         default = DEFAULT_TREE["cuda" if device.type == "cuda" else "cpu"]
         self.max_depth = depth or default[0]
@@ -234,7 +234,8 @@ def build_eagle3_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: 
                           depth=kw.get("eagle3_depth") or options.get("depth"),
                           topk=kw.get("eagle3_topk") or options.get("topk"),
                           tree_nodes=kw.get("eagle3_tree_nodes") or options.get("tree_nodes"),
-                          eos_token_ids=eos_token_ids, weights=inference_weights(target_model))
+                          eos_token_ids=eos_token_ids,
+                          weights=drafting_weights(drafter.model, target_model, kw.get("drafter_weights") or "auto"))
 
 
 register_proposer("eagle3", build_eagle3_proposer)

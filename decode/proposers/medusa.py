@@ -37,7 +37,8 @@ from decode.proposers.base import Proposer, register_proposer, vocab_size
 from decode.sampling import SamplingConfig, Verdict
 from decode.tree import TokenTree
 from models.medusa import PrefixCache  # importing models.medusa registers the drafter kind "medusa"
-from models.packed_linear import PackedLinear, packed_for_inference, packing_supported
+from models.packed_linear import (check_weight_format, drafting_weights, packed_class, packed_for_inference,
+                                  packing_supported)
 
 __all__ = ["MedusaProposer", "choose_tree", "check_tree", "tree_from_ranks"]
 
@@ -49,11 +50,13 @@ class MedusaProposer(Proposer):
     self_drafting = True
 
     def __init__(self, heads: torch.nn.Module, tree: list[list[int]] | None = None,
-                 vocab_map: torch.Tensor | None = None, embed: torch.nn.Module | None = None):
+                 vocab_map: torch.Tensor | None = None, embed: torch.nn.Module | None = None,
+                 weights: str = "float32"):
         """vocab_map: [M] target ids the heads may propose (models.medusa: the teacher data's most
         frequent tokens); the projections then cover those M rows only, which cuts the proposer's
         cost by V / M. None keeps the full vocabulary. Either way the target verifies every draft.
-        embed: the target's input embedding, which sequential heads read the tree's tokens through."""
+        embed: the target's input embedding, which sequential heads read the tree's tokens through.
+        weights: the format of the heads' packed projections on the CPU (models.packed_linear)."""
         self.heads = heads
         self.sequential = bool(getattr(heads, "sequential", False))
         if self.sequential and embed is None:
@@ -65,7 +68,7 @@ class MedusaProposer(Proposer):
         self.topk: torch.Tensor | None = None  # [K, max_rank] the heads' choices after the last accepted node
         self.hidden: torch.Tensor | None = None  # [D] the last accepted node's state (sequential heads)
         self.vocab_map = None if vocab_map is None else vocab_map.long().cpu()  # [M] head row -> target id
-        self.projections = head_projections(heads, self.vocab_map)  # K x ([N, D] -> [N, M])
+        self.projections = head_projections(heads, self.vocab_map, weights)  # K x ([N, D] -> [N, M])
         prefix = getattr(heads, "prefix", None)  # decoding runs a few rows through it per step: packed too
         self.prefix = None if prefix is None else packed_for_inference(prefix)
         self.prefix_cache: PrefixCache | None = None
@@ -139,20 +142,21 @@ class MedusaProposer(Proposer):
         return tree
 
 
-def head_projections(heads: torch.nn.Module, vocab_map: torch.Tensor | None) -> list:
+def head_projections(heads: torch.nn.Module, vocab_map: torch.Tensor | None, weights: str = "float32") -> list:
     """Per head, states [N, D] -> logits [N, M]: its output projection restricted to vocab_map's rows.
 
     A decode step runs every head on one or a few states: GEMVs over [M, D] weights that dominate the
-    proposer's cost. On CPU in fp32 each head gets a oneDNN-packed copy of its rows
-    (models.packed_linear); elsewhere a column-major copy, which the BLAS runs as a faster GEMV (see
+    proposer's cost. On CPU in fp32 each head gets a packed copy of its rows in `weights` format
+    (models.packed_linear: oneDNN fp32, or FBGEMM fp16); elsewhere a column-major copy, which the BLAS runs as a faster GEMV (see
     decode.proposers.base.use_gemv_friendly_head). Inference only: the proposer never trains the heads,
     and they keep their weights."""
-    weights = [head.proj.weight.detach() for head in heads.heads]  # K x [V, D]
+    check_weight_format(weights)
+    rows = [head.proj.weight.detach() for head in heads.heads]  # K x [V, D]
     if vocab_map is not None:
-        weights = [w[vocab_map.to(w.device)] for w in weights]  # K x [M, D]
+        rows = [w[vocab_map.to(w.device)] for w in rows]  # K x [M, D]
     if packing_supported(heads):
-        return [PackedLinear(as_linear(w)) for w in weights]  # built once per proposer: no cache needed
-    columns = [w.t().contiguous() for w in weights]  # K x [D, M]
+        return [packed_class(weights)(as_linear(w)) for w in rows]  # built once per proposer: no cache needed
+    columns = [w.t().contiguous() for w in rows]  # K x [D, M]
     return [lambda states, w=w: states @ w for w in columns]
 
 
@@ -239,7 +243,8 @@ def build_medusa_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: 
     """A loaded medusa drafter's proposer, with the tree its manifest stores (else one chain)."""
     check_medusa_vocab(drafter.model, target_model)
     return MedusaProposer(drafter.model, tree=(drafter.manifest.get("extra") or {}).get("tree"),
-                          vocab_map=drafter.vocab_map, embed=target_model.get_input_embeddings())
+                          vocab_map=drafter.vocab_map, embed=target_model.get_input_embeddings(),
+                          weights=drafting_weights(drafter.model, target_model, kw.get("drafter_weights") or "auto"))
 
 
 def check_medusa_vocab(heads, target_model) -> None:

@@ -19,7 +19,7 @@ from decode.lean_decoder import DISABLE_ENV, lean_supported
 from decode.proposers.draft_model import DraftModelProposer
 from decode.proposers.prompt_lookup import PromptLookupProposer
 from decode.runner import ExtraRows, ModelRunner
-from models.packed_linear import (PackedLinearFP16, float16_weights_supported, inference_weights,
+from models.packed_linear import (PackedLinear, PackedLinearFP16, float16_weights_supported, inference_weights,
                                   packed_for_inference, set_inference_weights)
 from models.target import PRECISIONS, cpu_has_native_bf16, resolve_precision
 from tests.conftest import make_tiny_llama
@@ -186,21 +186,56 @@ def test_evaluate_rejects_a_bad_dtype_naming_the_choices(capsys):
 
 
 @needs_fp16
-def test_drafters_follow_the_targets_float16_weights():
+@pytest.mark.parametrize("target_weights", ["float32", "float16"])
+def test_drafters_draft_in_float16_weights_whatever_the_target_computes_in(target_weights):
     from decode.proposers import build_proposer
-    from decode.proposers.eagle3 import Eagle3Proposer
+    from decode.proposers.medusa import MedusaProposer
     from models.drafters import Drafter
     from models.eagle3 import Eagle3Drafter
+    from models.medusa import MedusaHeads
 
     target = make_tiny_llama(layers=2, seed=0)
-    set_inference_weights(target, "float16")
+    set_inference_weights(target, target_weights)
     draft = Drafter(kind="draft_model", model=make_tiny_llama(layers=1, seed=1), vocab_map=None, manifest={}, path=None)
     proposer = build_proposer(draft, target)
     assert inference_weights(draft.model) == "float16"
     assert isinstance(proposer.runner.head, PackedLinearFP16)
     eagle = Eagle3Drafter.for_target(target, torch.arange(64), [0, 1, 1]).float().eval()
-    net = Eagle3Proposer(eagle, target.get_input_embeddings(), weights="float16").net
+    eagle_drafter = Drafter(kind="eagle3", model=eagle, vocab_map=eagle.vocab_map, manifest={}, path=None)
+    net = build_proposer(eagle_drafter, target).net
     assert isinstance(net.lm_head, PackedLinearFP16) and isinstance(net.fc, PackedLinearFP16)
+    heads = MedusaHeads.from_target(target, num_heads=2, num_layers=1).eval()
+    medusa = build_proposer(Drafter(kind="medusa", model=heads, vocab_map=None, manifest={}, path=None), target)
+    assert isinstance(medusa, MedusaProposer) and all(isinstance(p, PackedLinearFP16) for p in medusa.projections)
+    # asked for the drafter as trained: fp32 packing, for every kind
+    assert isinstance(build_proposer(eagle_drafter, target, drafter_weights="float32").net.lm_head, PackedLinear)
+    build_proposer(draft, target, drafter_weights="float32")
+    assert inference_weights(draft.model) == "float32"
+
+
+def test_drafter_weights_bad_value_names_the_choices():
+    from models.packed_linear import drafting_weights
+
+    model = make_tiny_llama(layers=1, seed=0)
+    with pytest.raises(ValueError, match="choose one of auto, float32, float16"):
+        drafting_weights(model, model, "half")
+    assert drafting_weights(model.to(torch.bfloat16), model, "auto") == "float32"  # unpackable: as it is
+
+
+@needs_fp16
+def test_speculation_with_float16_drafters_still_equals_plain_decoding():
+    from decode.proposers import build_proposer
+    from models.drafters import Drafter
+    from models.eagle3 import Eagle3Drafter
+
+    target = make_tiny_llama(layers=2, seed=0)
+    eagle = Eagle3Drafter.for_target(target, torch.arange(64), [0, 1, 1]).float().eval()
+    drafter = Drafter(kind="eagle3", model=eagle, vocab_map=eagle.vocab_map, manifest={}, path=None)
+    prompt = [1, 5, 9, 14, 3, 7]
+    plain = SpeculativeEngine(target, None, eos_token_ids={2}).generate(prompt, 40).tokens
+    for weights in ("float16", "float32"):
+        proposer = build_proposer(drafter, target, eos_token_ids={2}, drafter_weights=weights)
+        assert SpeculativeEngine(target, proposer, eos_token_ids={2}, adaptive=False).generate(prompt, 40).tokens == plain
 
 
 def test_serve_takes_a_precision_and_rejects_a_bad_one_naming_the_choices(capsys, tmp_path):
