@@ -12,7 +12,9 @@ On a GPU (`--device cuda`):
   cuda-bf16-hf      bf16, transformers' decoder, dynamic shapes (the CUDA engine before decode.step_graphs)
   cuda-bf16-eager   bf16, the lean forward in fixed-shape steps over the static cache, run eagerly
   cuda-bf16-buckets bf16, the same steps replayed as CUDA graphs, each forward in the smallest of 1-64 rows
-  cuda-bf16         bf16, CUDA graphs, every forward a 64-row step (the default on CUDA: token-exact speculation)
+  cuda-bf16         bf16, CUDA graphs, every forward a 64-row step (the default on CUDA: token-exact speculation);
+                    the EAGLE-3 drafter's depth steps graphed too (decode.draft_steps)
+  cuda-bf16-draft-eager  the same with the drafter's depth steps eager (the engine before decode.draft_steps)
   cuda-fp32         fp32, CUDA graphs in buckets (the first-divergence reference for bf16)
 and transformers' `generate` (fp32 on the CPU, bf16 on CUDA) as the peer every user has, and vLLM's plain decoding
 in fp32 (`--vllm-dtypes float32 float16 bfloat16`: one engine per dtype) when its environment exists (`make vllm`;
@@ -49,6 +51,7 @@ from decode.engine import SpeculativeEngine  # noqa: E402  (ROOT on sys.path fir
 from decode.lean_decoder import DISABLE_ENV as NO_LEAN_ENV  # noqa: E402
 from decode.proposers import build_proposer  # noqa: E402
 from decode.questions import load_questions  # noqa: E402
+from decode.draft_steps import DISABLE_ENV as NO_DRAFT_GRAPHS_ENV  # noqa: E402
 from decode.step_graphs import DISABLE_ENV as NO_GRAPHS_ENV  # noqa: E402
 from decode.vllm_peer import VllmWorker, target_directory, unavailable_reason  # noqa: E402
 from models.drafters import load_drafter  # noqa: E402
@@ -67,6 +70,7 @@ VARIANTS = {  # name: (precision, lean forward, device, CUDA graphs); cuda-bf16 
     "cuda-bf16-eager": ("bfloat16", True, "cuda", False),
     "cuda-bf16-buckets": ("bfloat16", True, "cuda", True),
     "cuda-bf16": ("bfloat16", True, "cuda", True),
+    "cuda-bf16-draft-eager": ("bfloat16", True, "cuda", True),
     "cuda-fp32": ("float32", True, "cuda", True),
 }
 DEFAULT_VARIANTS = {"cpu": ["fp32-hf", "fp32", "fp16w"],
@@ -89,6 +93,9 @@ def parse_args(argv):
     p.add_argument("--plain-only", nargs="*", default=[], metavar="VARIANT",
                    help="variants timed in plain decoding only (no drafters), e.g. the slow ones kept as the reference")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
+    p.add_argument("--fixed-depth", action="store_true",
+                   help="drafters draft their full depth every step (default: the adaptive depth): drafting "
+                        "costs then compare variant against variant at the same trees")
     p.add_argument("--no-vllm", action="store_true", help="skip vLLM's plain decoding (run when `make vllm` was)")
     p.add_argument("--vllm-dtypes", nargs="+", choices=["float32", "float16", "bfloat16"], default=["float32"],
                    help="vLLM's plain decoding in each of these dtypes, one engine each (default: float32)")
@@ -115,7 +122,8 @@ def engine_options(name: str) -> dict:
 def variant_switch(name: str):
     """Build runners as variant `name` does: the lean forward and CUDA graphs on or off."""
     _, lean, _, graphs = VARIANTS[name]
-    with switched_off(NO_LEAN_ENV, not lean), switched_off(NO_GRAPHS_ENV, not graphs):
+    with switched_off(NO_LEAN_ENV, not lean), switched_off(NO_GRAPHS_ENV, not graphs), \
+            switched_off(NO_DRAFT_GRAPHS_ENV, name == "cuda-bf16-draft-eager"):
         yield
 
 
@@ -136,7 +144,7 @@ def bench_forwards(targets: dict, args) -> list[dict]:
     return table
 
 
-def engine_runs(targets: dict, drafters: list[str], plain_only=()) -> dict:
+def engine_runs(targets: dict, drafters: list[str], plain_only=(), fixed_depth: bool = False) -> dict:
     """{method: (variant, generate(prompt_ids, n) -> (tokens, seconds))}: plain and each drafter per variant."""
     runs = {}
     for name, target in targets.items():
@@ -147,7 +155,7 @@ def engine_runs(targets: dict, drafters: list[str], plain_only=()) -> dict:
                 drafter = load_drafter(spec, target)
                 proposer = build_proposer(drafter, target.model, eos_token_ids=target.eos_token_ids)
                 runs[f"{name} {spec}"] = (name, SpeculativeEngine(target.model, proposer, target.eos_token_ids,
-                                                                  **engine_options(name)))
+                                                                  adaptive=not fixed_depth, **engine_options(name)))
     return runs
 
 
@@ -162,7 +170,7 @@ def hf_generate(target, prompt_ids: list[int], n: int) -> list[int]:
 
 
 def bench_generations(targets: dict, prompts: list[list[int]], args, drafters: list[str]) -> dict:
-    runs = engine_runs(targets, drafters, args.plain_only)
+    runs = engine_runs(targets, drafters, args.plain_only, args.fixed_depth)
     # per engine method over the timed generations: target forwards (tau = tokens / forwards), drafting and
     # verification seconds (RequestStats)
     forwards = {name: [0, 0.0, 0.0] for name in runs}

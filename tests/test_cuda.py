@@ -1,7 +1,7 @@
 """The CUDA path: speculative decoding on a GPU is lossless against plain decoding of the same target in the
 same dtype, the verification steps replayed as CUDA graphs compute what the eager steps do (every bucket,
-recorded once and reused across requests), and an EAGLE-3 drafter trains there. Marked `gpu`
-(`make test-gpu`); skipped without CUDA."""
+recorded once and reused across requests), so does the EAGLE-3 drafter's graphed tree step, and an EAGLE-3
+drafter trains there. Marked `gpu` (`make test-gpu`); skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -89,6 +89,34 @@ def test_requests_reuse_the_recorded_graphs():
     for _ in range(3):
         assert engine.generate(PROMPT, 48).tokens == first
     assert engine.target.steps.captures == recorded  # nothing recorded again
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_eagle3_draft_graphs_draft_what_eager_steps_draft_and_are_recorded_once(dtype, monkeypatch):
+    from decode.draft_steps import DISABLE_ENV as NO_DRAFT_GRAPHS
+
+    target = tiny_on_gpu(dtype)
+    eagle = Eagle3Drafter.for_target(target, None, [1, 2, 3], seed=3).to("cuda", dtype).eval()
+    embed, shape = target.get_input_embeddings(), dict(depth=6, topk=4, tree_nodes=16)
+    graphed = Eagle3Proposer(eagle, embed, **shape)  # the CUDA default: fixed steps, graphed
+    monkeypatch.setenv(NO_DRAFT_GRAPHS, "1")
+    eager = Eagle3Proposer(eagle, embed, fixed_steps=True, **shape)
+    monkeypatch.delenv(NO_DRAFT_GRAPHS)
+    assert graphed.graphed and graphed.fixed_steps and not eager.graphed
+    runs = {}
+    for name, proposer in (("graphed", graphed), ("eager", eager)):
+        trees, original = [], proposer.draft_tree
+        proposer.draft_tree = lambda *a, o=original, t=trees: t.append(o(*a)) or t[-1]
+        tokens = SpeculativeEngine(target, proposer, adaptive=False).generate(PROMPT, 48).tokens
+        runs[name] = tokens, [(tree.tokens, tree.parents) for tree in trees]
+    assert runs["graphed"] == runs["eager"]  # the same kernels replayed: the same trees, token for token
+    assert runs["graphed"][0] == plain(target)
+    recorded = dict(graphed.step.graphs)  # depth -> (graph, output)
+    assert 6 in recorded and graphed.context_step.graphs  # the full depth's graph, and the context rows'
+    contexts = dict(graphed.context_step.graphs)
+    SpeculativeEngine(target, graphed, adaptive=False).generate(PROMPT, 32)
+    assert graphed.step.graphs[6] is recorded[6]  # a new request replays the recorded graphs
+    assert all(graphed.context_step.graphs[rows] is graph for rows, graph in contexts.items())
 
 
 def test_plain_decoding_on_cuda_matches_cpu_in_fp32():

@@ -25,8 +25,10 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from decode.draft_steps import ContextStep, DraftTreeStep, candidate_depths, draft_graphs_supported
 from decode.proposers.base import CATCH_UP_SPLIT, Proposer, register_proposer
 from decode.runner import synchronized_clock
 from decode.sampling import SamplingConfig, logits_to_probs, sample
@@ -56,9 +58,10 @@ class Eagle3Proposer(Proposer):
 
     def __init__(self, drafter: Eagle3Drafter, embed: torch.nn.Module, depth: int | None = None,
                  topk: int | None = None, tree_nodes: int | None = None,
-                 eos_token_ids: set[int] = frozenset(), weights: str = "float32"):
+                 eos_token_ids: set[int] = frozenset(), weights: str = "float32", fixed_steps: bool | None = None):
         """weights: the format of the drafter's packed linear weights on the CPU (models.packed_linear,
-        `drafting_weights`: float16 wherever FBGEMM runs it)."""
+        `drafting_weights`: float16 wherever FBGEMM runs it). fixed_steps: a tree's depths as fixed-shape
+        steps (decode.draft_steps), replayed as CUDA graphs where they are supported; None = on CUDA only."""
         device = drafter.fc.weight.device
         default = DEFAULT_TREE["cuda" if device.type == "cuda" else "cpu"]
         self.max_depth = depth or default[0]
@@ -77,13 +80,27 @@ class Eagle3Proposer(Proposer):
         self.eos_token_ids = set(eos_token_ids)
         self.device, self.dtype = device, drafter.fc.weight.dtype
         self.cache: DraftCache | None = None
+        self.graphed = draft_graphs_supported(device)
+        self.fixed_steps = self.graphed if fixed_steps is None else fixed_steps
+        self.step: DraftTreeStep | None = None  # kept across requests while the cache is (its graphs too)
+        self.context_step: ContextStep | None = None
+        self.pool = torch.cuda.graph_pool_handle() if self.fixed_steps and self.graphed else None
         self.pending: list[torch.Tensor] = []  # [k, 3D] features of positions not yet fed
         self.position = 0  # the position of the next context row
         self.catch_up_s = 0.0
 
     def begin(self, prompt_ids: list[int], capacity: int) -> None:
-        rows = capacity + self.topk * self.max_depth + 2
-        self.cache = DraftCache(self.drafter, rows, self.device, self.dtype)
+        rows = capacity + self.topk * (self.max_depth + 1) + 2
+        if self.cache is None or self.cache.keys.shape[1] < rows:  # else reused: a fixed step keeps its graph
+            self.cache = DraftCache(self.drafter, rows, self.device, self.dtype)
+            self.step = None
+        self.cache.length = self.cache.used = 0
+        if self.fixed_steps and self.step is None:
+            eos = torch.tensor([int(t) in self.eos_token_ids for t in self.vocab_map.tolist()], dtype=torch.bool)
+            self.step = DraftTreeStep(self.net, self.embed, self.cache, self.vocab_map, eos, self.topk,
+                                      self.max_depth, graphed=self.graphed, pool=self.pool)
+            self.context_step = ContextStep(self.net, self.embed, self.cache, self.drafter.fc.in_features,
+                                            graphed=self.graphed, pool=self.pool)
         self.pending, self.position = [], 0
 
     def last_catch_up_s(self) -> float:
@@ -124,8 +141,13 @@ class Eagle3Proposer(Proposer):
         return self.context_rows(tokens, features)[-1]
 
     def context_rows(self, tokens: list[int], features: torch.Tensor) -> torch.Tensor:
-        """Rows (e(token), fc(feature)) at the next positions, causal; committed. Returns their outputs [k, D]."""
+        """Rows (e(token), fc(feature)) at the next positions, causal; committed. Returns their outputs [k, D]
+        (the last row's alone [1, D] where a fixed-shape context step ran them)."""
         k = len(tokens)
+        if self.context_step is not None and self.context_step.fits(k):
+            out = self.context_step.run(tokens, features, self.position)
+            self.position += k
+            return out[None]  # [1, D]: the last row's output (all the callers read)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         positions = torch.arange(self.position, self.position + k, device=self.device)
         visible = torch.ones(k, self.cache.length + k, dtype=torch.bool, device=self.device)
@@ -161,50 +183,46 @@ class Eagle3Proposer(Proposer):
         return rows
 
     def draft_tree(self, root: int, out: torch.Tensor, depth: int) -> TokenTree:
-        """EAGLE-2's dynamic tree (see the module docstring), at most `depth` deep."""
-        self.candidates: list[Candidate] = []
+        """EAGLE-2's dynamic tree (see the module docstring), at most `depth` deep: on the device in one
+        fixed-shape step where the proposer has one (decode.draft_steps), else depth by depth."""
         base = self.position - 1  # the last context row's position
+        if self.step is not None:
+            tokens, parents, scores = self.step.run(out, depth, base)
+            return select_tree(root, tokens, parents, scores, candidate_depths(self.topk, depth), self.tree_nodes)
+        self.candidates: list[Candidate] = []
         logq = torch.log_softmax(self.net.logits(out[None]).float(), dim=-1)  # [1, M]
-        frontier = self.add_children([-1], logq, [0.0], 1)
-        parent_out = out[None].expand(len(frontier), -1)  # [n, D]: the root row's output for every child
+        frontier = self.add_children([-1], *self.top_children(logq), [0.0], 1)
+        parent_row = {i: 0 for i in frontier}  # frontier node -> the row of `outs` holding its parent's output
+        outs = out[None]  # [n, D]: the outputs of the depth before (the root's row for depth 1)
         for d in range(2, depth + 1):
             expandable = [i for i in frontier if self.candidates[i].token not in self.eos_token_ids]
             if not expandable:
                 break
-            states = parent_out[[frontier.index(i) for i in expandable]]
-            logq, outs = self.expand([self.candidates[i] for i in expandable], states, base)
-            children = self.add_children(expandable, logq, [self.candidates[i].score for i in expandable], d)
+            nodes = [self.candidates[i] for i in expandable]
+            logq, outs = self.expand(nodes, outs[[parent_row[i] for i in expandable]], base)
+            children = self.add_children(expandable, *self.top_children(logq), [node.score for node in nodes], d)
             best = heapq.nlargest(self.topk, children, key=lambda i: self.candidates[i].score)
             row_of = {i: r for r, i in enumerate(expandable)}
-            parent_out = outs[[row_of[self.candidates[i].parent] for i in best]]
+            parent_row = {i: row_of[self.candidates[i].parent] for i in best}
             frontier = best
-        return self.select_tree(root)
+        c = self.candidates
+        return select_tree(root, [x.token for x in c], [x.parent for x in c], [x.score for x in c],
+                           [x.depth for x in c], self.tree_nodes)
 
-    def add_children(self, parents: list[int], logq: torch.Tensor, scores: list[float], depth: int) -> list[int]:
-        """Each parent's top-K children (logq [P, M]) as candidates; returns their indices."""
+    def top_children(self, logq: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
+        """logq [P, M] -> each parent's top-K (log-probs, target ids), in one device-to-host copy each."""
         top = logq.topk(min(self.topk, logq.shape[-1]), dim=-1)
-        tokens = self.vocab_map[top.indices].tolist()  # [P, K] target ids
-        values = top.values.tolist()  # [P, K]: one device-to-host copy, not one per parent
+        return top.values.tolist(), self.vocab_map[top.indices].tolist()
+
+    def add_children(self, parents: list[int], values: list[list[float]], tokens: list[list[int]],
+                     scores: list[float], depth: int) -> list[int]:
+        """Each parent's children (values, tokens [P][K]) as candidates; returns their indices."""
         added = []
         for p, parent in enumerate(parents):
             for token, lq in zip(tokens[p], values[p]):
                 self.candidates.append(Candidate(int(token), parent, depth, scores[p] + lq))
                 added.append(len(self.candidates) - 1)
         return added
-
-    def select_tree(self, root: int) -> TokenTree:
-        """The `tree_nodes` most probable candidates (ties: shallower first), parents before children."""
-        order = sorted(range(len(self.candidates)), key=lambda i: (-self.candidates[i].score, self.candidates[i].depth))
-        chosen: set[int] = set()
-        for i in order:
-            if len(chosen) >= self.tree_nodes:
-                break
-            if self.candidates[i].parent < 0 or self.candidates[i].parent in chosen:
-                chosen.add(i)
-        tree, node_of = TokenTree.root(root), {-1: 0}
-        for i in sorted(chosen, key=lambda i: (self.candidates[i].depth, -self.candidates[i].score)):
-            node_of[i] = tree.add(self.candidates[i].token, node_of[self.candidates[i].parent], None, dedupe=False)
-        return tree
 
     def draft_chain(self, root: int, out: torch.Tensor, depth: int, sampling: SamplingConfig, generator) -> TokenTree:
         """Sampling: each token drawn from q (over the target's vocabulary) and proposed with it."""
@@ -225,6 +243,23 @@ class Eagle3Proposer(Proposer):
         return TokenTree.chain(root, drafts, probs)
 
 
+def select_tree(root: int, tokens: list[int], parents: list[int], scores: list[float], depths: list[int],
+                tree_nodes: int) -> TokenTree:
+    """The `tree_nodes` most probable candidates (ties: shallower first; -inf never), parents before
+    children. A child is never more probable than its parent, so the set is closed under ancestors."""
+    order = np.lexsort((np.asarray(depths), -np.asarray(scores, dtype=np.float64)))
+    chosen: set[int] = set()
+    for i in order.tolist():
+        if len(chosen) >= tree_nodes or scores[i] == float("-inf"):
+            break
+        if parents[i] < 0 or parents[i] in chosen:
+            chosen.add(i)
+    tree, node_of = TokenTree.root(root), {-1: 0}
+    for i in sorted(chosen, key=lambda i: (depths[i], -scores[i])):
+        node_of[i] = tree.add(tokens[i], node_of[parents[i]], None, dedupe=False)
+    return tree
+
+
 def build_eagle3_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: set[int] = frozenset(),
                           **kw) -> Eagle3Proposer:
     """A loaded eagle3 drafter's proposer: its tree's depth, top-K and size from kw (eagle3_depth,
@@ -235,7 +270,8 @@ def build_eagle3_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: 
                           topk=kw.get("eagle3_topk") or options.get("topk"),
                           tree_nodes=kw.get("eagle3_tree_nodes") or options.get("tree_nodes"),
                           eos_token_ids=eos_token_ids,
-                          weights=drafting_weights(drafter.model, target_model, kw.get("drafter_weights") or "auto"))
+                          weights=drafting_weights(drafter.model, target_model, kw.get("drafter_weights") or "auto"),
+                          fixed_steps=kw.get("eagle3_fixed_steps"))
 
 
 register_proposer("eagle3", build_eagle3_proposer)
