@@ -59,6 +59,10 @@ class EvalConfig:
     dtype: str | None = None  # the target's precision (models.target.PRECISIONS); None = the device's default
     # the drafters' packed weights on the CPU (models.packed_linear.drafting_weights): auto = fp16 where FBGEMM runs
     drafter_weights: str = "auto"
+    # DIR+prompt_lookup (decode.proposers.WithPromptLookup): a match of this many tokens drafts the lookup chain
+    # alone (0: never); a shorter match puts at most lookup_weak_chain lookup tokens beside the tree (None: all)
+    lookup_first: int = 2
+    lookup_weak_chain: int | None = None
     seed: int = 0  # for sampling
     out: str | None = None  # output directory; None = runs/evaluate/<time>
 
@@ -72,7 +76,8 @@ class EvalConfig:
                   "per_category": self.per_category is None or self.per_category >= 1, "max_new_tokens": self.max_new_tokens >= 1,
                   "temperature": self.temperature >= 0, "gamma": self.gamma >= 1, "warmup": self.warmup >= 0,
                   "peers": all(p in PEERS for p in self.peers), "dtype": self.dtype is None or self.dtype in PRECISIONS,
-                  "drafter_weights": self.drafter_weights in DRAFTING_WEIGHTS}
+                  "drafter_weights": self.drafter_weights in DRAFTING_WEIGHTS, "lookup_first": self.lookup_first >= 0,
+                  "lookup_weak_chain": self.lookup_weak_chain is None or self.lookup_weak_chain >= 0}
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"{name}: invalid value {getattr(self, name)!r}")
@@ -168,7 +173,8 @@ def build_methods(target, drafters: Mapping[str, object], config: EvalConfig) ->
     methods = [engine_method(BASELINE, target, None, config.max_new_tokens, sampling)]
     for spec, drafter in drafters.items():
         proposer = build_proposer(drafter, target.model, gamma=config.gamma, eos_token_ids=target.eos_token_ids,
-                                  prompt_vocab=config.prompt_vocab, drafter_weights=config.drafter_weights)
+                                  prompt_vocab=config.prompt_vocab, drafter_weights=config.drafter_weights,
+                                  lookup_first=config.lookup_first, lookup_weak_chain=config.lookup_weak_chain)
         methods.append(engine_method(method_name("speculative", spec, one), target, proposer,
                                      config.max_new_tokens, sampling, adaptive=not config.fixed_depth))
     skipped = {}
@@ -330,6 +336,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the drafters' linear weights on the CPU: auto = fp16 copies wherever FBGEMM's fp16 GEMM runs "
                         "(half the bytes per draft step; the target still verifies every draft in its own precision), "
                         "float32 = the drafter as trained")
+    p.add_argument("--lookup-first", type=non_negative_int, default=d["lookup_first"].default,
+                   help="DIR+prompt_lookup: a prompt-lookup match of at least this many tokens drafts the lookup "
+                        "chain alone, the drafter skipping the step (0: never; the chain always joins the tree)")
+    p.add_argument("--lookup-weak-chain", type=non_negative_int, default=None,
+                   help="DIR+prompt_lookup: at most this many lookup tokens beside the drafter's tree on the other "
+                        "steps (default: the whole chain)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--seed", type=non_negative_int, default=d["seed"].default, help="sampling seed")
     p.add_argument("--out", default=None, help="output directory (default: runs/evaluate/<date-time>)")
@@ -346,7 +358,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, gamma=args.gamma,
                       fixed_depth=args.fixed_depth, prompt_vocab=args.prompt_vocab, peers=tuple(args.peers or ()),
                       warmup=args.warmup, device=device, dtype=args.dtype, drafter_weights=args.drafter_weights,
-                      seed=args.seed, out=out)
+                      lookup_first=args.lookup_first, lookup_weak_chain=args.lookup_weak_chain, seed=args.seed, out=out)
 
 
 def load_inputs(parser: argparse.ArgumentParser, config: EvalConfig):

@@ -280,6 +280,9 @@ def test_speedup_model_script_reads_an_evaluation_report(tmp_path, target_dir, c
     (["--drafter", "truncated:1", "--limit", "0"], "--limit"),
     (["--drafter", "truncated:1", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["--drafter", "truncated:1", "--temperature", "-1"], "--temperature"),
+    (["--drafter", "truncated:1", "--drafter-weights", "half"], "--drafter-weights"),
+    (["--drafter", "truncated:1", "--lookup-first", "-1"], "--lookup-first"),
+    (["--drafter", "truncated:1", "--lookup-weak-chain", "-2"], "--lookup-weak-chain"),
 ])
 def test_bad_arguments_exit_2_naming_the_argument(tmp_path, target_dir, capsys, args, argument):
     questions = write_lines(tmp_path / "q.jsonl", MT_BENCH_LINES)
@@ -287,6 +290,26 @@ def test_bad_arguments_exit_2_naming_the_argument(tmp_path, target_dir, capsys, 
         main(["--target", str(target_dir), "--questions", str(questions), "--out", str(tmp_path / "o")] + args)
     assert exit_info.value.code == 2
     assert f"argument {argument}" in capsys.readouterr().err
+
+
+def test_lookup_and_drafter_weight_options_reach_the_proposers(chat_target, monkeypatch, tmp_path):
+    import decode.evaluate as evaluate
+    from decode.proposers import WithPromptLookup
+    from models.drafters import load_drafter
+
+    questions = str(write_lines(tmp_path / "q.jsonl", MT_BENCH_LINES))
+    args = build_parser().parse_args(["--drafter", "truncated:1+prompt_lookup", "--questions", questions,
+                                      "--lookup-first", "0", "--lookup-weak-chain", "3", "--drafter-weights", "float32"])
+    config = config_from_args(args)
+    assert (config.lookup_first, config.lookup_weak_chain, config.drafter_weights) == (0, 3, "float32")
+    built = []
+    original = evaluate.build_proposer
+    monkeypatch.setattr(evaluate, "build_proposer", lambda *a, **kw: built.append(original(*a, **kw)) or built[-1])
+    build_methods(chat_target, {spec: load_drafter(spec, chat_target) for spec in config.drafters}, config)
+    (proposer,) = built
+    assert isinstance(proposer, WithPromptLookup) and (proposer.lookup_first, proposer.weak_chain) == (0, 3)
+    with pytest.raises(ValueError, match="lookup_first"):
+        EvalConfig(drafters=("prompt_lookup",), questions="q.jsonl", lookup_first=-1)
 
 
 def test_missing_or_broken_question_file_exits_2(tmp_path, target_dir, capsys):
