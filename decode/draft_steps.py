@@ -133,13 +133,7 @@ class DraftTreeStep:
         self.host_ints[0], self.host_ints[1] = position, cache.length
         self.ints.copy_(self.host_ints)
         self.root.copy_(root_out)
-        if not self.graphed:
-            found = self.compute(depth)
-        else:
-            if depth not in self.graphs:
-                self.graphs[depth] = record(lambda: self.compute(depth), self.pool)
-            graph, found = self.graphs[depth]
-            graph.replay()
+        found = replay_or_compute(self, depth)
         cache.used = cache.length + self.k * (depth - 1)
         tokens, parents, scores = found.cpu().tolist()  # one device-to-host copy
         return [int(t) for t in tokens], [int(p) for p in parents], scores
@@ -195,15 +189,21 @@ class ContextStep:
         ints[size:] = torch.tensor([position, cache.length, k])
         self.ints.copy_(ints)
         self.features[:k].copy_(features)
-        if not self.graphed:
-            out = self.compute(rows)
-        else:
-            if rows not in self.graphs:
-                self.graphs[rows] = record(lambda: self.compute(rows), self.pool)
-            graph, out = self.graphs[rows]
-            graph.replay()
+        out = replay_or_compute(self, rows)
         cache.length = cache.used = cache.length + k
         return out.clone()  # the next replay overwrites the graph's output
+
+
+def replay_or_compute(step, shape: int) -> torch.Tensor:
+    """step.compute(shape) from the buffers as loaded: eagerly, or by replaying the graph recorded for `shape`
+    (recorded on first use, kept in step.graphs). Returns the output (the graph's own buffer when graphed)."""
+    if not step.graphed:
+        return step.compute(shape)
+    if shape not in step.graphs:
+        step.graphs[shape] = record(lambda: step.compute(shape), step.pool)
+    graph, out = step.graphs[shape]
+    graph.replay()
+    return out
 
 
 def record(compute, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -36,11 +36,14 @@ from decode.tree import TokenTree
 from models.eagle3 import DraftCache, Eagle3Drafter  # importing models.eagle3 registers the drafter kind "eagle3"
 from models.packed_linear import drafting_weights, packed_for_inference, packing_supported
 
-__all__ = ["Eagle3Proposer", "DEFAULT_TREE"]
+__all__ = ["DEFAULT_TREE", "Eagle3Proposer", "select_tree"]
 
 # (depth, top-K per expansion, tree nodes): measured on the 2-core CPU, where verifying 8 rows costs
-# 1.16x one row and 16 rows 1.42x (BENCHMARKS.md); a GPU verifies 32-64 nodes for about one forward.
-DEFAULT_TREE = {"cpu": (6, 4, 10), "cuda": (8, 8, 48)}
+# 1.16x one row and 16 rows 1.42x (BENCHMARKS.md); with fp16 drafter weights a top-2 tree 8 deep drafts half the
+# rows per depth of top-4 and with prompt lookup beside it ran 1.62x against 1.53x (MT-bench, 2 per category) and
+# 1.95x against 1.80x (held-out Arena v2.0) in the same runs (BENCHMARKS.md, "Drafters draft in fp16 weights").
+# A GPU verifies 32-64 nodes for about one forward.
+DEFAULT_TREE = {"cpu": (8, 2, 10), "cuda": (8, 8, 48)}
 
 
 @dataclass
