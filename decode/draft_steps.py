@@ -61,6 +61,9 @@ class DraftTreeStep:
     def __init__(self, net, embed, cache, vocab_map: torch.Tensor, eos_draft: torch.Tensor, topk: int,
                  max_depth: int, graphed: bool, pool=None):
         self.net, self.embed, self.cache = net, embed, cache
+        if vocab_map.numel() < topk:
+            raise ValueError(f"EAGLE-3 draft step: top-{topk} expansions need at least {topk} draft tokens, "
+                             f"the drafter has {vocab_map.numel()}")
         self.k, self.max_depth, self.graphed, self.pool = topk, max_depth, graphed, pool
         device, dtype = cache.keys.device, cache.keys.dtype
         self.dtype = dtype

@@ -129,3 +129,11 @@ def test_a_step_past_its_buffers_is_an_error_naming_them():
     fixed.cache.used = fixed.cache.length = fixed.cache.keys.shape[1] - 1
     with pytest.raises(RuntimeError, match="draft step past its buffers"):
         fixed.step.run(torch.zeros(fixed.step.root.shape), 2, 3)
+
+
+def test_a_draft_vocabulary_smaller_than_top_k_is_an_error_naming_both():
+    target = make_tiny_llama(seed=0, layers=2)
+    fixed = Eagle3Proposer(tiny_eagle(target, vocab=[3, 4, 5]), target.get_input_embeddings(), depth=3, topk=4,
+                           tree_nodes=4, fixed_steps=True)
+    with pytest.raises(ValueError, match="top-4 expansions need at least 4 draft tokens, the drafter has 3"):
+        fixed.begin(PROMPT, 16)
