@@ -90,18 +90,12 @@ class DraftTreeStep:
         tokens, parents, scores = [self.vocab_map[index]], [torch.full_like(node, -1)], [score]
         states = self.root[None].expand(k, -1)  # [K, D] each frontier node's parent output
         seen = torch.zeros(k, self.tree_rows, dtype=torch.bool, device=score.device)  # [K, R] ancestors' rows
-        groups = layer.self_attn.num_heads // layer.self_attn.num_kv_heads
         for d in range(2, depth + 1):
             own = (d - 2) * k + self.rows  # [K] the frontier's rows, after the committed ones
             seen = seen | (self.tree_columns[None, :] == own[:, None])  # each row sees itself too
             q, key, value = layer.project(self.embed(self.vocab_map[index]).to(self.dtype), states,
                                           (position + d - 1).expand(k))
-            cache.keys.index_copy_(1, length + own, key)
-            cache.values.index_copy_(1, length + own, value)
-            keys, values = cache.keys, cache.values  # [Hkv, C, hd]
-            if groups > 1:
-                keys, values = keys.repeat_interleave(groups, dim=0), values.repeat_interleave(groups, dim=0)
-            attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.visible(seen, length))
+            attended = write_and_attend(layer, cache, q, key, value, length + own, self.visible(seen, length))
             out = layer.finish(states, attended)  # [K, D]
             top = torch.log_softmax(self.net.logits(out).float(), dim=-1).topk(k, dim=-1)  # [K, K]
             expandable = (score > float("-inf")) & ~self.eos_draft[index]  # [K]
@@ -142,7 +136,6 @@ class DraftTreeStep:
         return [int(t) for t in tokens], [int(p) for p in parents], scores
 
 
-
 class ContextStep:
     """The drafter's context rows for the accepted positions: k <= 8 rows (e(token), fc(feature)) at the next
     positions, causal, written to the cache's next rows and committed; in the smallest of CONTEXT_BUCKETS."""
@@ -165,14 +158,8 @@ class ContextStep:
         index = self.rows[:rows]
         states = self.net.fuse(self.features[:rows])  # [B, D]
         q, key, value = layer.project(self.embed(self.ints[:rows]).to(self.dtype), states, position + index)
-        cache.keys.index_copy_(1, length + index, key)
-        cache.values.index_copy_(1, length + index, value)
-        keys, values = cache.keys, cache.values
-        groups = layer.self_attn.num_heads // layer.self_attn.num_kv_heads
-        if groups > 1:
-            keys, values = keys.repeat_interleave(groups, dim=0), values.repeat_interleave(groups, dim=0)
         visible = self.columns[None, :] <= (length + index)[:, None]  # [B, C]: committed rows and causal
-        out = layer.finish(states, F.scaled_dot_product_attention(q, keys, values, attn_mask=visible))
+        out = layer.finish(states, write_and_attend(layer, cache, q, key, value, length + index, visible))
         return out.index_select(0, k - 1)[0]
 
     def fits(self, k: int) -> bool:
@@ -195,6 +182,19 @@ class ContextStep:
         out = replay_or_compute(self, rows)
         cache.length = cache.used = cache.length + k
         return out.clone()  # the next replay overwrites the graph's output
+
+
+def write_and_attend(layer, cache, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
+                     visible: torch.Tensor) -> torch.Tensor:
+    """The rows' keys and values (key, value [Hkv, n, hd]) written at cache rows `slots` [n], then q [H, n, hd]
+    attending over the whole cache where visible [n, C]: -> [H, n, hd]."""
+    cache.keys.index_copy_(1, slots, key)
+    cache.values.index_copy_(1, slots, value)
+    keys, values = cache.keys, cache.values  # [Hkv, C, hd]
+    groups = layer.self_attn.num_heads // layer.self_attn.num_kv_heads
+    if groups > 1:
+        keys, values = keys.repeat_interleave(groups, dim=0), values.repeat_interleave(groups, dim=0)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
 
 
 def replay_or_compute(step, shape: int) -> torch.Tensor:

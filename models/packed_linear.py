@@ -43,11 +43,9 @@ import weakref
 
 import torch
 
-__all__ = ["DRAFTING_WEIGHTS", "PackedLinear", "PackedLinearFP16", "WEIGHT_FORMATS", "cached_copy", "check_weight_format",
-           "drafting_weights",
-           "float16_weights_supported",
-           "inference_weights", "packed_class", "packed_for_inference", "packing_supported", "set_inference_weights",
-           "weights_signature"]
+__all__ = ["DRAFTING_WEIGHTS", "PackedLinear", "PackedLinearFP16", "WEIGHT_FORMATS", "cached_copy",
+           "check_weight_format", "drafting_weights", "float16_weights_supported", "inference_weights", "packed_class",
+           "packed_for_inference", "packing_supported", "set_inference_weights", "weights_signature"]
 
 WEIGHT_FORMATS = ("float32", "float16")
 # the attribute of a model that says in which format its inference copies hold linear weights
@@ -125,17 +123,18 @@ def float16_weights_supported() -> bool:
 DRAFTING_WEIGHTS = ("auto",) + WEIGHT_FORMATS  # what a proposer may be asked to draft in
 
 
-def drafting_weights(drafter: torch.nn.Module, target_model: torch.nn.Module, choice: str = "auto") -> str:
-    """The weight format of a drafter's inference copies. "auto": float16 where the drafter packs on this CPU
-    and FBGEMM's fp16 GEMM runs (see the module docstring: only which tokens are proposed can change);
-    "float32" (the parameters as they are) where the drafter does not pack. "float32" / "float16" force one (float16 where it cannot run is an error)."""
+def drafting_weights(drafter: torch.nn.Module, choice: str | None = "auto") -> str:
+    """The weight format of a drafter's inference copies, whatever the target computes in. "auto" (or None):
+    float16 where the drafter packs on this CPU and FBGEMM's fp16 GEMM runs (see the module docstring: only
+    which tokens are proposed can change), else float32 (the parameters as they are: a GPU, another dtype,
+    a CPU without F16C). "float32" / "float16" force one (float16 where it cannot run is an error)."""
+    choice = choice or "auto"
     if choice not in DRAFTING_WEIGHTS:
         raise ValueError(f"drafter weights {choice!r}: choose one of {', '.join(DRAFTING_WEIGHTS)}")
+    fp16_runs = packing_supported(drafter) and float16_weights_supported()
     if choice == "auto":
-        if not packing_supported(drafter):
-            return "float32"  # the drafter's own parameters (a GPU, another dtype)
-        return "float16" if float16_weights_supported() else inference_weights(target_model)
-    if choice == "float16" and not (packing_supported(drafter) and float16_weights_supported()):
+        return "float16" if fp16_runs else "float32"
+    if choice == "float16" and not fp16_runs:
         raise ValueError("drafter weights float16 need an fp32 drafter on a CPU with FBGEMM's fp16 GEMM "
                          "(AVX2 + F16C); use auto or float32")
     return choice

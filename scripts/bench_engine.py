@@ -13,8 +13,8 @@ On a GPU (`--device cuda`):
   cuda-bf16-eager   bf16, the lean forward in fixed-shape steps over the static cache, run eagerly
   cuda-bf16-buckets bf16, the same steps replayed as CUDA graphs, each forward in the smallest of 1-64 rows
   cuda-bf16         bf16, CUDA graphs, every forward a 64-row step (the default on CUDA: token-exact speculation);
-                    the EAGLE-3 drafter's depth steps graphed too (decode.draft_steps)
-  cuda-bf16-draft-eager  the same with the drafter's depth steps eager (the engine before decode.draft_steps)
+                    the EAGLE-3 drafter's context rows and whole tree graphed too (decode.draft_steps)
+  cuda-bf16-draft-eager  the same with the drafter's steps eager (the engine before decode.draft_steps)
   cuda-fp32         fp32, CUDA graphs in buckets (the first-divergence reference for bf16)
 and transformers' `generate` (fp32 on the CPU, bf16 on CUDA) as the peer every user has, and vLLM's plain decoding
 in fp32 (`--vllm-dtypes float32 float16 bfloat16`: one engine per dtype) when its environment exists (`make vllm`;

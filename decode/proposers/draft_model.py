@@ -157,8 +157,7 @@ def build_draft_model_proposer(drafter, target_model, gamma: int = 5, eos_token_
     check_vocab(drafter.model, target_model, drafter.vocab_map)
     use_gemv_friendly_head(drafter.model)
     # fp16 weights draft at half the bytes wherever FBGEMM runs them (models.packed_linear.drafting_weights)
-    set_inference_weights(drafter.model, drafting_weights(drafter.model, target_model,
-                                                          kw.get("drafter_weights") or "auto"))
+    set_inference_weights(drafter.model, drafting_weights(drafter.model, kw.get("drafter_weights")))
     prompt_vocab = kw.get("prompt_vocab")
     if prompt_vocab is None:  # default: what the drafter's manifest asks for
         prompt_vocab = bool((drafter.manifest.get("extra") or {}).get("prompt_vocab", False))

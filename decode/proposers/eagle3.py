@@ -273,7 +273,7 @@ def build_eagle3_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: 
                           topk=kw.get("eagle3_topk") or options.get("topk"),
                           tree_nodes=kw.get("eagle3_tree_nodes") or options.get("tree_nodes"),
                           eos_token_ids=eos_token_ids,
-                          weights=drafting_weights(drafter.model, target_model, kw.get("drafter_weights") or "auto"),
+                          weights=drafting_weights(drafter.model, kw.get("drafter_weights")),
                           fixed_steps=kw.get("eagle3_fixed_steps"))
 
 

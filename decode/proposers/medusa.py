@@ -147,8 +147,8 @@ def head_projections(heads: torch.nn.Module, vocab_map: torch.Tensor | None, wei
 
     A decode step runs every head on one or a few states: GEMVs over [M, D] weights that dominate the
     proposer's cost. On CPU in fp32 each head gets a packed copy of its rows in `weights` format
-    (models.packed_linear: oneDNN fp32, or FBGEMM fp16); elsewhere a column-major copy, which the BLAS runs as a faster GEMV (see
-    decode.proposers.base.use_gemv_friendly_head). Inference only: the proposer never trains the heads,
+    (models.packed_linear: oneDNN fp32, or FBGEMM fp16); elsewhere a column-major copy, which the BLAS runs
+    as a faster GEMV (see decode.proposers.base.use_gemv_friendly_head). Inference only: the proposer never trains the heads,
     and they keep their weights."""
     check_weight_format(weights)
     rows = [head.proj.weight.detach() for head in heads.heads]  # K x [V, D]
@@ -244,7 +244,7 @@ def build_medusa_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: 
     check_medusa_vocab(drafter.model, target_model)
     return MedusaProposer(drafter.model, tree=(drafter.manifest.get("extra") or {}).get("tree"),
                           vocab_map=drafter.vocab_map, embed=target_model.get_input_embeddings(),
-                          weights=drafting_weights(drafter.model, target_model, kw.get("drafter_weights") or "auto"))
+                          weights=drafting_weights(drafter.model, kw.get("drafter_weights")))
 
 
 def check_medusa_vocab(heads, target_model) -> None:

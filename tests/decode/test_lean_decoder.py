@@ -218,8 +218,8 @@ def test_drafter_weights_bad_value_names_the_choices():
 
     model = make_tiny_llama(layers=1, seed=0)
     with pytest.raises(ValueError, match="choose one of auto, float32, float16"):
-        drafting_weights(model, model, "half")
-    assert drafting_weights(model.to(torch.bfloat16), model, "auto") == "float32"  # unpackable: as it is
+        drafting_weights(model, "half")
+    assert drafting_weights(model.to(torch.bfloat16), "auto") == "float32"  # unpackable: as it is
 
 
 @needs_fp16
