@@ -241,10 +241,13 @@ class Eagle3Drafter(nn.Module):
 
     @classmethod
     def for_target(cls, target_model: nn.Module, vocab_map: torch.Tensor | None,
-                   target_layers: list[int] | None = None, seed: int = 0) -> "Eagle3Drafter":
+                   target_layers: list[int] | None = None, seed: int = 0, init: str = "random") -> "Eagle3Drafter":
         """A fresh drafter for `target_model`: the layer and fc initialised as Llama's (normal, std 0.02,
         seeded), the head the target's own rows for the draft vocabulary, the norm the target's final norm
-        (the head starts reading the target's way)."""
+        (the head starts reading the target's way). init "target_layer": then the layer and fc start as the
+        target's own high layer (`start_from_target_layer`)."""
+        if init not in EAGLE3_INITS:
+            raise ValueError(f"eagle3_init: one of {EAGLE3_INITS}, got {init!r}")
         head = target_model.get_output_embeddings().weight  # [V, D]
         vocab_map = torch.arange(head.shape[0]) if vocab_map is None else vocab_map.long().cpu()
         config = eagle3_config(target_model, vocab_map.numel(), target_layers)
@@ -258,6 +261,8 @@ class Eagle3Drafter(nn.Module):
             final_norm = getattr(target_model.get_decoder(), "norm", None)
             if final_norm is not None and final_norm.weight.shape == drafter.norm.weight.shape:
                 drafter.norm.weight.copy_(final_norm.weight.detach().float().cpu())
+        if init == "target_layer":
+            start_from_target_layer(drafter, target_model)
         drafter.set_vocab(vocab_map)
         return drafter.to(device=head.device)
 
@@ -267,6 +272,37 @@ class Eagle3Drafter(nn.Module):
         directory.mkdir(parents=True, exist_ok=True)
         state = {name: t.detach().to("cpu").contiguous() for name, t in self.state_dict().items()}
         save_file(state, str(directory / WEIGHTS_FILE))
+
+
+EAGLE3_INITS = ("random", "target_layer")
+
+
+@torch.no_grad()
+def start_from_target_layer(drafter: Eagle3Drafter, target_model: nn.Module) -> None:
+    """Start the drafter as the target's high layer h (the last of `target_layers`) applied to its own input.
+
+    fc passes the high feature through (g_t = h_t^high, the other two blocks zero); the layer's state half
+    of q/k/v, its o_proj, MLP and norms are layer h's (`hidden_norm` is h's input norm). The embedding half
+    of q/k/v keeps its random start, so the token x_{t+1} enters from the first step. Step 0 then computes
+    what the target's layer h computes at t, over the same context: training starts from the target's own
+    attention and MLP instead of noise (the head and final norm are the target's already)."""
+    high = drafter.target_layers[-1]
+    layer = target_model.get_decoder().layers[high]
+    d = drafter.config["hidden_size"]
+    if drafter.config["target_hidden_size"] != d:
+        raise ValueError(f"eagle3_init target_layer: the drafter's hidden size {d} must be the target's "
+                         f"{drafter.config['target_hidden_size']}")
+    copy = lambda dst, src: dst.copy_(src.detach().float().to(dst.device))  # noqa: E731
+    drafter.fc.weight.zero_()
+    drafter.fc.weight[:, 2 * d:].copy_(torch.eye(d))  # [D, 3D]: the high block, unchanged
+    mid, attn = drafter.midlayer, drafter.midlayer.self_attn
+    for name in ("q_proj", "k_proj", "v_proj"):
+        copy(getattr(attn, name).weight[:, d:], getattr(layer.self_attn, name).weight)  # [out, D] of [out, 2D]
+    copy(attn.o_proj.weight, layer.self_attn.o_proj.weight)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        copy(getattr(mid.mlp, name).weight, getattr(layer.mlp, name).weight)
+    copy(mid.hidden_norm.weight, layer.input_layernorm.weight)
+    copy(mid.post_attention_layernorm.weight, layer.post_attention_layernorm.weight)
 
 
 class DraftCache:

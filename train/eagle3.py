@@ -14,7 +14,7 @@ engine (decode.proposers.eagle3, full depth, no adaptation) and keep the drafter
 atomically at the end. `--resume` continues exactly from the last checkpoint (data order is a function
 of the seed, the epoch and the batch index).
 
-Config fields read here: eagle3_layers, eagle3_steps, eagle3_decay, eagle3_depth, eagle3_topk,
+Config fields read here: eagle3_layers, eagle3_steps, eagle3_decay, eagle3_init, eagle3_depth, eagle3_topk,
 eagle3_tree_nodes, draft_vocab, and the common optimisation, eval_* and checkpoint fields.
 """
 
@@ -45,7 +45,8 @@ log = logging.getLogger("specdistill.eagle3")
 def train_eagle3(cfg, accelerator, target, records: list[dict], eval_prompts: list[list[int]]) -> Path:
     vocab_map = candidate_vocab(cfg, target, records)  # the draft_vocab most frequent response tokens, EOS in
     layers = cfg.eagle3_layers or default_target_layers(target.model.config.get_text_config().num_hidden_layers)
-    drafter = Eagle3Drafter.for_target(target.model, vocab_map, layers, seed=cfg.seed).float().train()
+    drafter = Eagle3Drafter.for_target(target.model, vocab_map, layers, seed=cfg.seed,
+                                       init=cfg.eagle3_init).float().train()
     pad_id = pad_token_id(target.tokenizer, target.eos_token_ids)
     cache = open_or_build(target, records, drafter.target_layers, cfg.max_seq_len, cfg.gen_batch_size, pad_id,
                           accelerator)

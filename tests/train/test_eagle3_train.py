@@ -149,10 +149,34 @@ def test_resume_ends_where_an_uninterrupted_run_does(target, records, tmp_path, 
 @pytest.mark.parametrize("override, field", [(dict(eagle3_layers=[1, 2]), "eagle3_layers"),
                                              (dict(eagle3_steps=0), "eagle3_steps"),
                                              (dict(eagle3_decay=1.5), "eagle3_decay"),
+                                             (dict(eagle3_init="target"), "eagle3_init"),
                                              (dict(loss="fkl"), "loss")])
 def test_bad_configs_name_the_field(override, field):
     with pytest.raises(ConfigError, match=field):
         DistillConfig(method="eagle3", **override)
+
+
+def test_target_layer_start_computes_the_targets_own_layer(target, records):
+    """With the token's half of q/k/v silenced, step 0 of a target_layer start is the target's layer 0 over
+    its own input, at every position; the head and final norm are the target's either way."""
+    drafter = Eagle3Drafter.for_target(target.model, None, [0, 0, 0], seed=0, init="target_layer").float()
+    d = drafter.config["hidden_size"]
+    for proj in (drafter.midlayer.self_attn.q_proj, drafter.midlayer.self_attn.k_proj,
+                 drafter.midlayer.self_attn.v_proj):
+        with torch.no_grad():
+            proj.weight[:, :d].zero_()
+    seq = torch.tensor([records[0]["prompt_ids"] + records[0]["response_ids"]])  # [1, T]
+    with torch.no_grad():
+        hidden = target.model(input_ids=seq, output_hidden_states=True).hidden_states
+        features = torch.cat([hidden[0]] * 3, dim=-1)  # [1, T, 3D]
+        embeds = [target.model.get_input_embeddings()(seq).float()]
+        step0 = drafter.unroll(embeds, features)[0]
+    torch.testing.assert_close(step0, hidden[1], atol=1e-4, rtol=1e-4)
+    random = Eagle3Drafter.for_target(target.model, None, [0, 0, 0], seed=0)
+    assert torch.equal(random.lm_head.weight, drafter.lm_head.weight)
+    assert not torch.allclose(random.midlayer.mlp.up_proj.weight, drafter.midlayer.mlp.up_proj.weight)
+    with pytest.raises(ValueError, match="eagle3_init"):
+        Eagle3Drafter.for_target(target.model, None, [0, 0, 0], init="last")
 
 
 def test_layer_out_of_range_and_oversized_vocabulary_name_the_field(target, records, tmp_path):
