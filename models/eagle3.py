@@ -292,9 +292,12 @@ def start_from_target_layer(drafter: Eagle3Drafter, target_model: nn.Module) -> 
     if drafter.config["target_hidden_size"] != d:
         raise ValueError(f"eagle3_init target_layer: the drafter's hidden size {d} must be the target's "
                          f"{drafter.config['target_hidden_size']}")
-    copy = lambda dst, src: dst.copy_(src.detach().float().to(dst.device))  # noqa: E731
+
+    def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src.detach().to(dst.device, dst.dtype))
+
     drafter.fc.weight.zero_()
-    drafter.fc.weight[:, 2 * d:].copy_(torch.eye(d))  # [D, 3D]: the high block, unchanged
+    drafter.fc.weight[:, 2 * d:].copy_(torch.eye(d))  # [D, 3D]: the high block passes through
     mid, attn = drafter.midlayer, drafter.midlayer.self_attn
     for name in ("q_proj", "k_proj", "v_proj"):
         copy(getattr(attn, name).weight[:, d:], getattr(layer.self_attn, name).weight)  # [out, D] of [out, 2D]

@@ -90,8 +90,8 @@ class DistillConfig:
                                       "empty: EAGLE-3's choice, 2, L // 2 and L - 3 of an L-layer target")
     eagle3_steps: int = _f(7, "eagle3: drafting steps unrolled per position in training (the training-time test)")
     eagle3_decay: float = _f(0.8, "eagle3: step j's loss weight is decay**j")
-    eagle3_init: str = _f("random", "eagle3: how the layer and fc start: random (Llama's init) or target_layer "
-                                    "(the target's high layer over its own high feature)")
+    eagle3_init: str = _f("target_layer", "eagle3: how the layer and fc start: target_layer (the target's high layer "
+                                          "over its own high feature) or random (Llama's init)")
     eagle3_depth: int = _f(0, "eagle3: decoding's deepest draft (stored in the drafter); 0: the per-device default")
     eagle3_topk: int = _f(0, "eagle3: decoding's top-k per expanded node and nodes expanded per depth; 0: default")
     eagle3_tree_nodes: int = _f(0, "eagle3: decoding's tree size (nodes besides the root); 0: the per-device default")
@@ -220,8 +220,7 @@ class DistillConfig:
             raise ConfigError(f"eagle3_steps: must be >= 1, got {self.eagle3_steps}")
         if not 0 < self.eagle3_decay <= 1:
             raise ConfigError(f"eagle3_decay: must be in (0, 1], got {self.eagle3_decay}")
-        if self.eagle3_init not in ("random", "target_layer"):
-            raise ConfigError(f"eagle3_init: random or target_layer, got {self.eagle3_init!r}")
+        check_choice("eagle3_init", self.eagle3_init, ("target_layer", "random"))  # models.eagle3.EAGLE3_INITS
         for name in ("eagle3_depth", "eagle3_topk", "eagle3_tree_nodes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0 (0: the default), got {getattr(self, name)}")
