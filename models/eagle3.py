@@ -285,7 +285,8 @@ def start_from_target_layer(drafter: Eagle3Drafter, target_model: nn.Module) -> 
     of q/k/v, its o_proj, MLP and norms are layer h's (`hidden_norm` is h's input norm). The embedding half
     of q/k/v keeps its random start, so the token x_{t+1} enters from the first step. Step 0 then computes
     what the target's layer h computes at t, over the same context: training starts from the target's own
-    attention and MLP instead of noise (the head and final norm are the target's already)."""
+    attention and MLP instead of noise (the head and final norm are the target's already). Weights only: a
+    target whose projections carry biases (Qwen's q/k/v) starts without them, as the drafter has none."""
     high = drafter.target_layers[-1]
     layer = target_model.get_decoder().layers[high]
     d = drafter.config["hidden_size"]
