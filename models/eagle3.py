@@ -289,10 +289,7 @@ def start_from_target_layer(drafter: Eagle3Drafter, target_model: nn.Module) -> 
     target whose projections carry biases (Qwen's q/k/v) starts without them, as the drafter has none."""
     high = drafter.target_layers[-1]
     layer = target_model.get_decoder().layers[high]
-    d = drafter.config["hidden_size"]
-    if drafter.config["target_hidden_size"] != d:
-        raise ValueError(f"eagle3_init target_layer: the drafter's hidden size {d} must be the target's "
-                         f"{drafter.config['target_hidden_size']}")
+    d = drafter.config["hidden_size"]  # the target's (eagle3_config)
 
     def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src.detach().to(dst.device, dst.dtype))

@@ -148,8 +148,8 @@ def head_projections(heads: torch.nn.Module, vocab_map: torch.Tensor | None, wei
     A decode step runs every head on one or a few states: GEMVs over [M, D] weights that dominate the
     proposer's cost. On CPU in fp32 each head gets a packed copy of its rows in `weights` format
     (models.packed_linear: oneDNN fp32, or FBGEMM fp16); elsewhere a column-major copy, which the BLAS runs
-    as a faster GEMV (see decode.proposers.base.use_gemv_friendly_head). Inference only: the proposer never trains the heads,
-    and they keep their weights."""
+    as a faster GEMV (see decode.proposers.base.use_gemv_friendly_head). Inference only: the proposer never
+    trains the heads, and they keep their weights."""
     check_weight_format(weights)
     rows = [head.proj.weight.detach() for head in heads.heads]  # K x [V, D]
     if vocab_map is not None:
