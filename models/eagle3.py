@@ -140,20 +140,29 @@ class Eagle3Layer(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [hd / 2]
 
     def project(self, embeds: torch.Tensor, state: torch.Tensor, positions: torch.Tensor):
-        """embeds, state [..., T, D], positions [T] -> q [..., H, T, hd], k, v [..., Hkv, T, hd] (q, k rotated)."""
+        """embeds, state [..., T, D], positions [T] or [..., T] -> q [..., H, T, hd], k, v [..., Hkv, T, hd]
+        (q, k rotated)."""
         attn = self.self_attn
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(state)], dim=-1)  # [..., T, 2D]
         q = attn.q_proj(x).unflatten(-1, (attn.num_heads, attn.head_dim)).transpose(-3, -2)
         k = attn.k_proj(x).unflatten(-1, (attn.num_kv_heads, attn.head_dim)).transpose(-3, -2)
         v = attn.v_proj(x).unflatten(-1, (attn.num_kv_heads, attn.head_dim)).transpose(-3, -2)
-        angles = positions.to(self.inv_freq.device, torch.float32)[:, None] * self.inv_freq  # [T, hd / 2]
-        cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(x.dtype) for f in (torch.cos, torch.sin))
+        angles = positions.to(self.inv_freq.device, torch.float32)[..., None] * self.inv_freq  # [..., T, hd / 2]
+        cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(x.dtype).unsqueeze(-3)  # [..., 1, T, hd]: every head
+                    for f in (torch.cos, torch.sin))
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def finish(self, state: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """state [..., T, D] (the residual) + attention output [..., H, T, hd] -> the layer's output [..., T, D]."""
         hidden = state + self.self_attn.o_proj(attended.transpose(-3, -2).flatten(-2))
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+def gather_rows(x: torch.Tensor, rows: torch.Tensor, dim: int = -2) -> torch.Tensor:
+    """x [B, ..., T, ..., F] (T at `dim`, the last dim F) -> the same at rows [B, W] of T per batch entry."""
+    dim = dim % x.dim()
+    index = rows.view(rows.shape[0], *[1] * (dim - 1), rows.shape[1], *[1] * (x.dim() - dim - 1))
+    return x.gather(dim, index.expand(*x.shape[:dim], rows.shape[1], *x.shape[dim + 1:]))
 
 
 class Eagle3Drafter(nn.Module):
@@ -197,30 +206,43 @@ class Eagle3Drafter(nn.Module):
         """The layer's output [..., D] -> draft logits [..., M]."""
         return self.lm_head(self.norm(out))
 
-    def unroll(self, embeds: list[torch.Tensor], features: torch.Tensor) -> list[torch.Tensor]:
+    def unroll(self, embeds: list[torch.Tensor], features: torch.Tensor,
+               rows: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Training-time test over whole (right-padded) sequences.
 
         embeds: per step j, [B, T, D] the embedding of token t + 1 + j at row t (anything past the end);
-        features: [B, T, 3 x D_target]. Returns per step j the outputs o^j [B, T, D]. Row t of step j
-        attends to step-0 rows <= t and to its own rows of steps 1..j (see the module docstring)."""
+        features: [B, T, 3 x D_target]; rows: [B, W] the positions whose steps are computed (any order;
+        default all T). Every position's step-0 keys and values are the context; only the rows' queries,
+        layer outputs and later steps are computed, so a loss that counts few positions (the response,
+        not the prompt) pays for those. Returns per step j the outputs o^j [B, W, D]. Row t of step j
+        attends to step-0 positions <= t and to its own rows of steps 1..j (see the module docstring)."""
         layer = self.midlayer
-        t = features.shape[1]
-        positions = torch.arange(t, device=features.device)
-        causal = torch.ones(t, t, dtype=torch.bool, device=features.device).tril()  # [T, T]
+        b, t = features.shape[:2]
+        positions = torch.arange(t, device=features.device)  # [T]
+        rows = positions.expand(b, t) if rows is None else rows  # [B, W]
         scale = 1.0 / math.sqrt(layer.self_attn.head_dim)
         groups = layer.self_attn.num_heads // layer.self_attn.num_kv_heads
-        state, keys, values, outputs = self.fuse(features), [], [], []
+        fused = self.fuse(features)  # [B, T, D]
+        state = gather_rows(fused, rows)  # [B, W, D]
+        causal = positions[None, None, None, :] <= rows[:, None, :, None]  # [B, 1, W, T]: step-0 keys a row sees
+        context_k = context_v = None
+        chain_k, chain_v, outputs = [], [], []
         for j, embed in enumerate(embeds):
-            q, k, v = layer.project(embed, state, positions + j)  # [B, H, T, hd], [B, Hkv, T, hd]
-            keys.append(k.repeat_interleave(groups, dim=-3))
-            values.append(v.repeat_interleave(groups, dim=-3))
-            scores = (q @ keys[0].transpose(-1, -2)).masked_fill(~causal, float("-inf"))  # [B, H, T, T]
-            own = [(q * key).sum(-1, keepdim=True) for key in keys[1:]]  # j x [B, H, T, 1]: the chain, diagonal
-            weights = torch.softmax(torch.cat([scores, *own], dim=-1) * scale, dim=-1)  # [B, H, T, T + j]
-            attended = weights[..., :t] @ values[0]
-            for i, value in enumerate(values[1:]):
+            if j == 0:  # every position's keys and values (the context); the rows' queries
+                q, k, v = layer.project(embed, fused, positions)  # [B, H, T, hd], [B, Hkv, T, hd]
+                q = gather_rows(q, rows, dim=-2)  # [B, H, W, hd]
+                context_k, context_v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+            else:
+                q, k, v = layer.project(gather_rows(embed, rows), state, rows + j)  # [B, H, W, hd], [B, Hkv, W, hd]
+                chain_k.append(k.repeat_interleave(groups, dim=-3))
+                chain_v.append(v.repeat_interleave(groups, dim=-3))
+            scores = (q @ context_k.transpose(-1, -2)).masked_fill(~causal, float("-inf"))  # [B, H, W, T]
+            own = [(q * key).sum(-1, keepdim=True) for key in chain_k]  # j x [B, H, W, 1]: the chain, diagonal
+            weights = torch.softmax(torch.cat([scores, *own], dim=-1) * scale, dim=-1)  # [B, H, W, T + j]
+            attended = weights[..., :t] @ context_v
+            for i, value in enumerate(chain_v):
                 attended = attended + weights[..., t + i:t + i + 1] * value
-            state = layer.finish(state, attended)  # [B, T, D]
+            state = layer.finish(state, attended)  # [B, W, D]
             outputs.append(state)
         return outputs
 

@@ -90,6 +90,8 @@ class DistillConfig:
                                       "empty: EAGLE-3's choice, 2, L // 2 and L - 3 of an L-layer target")
     eagle3_steps: int = _f(7, "eagle3: drafting steps unrolled per position in training (the training-time test)")
     eagle3_decay: float = _f(0.8, "eagle3: step j's loss weight is decay**j")
+    eagle3_prompt_weight: float = _f(0.0, "eagle3: loss weight of positions whose next token is a prompt token "
+                                          "(the target's distribution there is as real; 0: response positions only)")
     eagle3_init: str = _f("target_layer", "eagle3: how the layer and fc start: target_layer (the target's high layer "
                                           "over its own high feature) or random (Llama's init)")
     eagle3_depth: int = _f(0, "eagle3: decoding's deepest draft (stored in the drafter); 0: the per-device default")
@@ -220,6 +222,8 @@ class DistillConfig:
             raise ConfigError(f"eagle3_steps: must be >= 1, got {self.eagle3_steps}")
         if not 0 < self.eagle3_decay <= 1:
             raise ConfigError(f"eagle3_decay: must be in (0, 1], got {self.eagle3_decay}")
+        if not 0 <= self.eagle3_prompt_weight <= 1:
+            raise ConfigError(f"eagle3_prompt_weight: must be in [0, 1], got {self.eagle3_prompt_weight}")
         check_choice("eagle3_init", self.eagle3_init, ("target_layer", "random"))  # models.eagle3.EAGLE3_INITS
         for name in ("eagle3_depth", "eagle3_topk", "eagle3_tree_nodes"):
             if getattr(self, name) < 0:

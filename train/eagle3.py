@@ -9,12 +9,14 @@ the training-time test: each batch is unrolled `eagle3_steps` drafting steps (Ea
 feeding the drafter its own step j-1 output with the token j further on, as decoding does, and its loss
 is the cross-entropy of the drafter's distribution against the target's next-token distribution (the
 target's head on its final state, restricted to the draft vocabulary and renormalised) on the response
-positions, weighted by eagle3_decay**j; every `eval_every` steps decode held-out prompts with the real
+positions (and the prompt's, weighted eagle3_prompt_weight), weighted by eagle3_decay**j; only the
+positions some step counts are unrolled (`counted_rows`: every position is context, a response-only
+loss computes about half a batch's rows); every `eval_every` steps decode held-out prompts with the real
 engine (decode.proposers.eagle3, full depth, no adaptation) and keep the drafter of best measured tau, published
 atomically at the end. `--resume` continues exactly from the last checkpoint (data order is a function
 of the seed, the epoch and the batch index).
 
-Config fields read here: eagle3_layers, eagle3_steps, eagle3_decay, eagle3_init, eagle3_depth, eagle3_topk,
+Config fields read here: eagle3_layers, eagle3_steps, eagle3_decay, eagle3_prompt_weight, eagle3_init, eagle3_depth, eagle3_topk,
 eagle3_tree_nodes, draft_vocab, and the common optimisation, eval_* and checkpoint fields.
 """
 
@@ -143,38 +145,73 @@ def shifted(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
     return out
 
 
+def position_weights(mask: torch.Tensor, lengths: torch.Tensor, prompt_weight: float) -> torch.Tensor:
+    """[B, T] the loss weight of each position's next-token prediction: 1 where the next token is a response
+    token (mask), prompt_weight where it is a prompt token (position t < length - 1), 0 past the end."""
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    has_next = positions[None, :] < (lengths[:, None] - 1)  # [B, T]
+    weight = torch.where(has_next, torch.full_like(mask, prompt_weight, dtype=torch.float32), 0.0)
+    return torch.where(mask, 1.0, weight)
+
+
+def counted_rows(weight: torch.Tensor, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions t whose unrolled steps some loss term counts (weight[t + 1 + j] > 0 for a j < num_steps),
+    per record in increasing order: (rows [B, W], in_rows [B, W] bool, False on the filler that pads a
+    record with fewer such positions than the most). With a response-only loss this is the response
+    and the num_steps positions before it, about half of a right-padded batch's rows."""
+    needed = torch.zeros_like(weight, dtype=torch.bool)  # [B, T]
+    for j in range(num_steps):
+        needed |= shifted(weight, 1 + j) > 0
+    counts = needed.sum(1)  # [B]
+    width = max(int(counts.max()), 1)
+    rows = torch.sort((~needed).to(torch.uint8), dim=1, stable=True).indices[:, :width]  # needed ones first
+    in_rows = torch.arange(width, device=weight.device)[None, :] < counts[:, None]
+    return rows, in_rows
+
+
 def eagle3_loss(drafter: Eagle3Drafter, embed: torch.nn.Module, head_rows: torch.Tensor, records: list[FeatureRecord],
-                num_steps: int, decay: float) -> tuple[torch.Tensor, list[float]]:
-    """sum_j decay**j * mean over valid rows of CE(target's restricted distribution, drafter step j).
+                num_steps: int, decay: float, prompt_weight: float = 0.0) -> tuple[torch.Tensor, list[float]]:
+    """sum_j decay**j * the weighted mean over rows of CE(target's restricted distribution, drafter step j).
 
     Step j at row t reads e(x_{t+1+j}) and predicts x_{t+2+j}, whose target distribution is the target's
-    head on its final state at t+1+j; a row counts when that position predicts a response token.
-    Returns (the loss, per step the share of rows where the drafter's argmax is the target's)."""
+    head on its final state at t+1+j; the row's weight is that position's (`position_weights`: 1 when it
+    predicts a response token, prompt_weight when a prompt token). Returns (the loss, per step the share
+    of response rows where the drafter's argmax is the target's)."""
     device = drafter.fc.weight.device
-    ids, features, final, mask, _ = pad_batch(records, device)
+    ids, features, final, mask, lengths = pad_batch(records, device)
+    weight = position_weights(mask, lengths, prompt_weight)  # [B, T]
+    counted = weight > 0
     with torch.no_grad():
         embeds = [embed(shifted(ids, 1 + j)).float() for j in range(num_steps)]  # per step [B, T, D]
-        target_logp = torch.log_softmax(final[mask] @ head_rows.T, dim=-1)  # [N, M] once: every step reads it
+        target_logp = torch.log_softmax(final[counted] @ head_rows.T, dim=-1)  # [N, M] once: every step reads it
         row_of = torch.full(mask.shape, -1, dtype=torch.long, device=device)  # [B, T] position -> its row
-        row_of[mask] = torch.arange(target_logp.shape[0], device=device)
-    outputs = drafter.unroll(embeds, features)  # per step [B, T, D]
+        row_of[counted] = torch.arange(target_logp.shape[0], device=device)
+    rows, in_rows = counted_rows(weight, num_steps)  # [B, W]: the positions some step counts
+    outputs = drafter.unroll(embeds, features, rows)  # per step [B, W, D]
     total, accuracy = torch.zeros((), device=device), []
     for j, out in enumerate(outputs):
-        valid = shifted(mask, 1 + j, False)  # [B, T]: row t counts when position t + 1 + j predicts a response token
-        if not valid.any():
+        ahead = rows + 1 + j  # [B, W]: row t of step j is weighted as position t + 1 + j
+        inside = in_rows & (ahead < weight.shape[1])
+        ahead = ahead.clamp(max=weight.shape[1] - 1)
+        row_weight = weight.gather(1, ahead) * inside  # [B, W]
+        valid = row_weight > 0
+        response = (mask.gather(1, ahead) & inside)[valid]  # [N_j]: rows that predict a response token
+        if not response.any():
             break
-        target = target_logp[shifted(row_of, 1 + j, -1)[valid]]  # [N_j, M]
+        target = target_logp[row_of.gather(1, ahead)[valid]]  # [N_j, M]
         logq = torch.log_softmax(drafter.logits(out[valid]).float(), dim=-1)  # [N_j, M]
-        loss = -(target.exp() * logq).sum(-1).mean()
+        w = row_weight[valid]  # [N_j]
+        loss = (-(target.exp() * logq).sum(-1) * w).sum() / w.sum()
         total = total + decay ** j * loss
-        accuracy.append(float((logq.argmax(-1) == target.argmax(-1)).float().mean()))
+        hits = logq.argmax(-1) == target.argmax(-1)
+        accuracy.append(float(hits[response].float().mean()))
     return total, accuracy
 
 
 def train_step(cfg, accelerator, target, drafter, head_rows, records, optimizer, scheduler):
     module = accelerator.unwrap_model(drafter)
     loss, accuracy = eagle3_loss(module, target.model.get_input_embeddings(), head_rows, records, cfg.eagle3_steps,
-                                 cfg.eagle3_decay)
+                                 cfg.eagle3_decay, cfg.eagle3_prompt_weight)
     accelerator.backward(loss)  # under DeepSpeed: also averages the gradients over processes, clips, steps
     if not steps.deepspeed(accelerator):
         average_gradients(accelerator, module)  # the loss calls the drafter's parts, not DDP's forward

@@ -22,7 +22,7 @@ from models.eagle3 import Eagle3Drafter
 from tests.train.support import greedy_records, peaked_tiny_target
 from train.config import ConfigError
 from train.distill_config import DistillConfig
-from train.eagle3 import eagle3_loss, measure_acceptance, train_eagle3
+from train.eagle3 import eagle3_loss, measure_acceptance, pad_batch, position_weights, train_eagle3
 
 VOCAB = 32
 LAYERS = [0, 1, 1]
@@ -106,6 +106,52 @@ def test_the_loss_is_lower_for_the_trained_drafter(trained, target, records):
     assert trained_loss < 0.5 * fresh_loss and accuracy[0] > 0.5
 
 
+def test_position_weights_are_one_on_responses_the_prompt_weight_before_and_zero_past_the_end():
+    mask = torch.tensor([[False, False, True, True, False], [False, True, True, False, False]])  # [2, 5]
+    lengths = torch.tensor([5, 3])  # the second record is right-padded from position 3
+    weight = position_weights(mask, lengths, 0.25)
+    assert weight.tolist() == [[0.25, 0.25, 1.0, 1.0, 0.0], [0.25, 1.0, 1.0, 0.0, 0.0]]
+    assert torch.equal(position_weights(mask, lengths, 0.0), mask.float())
+
+
+@pytest.mark.parametrize("prompt_weight", [0.0, 0.5])
+def test_one_step_loss_is_the_weighted_mean_of_each_positions_cross_entropy(target, records, prompt_weight):
+    cache = open_or_build(target, records[:8], LAYERS, 48, 8, 0)
+    batch = cache.shard(0)[:4]
+    head = target.model.get_output_embeddings().weight.float()  # [V, D]
+    embed = target.model.get_input_embeddings()
+    drafter = Eagle3Drafter.for_target(target.model, None, LAYERS, seed=0).float()
+    with torch.no_grad():
+        loss, _ = eagle3_loss(drafter, embed, head, batch, 1, 0.8, prompt_weight)
+        ids, features, final, mask, lengths = pad_batch(batch, "cpu")
+        out = drafter.unroll([embed(torch.roll(ids, -1, dims=1)).float()], features)[0]  # [B, T, D]
+        expected_sum, weight_sum = 0.0, 0.0
+        for b, record in enumerate(batch):
+            for t in range(int(lengths[b]) - 2):  # row t reads token t + 1, predicts t + 2 as the target at t + 1
+                w = 1.0 if record.mask[t + 1] else prompt_weight
+                p = torch.softmax(final[b, t + 1] @ head.T, -1)
+                ce = -(p * torch.log_softmax(drafter.logits(out[b, t]), -1)).sum()
+                expected_sum, weight_sum = expected_sum + w * float(ce), weight_sum + w
+    assert weight_sum > 0
+    assert float(loss) == pytest.approx(expected_sum / weight_sum, rel=1e-4)
+
+
+def test_unrolling_chosen_rows_computes_what_the_whole_unroll_computes_there(target, records):
+    cache = open_or_build(target, records[:8], LAYERS, 48, 8, 0)
+    ids, features, *_ = pad_batch(cache.shard(0)[:4], "cpu")  # [B, T], [B, T, 3D]
+    embed = target.model.get_input_embeddings()
+    drafter = Eagle3Drafter.for_target(target.model, None, LAYERS, seed=0, init="target_layer").float()
+    embeds = [embed(torch.roll(ids, -1 - j, dims=1)).float() for j in range(3)]
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.stack([torch.randperm(ids.shape[1], generator=generator)[:9] for _ in range(ids.shape[0])])  # [B, 9]
+    with torch.no_grad():
+        whole = drafter.unroll(embeds, features)  # steps x [B, T, D]
+        chosen = drafter.unroll(embeds, features, rows)  # steps x [B, 9, D]
+    for step_whole, step_chosen in zip(whole, chosen):
+        expected = torch.stack([step_whole[b, rows[b]] for b in range(rows.shape[0])])
+        torch.testing.assert_close(step_chosen, expected, atol=1e-5, rtol=1e-4)
+
+
 def test_feature_cache_is_reused_and_refused_for_another_target(trained, target, records, tmp_path):
     _, _, cfg = trained
     key = feature_cache_key(target.fingerprint, records[:40], LAYERS, cfg.max_seq_len)
@@ -150,6 +196,7 @@ def test_resume_ends_where_an_uninterrupted_run_does(target, records, tmp_path, 
                                              (dict(eagle3_steps=0), "eagle3_steps"),
                                              (dict(eagle3_decay=1.5), "eagle3_decay"),
                                              (dict(eagle3_init="target"), "eagle3_init"),
+                                             (dict(eagle3_prompt_weight=1.5), "eagle3_prompt_weight"),
                                              (dict(loss="fkl"), "loss")])
 def test_bad_configs_name_the_field(override, field):
     with pytest.raises(ConfigError, match=field):
