@@ -7,7 +7,9 @@ A source is named by a spec string:
                                   dataset directory; SPLIT defaults to "train"
     self:N[?OPTIONS]              N user prompts sampled by the target from its own chat distribution
 
-OPTIONS are `key=value` pairs joined by `&`: `field` (the record key holding the prompt) and `limit`.
+OPTIONS are `key=value` pairs joined by `&`: `field` (the record key holding the prompt), `skip` (leave
+out the file's first N records: `skip=300&limit=8` is records 300.. of a file whose first 300 train) and
+`limit`.
 Without `field` the prompt is found by the formats of ../shared/data: MT-bench/Spec-Bench `turns`
 (turn 1 only: turn 2 refers to the model's own answer), Arena-Hard `prompt`, GSM8K `question`,
 Self-Instruct `instruction` (+ `instances[0].input`), HumanEval `prompt`, chat `messages`, plain `text`.
@@ -45,8 +47,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 ID_FIELDS = ("question_id", "uid", "task_id", "id")
-SPEC_OPTIONS = ("field", "limit", "batch")
-SPEC_GRAMMAR = ("jsonl:PATH, hf:NAME[:SPLIT] or self:N, optionally followed by ?field=KEY&limit=N "
+SPEC_OPTIONS = ("field", "skip", "limit", "batch")
+SPEC_GRAMMAR = ("jsonl:PATH, hf:NAME[:SPLIT] or self:N, optionally followed by ?field=KEY&skip=N&limit=N "
                 "(self:N also ?batch=N: prompts sampled per generate call, 16 by default; a GPU wants 256)")
 SELF_PROMPT_BATCH = 16
 
@@ -101,10 +103,13 @@ def split_options(spec: str) -> tuple[str, dict]:
     if unknown or not options:
         raise ValueError(f"prompt source spec {spec!r}: unknown option(s) {sorted(unknown) or query!r}; "
                          f"known: {SPEC_OPTIONS}")
-    if "limit" in options:
-        if not options["limit"].isdigit():
-            raise ValueError(f"prompt source spec {spec!r}: limit must be a non-negative integer")
-        options["limit"] = int(options["limit"])
+    for name in ("skip", "limit"):
+        if name in options:
+            if not options[name].isdigit():
+                raise ValueError(f"prompt source spec {spec!r}: {name} must be a non-negative integer")
+            options[name] = int(options[name])
+    if "skip" in options and body.startswith("self:"):
+        raise ValueError(f"prompt source spec {spec!r}: skip is an option of files (jsonl:, hf:), not self:N")
     if "batch" in options:
         if not body.startswith("self:"):
             raise ValueError(f"prompt source spec {spec!r}: batch is an option of self:N only")
@@ -144,6 +149,7 @@ def load_prompts(spec: str, *, target=None, field: str | None = None, limit: int
                                    min_chars=max(min_chars, 8),
                                    batch_size=parsed.options.get("batch", SELF_PROMPT_BATCH))[:limit]
     label, records = open_records(parsed, spec)
+    records = itertools.islice(records, parsed.options.get("skip", 0), None)  # the file's first `skip` left out
     candidates = (record_to_prompt(r, i, label, field, spec) for i, r in records)
     return list(keep_prompts(candidates, excluded, min_chars, limit))
 
@@ -284,7 +290,7 @@ def text_digest(text: str) -> str:
 def exclusion_texts(specs: Sequence[str] | str) -> set[str]:
     """Normalized texts of every user turn of every record of the sources (e.g. an evaluation question
     file: both MT-bench turns), for `exclude=`. A source's `limit=N` takes its first N records only (so
-    `question_v0.1.jsonl?limit=3` excludes 3 questions, not the file)."""
+    `question_v0.1.jsonl?limit=3` excludes 3 questions, not the file), after its first `skip=N`."""
     specs = [specs] if isinstance(specs, str) else list(specs)
     texts: set[str] = set()
     for spec in specs:
@@ -292,7 +298,8 @@ def exclusion_texts(specs: Sequence[str] | str) -> set[str]:
         if parsed.kind == "self":
             raise ValueError(f"exclusion source {spec!r} must be a file or dataset, not self-prompts")
         records = (record for _, record in open_records(parsed, spec)[1])
-        for record in itertools.islice(records, parsed.options.get("limit")):
+        skip, limit = parsed.options.get("skip", 0), parsed.options.get("limit")
+        for record in itertools.islice(records, skip, None if limit is None else skip + limit):
             turns = record.get("turns") if isinstance(record.get("turns"), list) else None
             if turns is not None:
                 texts.update(normalize_text(t) for t in turns if isinstance(t, str))

@@ -55,6 +55,15 @@ def test_gsm8k_questions_have_stable_content_ids():
 
 
 @needs_shared
+def test_skip_leaves_out_the_files_first_records_and_keeps_their_ids():
+    path = SHARED_DATA / "gsm8k" / "train.jsonl"
+    whole = load_prompts(f"jsonl:{path}?limit=10")
+    later = load_prompts(f"jsonl:{path}?skip=4&limit=3")
+    assert [(p.id, p.text) for p in later] == [(p.id, p.text) for p in whole[4:7]]
+    assert exclusion_texts(f"jsonl:{path}?skip=4&limit=3") == {normalize_text(p.text) for p in whole[4:7]}
+
+
+@needs_shared
 def test_self_instruct_appends_the_instance_input():
     path = SHARED_DATA / "self_instruct" / "seed_tasks.jsonl"
     records = first_records(path, 175)
@@ -103,7 +112,8 @@ def test_spec_grammar():
     assert parse_prompt_spec("self:12?batch=256").options == {"batch": 256}
     assert parse_prompt_spec("jsonl:a.jsonl?field=q").options == {"field": "q"}
     for bad in ["", "csv:a.csv", "prompts.txt", "self:many", "self:0", "jsonl:", "jsonl:a.jsonl?color=red",
-                "jsonl:a.jsonl?limit=x", "self:4?batch=0", "self:4?batch=x", "jsonl:a.jsonl?batch=8"]:
+                "jsonl:a.jsonl?limit=x", "self:4?batch=0", "self:4?batch=x", "jsonl:a.jsonl?batch=8",
+                "jsonl:a.jsonl?skip=-1", "self:4?skip=2"]:
         with pytest.raises(ValueError) as err:
             parse_prompt_spec(bad)
         assert repr(bad) in str(err.value)
