@@ -170,13 +170,15 @@ def counted_rows(weight: torch.Tensor, num_steps: int) -> tuple[torch.Tensor, to
 
 
 def eagle3_loss(drafter: Eagle3Drafter, embed: torch.nn.Module, head_rows: torch.Tensor, records: list[FeatureRecord],
-                num_steps: int, decay: float, prompt_weight: float = 0.0) -> tuple[torch.Tensor, list[float]]:
+                num_steps: int, decay: float, prompt_weight: float = 0.0,
+                every_row: bool = False) -> tuple[torch.Tensor, list[float]]:
     """sum_j decay**j * the weighted mean over rows of CE(target's restricted distribution, drafter step j).
 
     Step j at row t reads e(x_{t+1+j}) and predicts x_{t+2+j}, whose target distribution is the target's
     head on its final state at t+1+j; the row's weight is that position's (`position_weights`: 1 when it
-    predicts a response token, prompt_weight when a prompt token). Returns (the loss, per step the share
-    of response rows where the drafter's argmax is the target's)."""
+    predicts a response token, prompt_weight when a prompt token). every_row: unroll every position, not
+    only the counted ones (the same loss, slower: for scripts/bench_eagle3_train_step.py). Returns (the
+    loss, per step the share of response rows where the drafter's argmax is the target's)."""
     device = drafter.fc.weight.device
     ids, features, final, mask, lengths = pad_batch(records, device)
     weight = position_weights(mask, lengths, prompt_weight)  # [B, T]
@@ -187,6 +189,8 @@ def eagle3_loss(drafter: Eagle3Drafter, embed: torch.nn.Module, head_rows: torch
         row_of = torch.full(mask.shape, -1, dtype=torch.long, device=device)  # [B, T] position -> its row
         row_of[counted] = torch.arange(target_logp.shape[0], device=device)
     rows, in_rows = counted_rows(weight, num_steps)  # [B, W]: the positions some step counts
+    if every_row:
+        rows, in_rows = torch.arange(mask.shape[1], device=device).expand_as(mask), torch.ones_like(mask)
     outputs = drafter.unroll(embeds, features, rows)  # per step [B, W, D]
     total, accuracy = torch.zeros((), device=device), []
     for j, out in enumerate(outputs):

@@ -152,6 +152,25 @@ def test_unrolling_chosen_rows_computes_what_the_whole_unroll_computes_there(tar
         torch.testing.assert_close(step_chosen, expected, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("prompt_weight", [0.0, 1.0])
+def test_unrolling_only_the_counted_positions_leaves_the_loss_and_its_gradient_unchanged(target, records,
+                                                                                        prompt_weight):
+    cache = open_or_build(target, records[:8], LAYERS, 48, 8, 0)
+    batch = cache.shard(0)[:4]
+    head = target.model.get_output_embeddings().weight.float()
+    embed = target.model.get_input_embeddings()
+    drafter = Eagle3Drafter.for_target(target.model, None, LAYERS, seed=0, init="target_layer").float()
+    results = []
+    for every_row in (True, False):
+        loss, accuracy = eagle3_loss(drafter, embed, head, batch, 3, 0.8, prompt_weight, every_row)
+        loss.backward()
+        results.append((float(loss), accuracy, drafter.fc.weight.grad.clone()))
+        drafter.zero_grad()
+    (whole, whole_acc, whole_grad), (counted, counted_acc, counted_grad) = results
+    assert counted == pytest.approx(whole, rel=1e-5) and counted_acc == whole_acc
+    torch.testing.assert_close(counted_grad, whole_grad, atol=1e-6, rtol=1e-4)
+
+
 def test_feature_cache_is_reused_and_refused_for_another_target(trained, target, records, tmp_path):
     _, _, cfg = trained
     key = feature_cache_key(target.fingerprint, records[:40], LAYERS, cfg.max_seq_len)
