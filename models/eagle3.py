@@ -15,10 +15,10 @@ inputs (each RMS-normed: `input_layernorm` on the embedding, `hidden_norm` on th
 q/k/v; the residual stream is the state. Step j's query at t attends to the step-0 keys at positions
 <= t (the real context) and to the step-1..j keys at t itself (its own chain so far): exactly what a
 drafted node sees at inference (the committed context in the drafter's cache and its ancestors in the
-tree). Positions: step j at t sits at position t + j. `Eagle3Drafter.unroll` (training, every step
-over whole sequences) and `Eagle3Drafter.rows` (decoding, a few rows against a cache) share
-`Eagle3Layer.project` and `Eagle3Layer.finish`; only how the attention's keys are gathered differs,
-and tests pin the two together.
+tree). Positions: step j at t sits at position t + j. `Eagle3Drafter.unroll` (training: every step
+over the rows a loss counts, every position of the sequence their context) and `Eagle3Drafter.rows`
+(decoding, a few rows against a cache) share `Eagle3Layer.project` and `Eagle3Layer.finish`; only how
+the attention's keys are gathered differs, and tests pin the two together.
 
 The head covers the M draft tokens (`d2t`: target id of draft index i is i + d2t[i], EAGLE-3's offset
 form; `t2d`: [V] bool, whether a target token is draftable). The embedding is the target's, frozen,
