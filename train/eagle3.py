@@ -16,8 +16,9 @@ engine (decode.proposers.eagle3, full depth, no adaptation) and keep the drafter
 atomically at the end. `--resume` continues exactly from the last checkpoint (data order is a function
 of the seed, the epoch and the batch index).
 
-Config fields read here: eagle3_layers, eagle3_steps, eagle3_decay, eagle3_prompt_weight, eagle3_init, eagle3_depth, eagle3_topk,
-eagle3_tree_nodes, draft_vocab, and the common optimisation, eval_* and checkpoint fields.
+Config fields read here: eagle3_layers, eagle3_steps, eagle3_decay, eagle3_prompt_weight, eagle3_init,
+eagle3_depth, eagle3_topk, eagle3_tree_nodes, draft_vocab, and the common optimisation, eval_* and checkpoint
+fields.
 """
 
 from __future__ import annotations
@@ -150,8 +151,7 @@ def position_weights(mask: torch.Tensor, lengths: torch.Tensor, prompt_weight: f
     token (mask), prompt_weight where it is a prompt token (position t < length - 1), 0 past the end."""
     positions = torch.arange(mask.shape[1], device=mask.device)
     has_next = positions[None, :] < (lengths[:, None] - 1)  # [B, T]
-    weight = torch.where(has_next, torch.full_like(mask, prompt_weight, dtype=torch.float32), 0.0)
-    return torch.where(mask, 1.0, weight)
+    return torch.where(mask, 1.0, has_next.float() * prompt_weight)
 
 
 def counted_rows(weight: torch.Tensor, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,9 +188,10 @@ def eagle3_loss(drafter: Eagle3Drafter, embed: torch.nn.Module, head_rows: torch
         target_logp = torch.log_softmax(final[counted] @ head_rows.T, dim=-1)  # [N, M] once: every step reads it
         row_of = torch.full(mask.shape, -1, dtype=torch.long, device=device)  # [B, T] position -> its row
         row_of[counted] = torch.arange(target_logp.shape[0], device=device)
-    rows, in_rows = counted_rows(weight, num_steps)  # [B, W]: the positions some step counts
     if every_row:
         rows, in_rows = torch.arange(mask.shape[1], device=device).expand_as(mask), torch.ones_like(mask)
+    else:
+        rows, in_rows = counted_rows(weight, num_steps)  # [B, W]: the positions some step counts
     outputs = drafter.unroll(embeds, features, rows)  # per step [B, W, D]
     total, accuracy = torch.zeros((), device=device), []
     for j, out in enumerate(outputs):
