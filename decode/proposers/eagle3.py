@@ -38,12 +38,13 @@ from models.packed_linear import drafting_weights, packed_for_inference, packing
 
 __all__ = ["DEFAULT_TREE", "Eagle3Proposer", "select_tree"]
 
-# (depth, top-K per expansion, tree nodes): measured on the 2-core CPU, where verifying 8 rows costs
-# 1.16x one row and 16 rows 1.42x (BENCHMARKS.md); with fp16 drafter weights a top-2 tree 8 deep drafts half the
-# rows per depth of top-4 and with prompt lookup beside it ran 1.62x against 1.53x (MT-bench, 2 per category) and
-# 1.95x against 1.80x (held-out Arena v2.0) in the same runs (BENCHMARKS.md, "Drafters draft in fp16 weights").
+# (depth, top-K per expansion, tree nodes): measured on the 2-core CPU, where verifying 8 rows costs about
+# 1.1x one row and 16 rows 1.4x (BENCHMARKS.md). Stop 32's weaker drafter paid most with top-2 and 10 nodes; the
+# stop-35 drafter (first-position acceptance 0.43) pays more with top-3 and 14: against (8, 2, 10) side by side,
+# alone 1.41x / 1.34x, with prompt lookup 2.01x / 1.97x (MT-bench, 2 per category), 2.48x / 2.32x (held-out
+# Arena v2.0), 2.13x / 2.01x (held-out HumanEval + GSM8K) (BENCHMARKS.md, "Four unrolled steps instead of seven").
 # A GPU verifies 32-64 nodes for about one forward.
-DEFAULT_TREE = {"cpu": (8, 2, 10), "cuda": (8, 8, 48)}
+DEFAULT_TREE = {"cpu": (8, 3, 14), "cuda": (8, 8, 48)}
 
 
 @dataclass
