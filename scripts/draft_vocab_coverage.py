@@ -31,8 +31,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--teacher-data", required=True, help="a teacher-data directory (distill.teacher_data)")
     p.add_argument("--turns", required=True, help="a decode.evaluate turns.jsonl: its baseline turns are measured")
     p.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 12288, 16384])
-    p.add_argument("--target-vocab", type=int, default=49152, help="the target's vocabulary size")
-    p.add_argument("--eos", type=int, nargs="*", default=[2], help="ids always in the vocabulary (the target's EOS)")
+    p.add_argument("--target-vocab", type=int, default=49152,
+                   help="the target's vocabulary size (default: the default target's)")
+    p.add_argument("--eos", type=int, nargs="*", default=[2],
+                   help="ids always in the vocabulary, as training keeps them: the target's EOS (default: the default "
+                        "target's)")
     p.add_argument("--out", default=None, help="also write the table as JSON here")
     return p.parse_args(argv)
 
