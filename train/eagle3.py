@@ -9,14 +9,16 @@ the training-time test: each batch is unrolled `eagle3_steps` drafting steps (Ea
 feeding the drafter its own step j-1 output with the token j further on, as decoding does, and its loss
 is the cross-entropy of the drafter's distribution against the target's next-token distribution (the
 target's head on its final state, restricted to the draft vocabulary and renormalised) on the response
-positions (and the prompt's, weighted eagle3_prompt_weight), weighted by eagle3_decay**j; only the
+positions (and the prompt's, weighted eagle3_prompt_weight), weighted by eagle3_decay**j; with
+eagle3_feature_noise > 0 the target's features get Gaussian noise in training (`noisy_features`); only the
 positions some step counts are unrolled (`counted_rows`: every position is context, a response-only
 loss computes about half a batch's rows); every `eval_every` steps decode held-out prompts with the real
 engine (decode.proposers.eagle3, full depth, no adaptation) and keep the drafter of best measured tau, published
 atomically at the end. `--resume` continues exactly from the last checkpoint (data order is a function
 of the seed, the epoch and the batch index).
 
-Config fields read here: eagle3_layers, eagle3_steps, eagle3_decay, eagle3_prompt_weight, eagle3_init,
+Config fields read here: eagle3_layers, eagle3_steps, eagle3_decay, eagle3_prompt_weight, eagle3_feature_noise,
+eagle3_init,
 eagle3_depth, eagle3_topk, eagle3_tree_nodes, draft_vocab, and the common optimisation, eval_* and checkpoint
 fields.
 """
@@ -69,8 +71,10 @@ def train_eagle3(cfg, accelerator, target, records: list[dict], eval_prompts: li
         evaluate(cfg, accelerator, target, whole.of(drafter), state, eval_prompts)
     bar = tqdm(total=total, initial=state.step, desc="eagle3", disable=not accelerator.is_local_main_process)
     while state.step < total:
-        batch = plan.batch(state.step * accelerator.num_processes + accelerator.process_index)
-        loss, accuracy = train_step(cfg, accelerator, target, drafter, head_rows, batch, optimizer, scheduler)
+        index = state.step * accelerator.num_processes + accelerator.process_index
+        batch = plan.batch(index)
+        loss, accuracy = train_step(cfg, accelerator, target, drafter, head_rows, batch, optimizer, scheduler,
+                                    noise_seed=cfg.seed * 1_000_003 + index)
         state.step += 1
         bar.update(1)
         after_step(cfg, accelerator, target, drafter, state, eval_prompts, loss, accuracy, scheduler, total, whole)
@@ -138,6 +142,11 @@ def pad_batch(records: list[FeatureRecord], device) -> tuple[torch.Tensor, ...]:
 
 # ---- the loss --------------------------------------------------------------------------------------------
 
+def lengths_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, width] True at each record's real positions (t < its length)."""
+    return torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
+
+
 def shifted(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
     """x [B, T, ...] moved `by` positions to the left along T (row t holds x[t + by]), padded with fill."""
     out = torch.full_like(x, fill)
@@ -169,18 +178,37 @@ def counted_rows(weight: torch.Tensor, num_steps: int) -> tuple[torch.Tensor, to
     return rows, in_rows
 
 
+def noisy_features(features: torch.Tensor, mask: torch.Tensor, scale: float,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """features [B, T, F] plus Gaussian noise whose std in each feature dimension is `scale` times that
+    dimension's median |value| over the batch's real positions (mask [B, T]); padding stays as it is. Per
+    dimension and by the median, because the target's states differ in size by orders of magnitude across
+    layers and dimensions, and a few dimensions hold values of 10^4 at a few positions (attention sinks:
+    measured on the default target's layers 15 and 27) that would swamp a mean. EAGLE trains on noised
+    features so that the drafter tolerates the error its own predicted features carry a few steps on."""
+    if scale <= 0:
+        return features
+    real = features[mask.bool()] if mask.any() else features.flatten(0, 1)  # [N, F]
+    size = real.abs().median(dim=0).values  # [F]
+    noise = torch.randn(features.shape, generator=generator, device=features.device)  # [B, T, F]
+    return features + noise * (scale * size) * mask[..., None]
+
+
 def eagle3_loss(drafter: Eagle3Drafter, embed: torch.nn.Module, head_rows: torch.Tensor, records: list[FeatureRecord],
                 num_steps: int, decay: float, prompt_weight: float = 0.0,
-                every_row: bool = False) -> tuple[torch.Tensor, list[float]]:
+                every_row: bool = False, feature_noise: float = 0.0,
+                noise: torch.Generator | None = None) -> tuple[torch.Tensor, list[float]]:
     """sum_j decay**j * the weighted mean over rows of CE(target's restricted distribution, drafter step j).
 
     Step j at row t reads e(x_{t+1+j}) and predicts x_{t+2+j}, whose target distribution is the target's
     head on its final state at t+1+j; the row's weight is that position's (`position_weights`: 1 when it
     predicts a response token, prompt_weight when a prompt token). every_row: unroll every position, not
-    only the counted ones (the same loss, slower: for scripts/bench_eagle3_train_step.py). Returns (the
-    loss, per step the share of response rows where the drafter's argmax is the target's)."""
+    only the counted ones (the same loss, slower: for scripts/bench_eagle3_train_step.py). feature_noise:
+    `noisy_features`' scale (0: the features as the target computed them), drawn from `noise`. Returns (the loss, per step the
+    share of response rows where the drafter's argmax is the target's)."""
     device = drafter.fc.weight.device
     ids, features, final, mask, lengths = pad_batch(records, device)
+    features = noisy_features(features, lengths_mask(lengths, mask.shape[1]), feature_noise, noise)
     weight = position_weights(mask, lengths, prompt_weight)  # [B, T]
     counted = weight > 0
     with torch.no_grad():
@@ -213,10 +241,13 @@ def eagle3_loss(drafter: Eagle3Drafter, embed: torch.nn.Module, head_rows: torch
     return total, accuracy
 
 
-def train_step(cfg, accelerator, target, drafter, head_rows, records, optimizer, scheduler):
+def train_step(cfg, accelerator, target, drafter, head_rows, records, optimizer, scheduler, noise_seed: int = 0):
+    """noise_seed: the feature noise's seed, a function of the batch (the same draws after --resume)."""
     module = accelerator.unwrap_model(drafter)
+    noise = torch.Generator(device=module.fc.weight.device).manual_seed(noise_seed)
     loss, accuracy = eagle3_loss(module, target.model.get_input_embeddings(), head_rows, records, cfg.eagle3_steps,
-                                 cfg.eagle3_decay, cfg.eagle3_prompt_weight)
+                                 cfg.eagle3_decay, cfg.eagle3_prompt_weight, feature_noise=cfg.eagle3_feature_noise,
+                                 noise=noise)
     accelerator.backward(loss)  # under DeepSpeed: also averages the gradients over processes, clips, steps
     if not steps.deepspeed(accelerator):
         average_gradients(accelerator, module)  # the loss calls the drafter's parts, not DDP's forward

@@ -22,7 +22,8 @@ from models.eagle3 import Eagle3Drafter
 from tests.train.support import greedy_records, peaked_tiny_target
 from train.config import ConfigError
 from train.distill_config import DistillConfig
-from train.eagle3 import eagle3_loss, measure_acceptance, pad_batch, position_weights, train_eagle3
+from train.eagle3 import (eagle3_loss, lengths_mask, measure_acceptance, noisy_features, pad_batch, position_weights,
+                          train_eagle3)
 
 VOCAB = 32
 LAYERS = [0, 1, 1]
@@ -171,6 +172,38 @@ def test_unrolling_only_the_counted_positions_leaves_the_loss_and_its_gradient_u
     torch.testing.assert_close(counted_grad, whole_grad, atol=1e-6, rtol=1e-4)
 
 
+def test_feature_noise_is_a_share_of_each_dimensions_size_on_real_positions_only():
+    generator = torch.Generator().manual_seed(0)
+    scales = torch.logspace(-2, 2, 96)  # dimensions orders of magnitude apart
+    features = torch.randn(4, 50, 96, generator=generator) * scales  # [B, T, F]
+    features[:, 0, 5] = 1e4  # an attention sink: one position, one dimension
+    lengths = torch.tensor([50, 40, 30, 20])
+    mask = lengths_mask(lengths, 50)  # [B, T]
+    noisy = noisy_features(features, mask, 0.1, torch.Generator().manual_seed(1))
+    delta = noisy - features
+    assert torch.equal(delta[~mask], torch.zeros_like(delta[~mask]))  # padding untouched
+    size = features[mask].abs().median(dim=0).values  # [F]
+    ratio = delta[mask].std(dim=0) / size  # [F]: 140 draws each
+    assert float(ratio.mean()) == pytest.approx(0.1, rel=0.03)
+    torch.testing.assert_close(ratio, torch.full((96,), 0.1), rtol=0.3, atol=0)
+    again = noisy_features(features, mask, 0.1, torch.Generator().manual_seed(1))
+    assert torch.equal(noisy, again)  # a seed gives the same draws (resume replays them)
+    assert noisy_features(features, mask, 0.0) is features
+
+
+def test_feature_noise_changes_the_loss_and_no_noise_leaves_it(target, records):
+    cache = open_or_build(target, records[:8], LAYERS, 48, 8, 0)
+    batch = cache.shard(0)[:4]
+    head = target.model.get_output_embeddings().weight.float()
+    embed = target.model.get_input_embeddings()
+    drafter = Eagle3Drafter.for_target(target.model, None, LAYERS, seed=0, init="target_layer").float()
+    with torch.no_grad():
+        clean = float(eagle3_loss(drafter, embed, head, batch, 2, 0.8)[0])
+        again = float(eagle3_loss(drafter, embed, head, batch, 2, 0.8, feature_noise=0.0)[0])
+        noisy = float(eagle3_loss(drafter, embed, head, batch, 2, 0.8, feature_noise=0.5)[0])
+    assert again == clean and noisy != pytest.approx(clean, rel=1e-3)
+
+
 def test_feature_cache_is_reused_and_refused_for_another_target(trained, target, records, tmp_path):
     _, _, cfg = trained
     key = feature_cache_key(target.fingerprint, records[:40], LAYERS, cfg.max_seq_len)
@@ -198,9 +231,10 @@ def test_an_incomplete_feature_cache_is_never_used(target, records, tmp_path):
     assert cache.num_records == 8
 
 
-def test_resume_ends_where_an_uninterrupted_run_does(target, records, tmp_path, monkeypatch):
+@pytest.mark.parametrize("noise", [0.0, 0.2])
+def test_resume_ends_where_an_uninterrupted_run_does(target, records, tmp_path, monkeypatch, noise):
     monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
-    short = dict(max_steps=12, eval_every=0, checkpoint_every=4)
+    short = dict(max_steps=12, eval_every=0, checkpoint_every=4, eagle3_feature_noise=noise)
     whole = train_eagle3(eagle3_config(tmp_path / "a", **short), Accelerator(cpu=True), target, records[:40], [])
     stopped = eagle3_config(tmp_path / "b", stop_at_step=8, **short)
     assert train_eagle3(stopped, Accelerator(cpu=True), target, records[:40], []) is None
@@ -216,6 +250,7 @@ def test_resume_ends_where_an_uninterrupted_run_does(target, records, tmp_path, 
                                              (dict(eagle3_decay=1.5), "eagle3_decay"),
                                              (dict(eagle3_init="target"), "eagle3_init"),
                                              (dict(eagle3_prompt_weight=1.5), "eagle3_prompt_weight"),
+                                             (dict(eagle3_feature_noise=-0.1), "eagle3_feature_noise"),
                                              (dict(loss="fkl"), "loss")])
 def test_bad_configs_name_the_field(override, field):
     with pytest.raises(ConfigError, match=field):
