@@ -18,9 +18,8 @@ atomically at the end. `--resume` continues exactly from the last checkpoint (da
 of the seed, the epoch and the batch index).
 
 Config fields read here: eagle3_layers, eagle3_steps, eagle3_decay, eagle3_prompt_weight, eagle3_feature_noise,
-eagle3_init,
-eagle3_depth, eagle3_topk, eagle3_tree_nodes, draft_vocab, and the common optimisation, eval_* and checkpoint
-fields.
+eagle3_init, eagle3_depth, eagle3_topk, eagle3_tree_nodes, draft_vocab, and the common optimisation, eval_* and
+checkpoint fields.
 """
 
 from __future__ import annotations
@@ -204,8 +203,8 @@ def eagle3_loss(drafter: Eagle3Drafter, embed: torch.nn.Module, head_rows: torch
     head on its final state at t+1+j; the row's weight is that position's (`position_weights`: 1 when it
     predicts a response token, prompt_weight when a prompt token). every_row: unroll every position, not
     only the counted ones (the same loss, slower: for scripts/bench_eagle3_train_step.py). feature_noise:
-    `noisy_features`' scale (0: the features as the target computed them), drawn from `noise`. Returns (the loss, per step the
-    share of response rows where the drafter's argmax is the target's)."""
+    `noisy_features`' scale (0: the features as the target computed them), drawn from `noise`. Returns (the
+    loss, per step the share of response rows where the drafter's argmax is the target's)."""
     device = drafter.fc.weight.device
     ids, features, final, mask, lengths = pad_batch(records, device)
     features = noisy_features(features, lengths_mask(lengths, mask.shape[1]), feature_noise, noise)
