@@ -157,8 +157,7 @@ def shifted(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
 def position_weights(mask: torch.Tensor, lengths: torch.Tensor, prompt_weight: float) -> torch.Tensor:
     """[B, T] the loss weight of each position's next-token prediction: 1 where the next token is a response
     token (mask), prompt_weight where it is a prompt token (position t < length - 1), 0 past the end."""
-    positions = torch.arange(mask.shape[1], device=mask.device)
-    has_next = positions[None, :] < (lengths[:, None] - 1)  # [B, T]
+    has_next = lengths_mask(lengths - 1, mask.shape[1])  # [B, T]
     return torch.where(mask, 1.0, has_next.float() * prompt_weight)
 
 
@@ -207,7 +206,8 @@ def eagle3_loss(drafter: Eagle3Drafter, embed: torch.nn.Module, head_rows: torch
     loss, per step the share of response rows where the drafter's argmax is the target's)."""
     device = drafter.fc.weight.device
     ids, features, final, mask, lengths = pad_batch(records, device)
-    features = noisy_features(features, lengths_mask(lengths, mask.shape[1]), feature_noise, noise)
+    if feature_noise > 0:
+        features = noisy_features(features, lengths_mask(lengths, mask.shape[1]), feature_noise, noise)
     weight = position_weights(mask, lengths, prompt_weight)  # [B, T]
     counted = weight > 0
     with torch.no_grad():
