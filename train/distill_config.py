@@ -46,6 +46,10 @@ class DistillConfig:
     gen_shard_size: int = _f(64, "prompts per teacher-data shard (the unit of resuming; bounds a generate "
                                  "batch: a GPU wants it at least gen_batch_size / responses per prompt)")
     topk: int = _f(0, "store the target's top-k log-probs per response token (needed by kd); 0 = none")
+    follow_up_share: float = _f(0.0, "share of the training prompts whose greedy answer gets a second user turn "
+                                      "asking to rework it, answered by the target too (distill.followups: "
+                                      "multi-turn records, where an answer reuses the context); 0 = none")
+    follow_ups: str = _f("", "follow_up_share's requests: a text file, one per line; '' = distill.followups.FOLLOW_UPS")
     teacher_backend: str = _f("builtin", "who writes the teacher data: builtin (the target here) or vllm (vLLM's "
                                          "batched generation, from `make vllm`; the same cache format)")
 
@@ -164,6 +168,12 @@ class DistillConfig:
             raise ConfigError("lr and kd_temperature must be > 0")
         if not self.prompts:
             raise ConfigError("prompts: at least one prompt source is needed")
+        if not 0.0 <= self.follow_up_share <= 1.0:
+            raise ConfigError(f"follow_up_share: must be in [0, 1], got {self.follow_up_share}")
+        if self.follow_ups and not Path(self.follow_ups).expanduser().is_file():
+            raise ConfigError(f"follow_ups: no such file {self.follow_ups}")
+        if self.follow_ups and not self.follow_up_share:
+            raise ConfigError("follow_ups: a file of requests is read only with follow_up_share > 0")
         if self.gen_keep_greedy and self.gen_temperature == 0:
             raise ConfigError("gen_keep_greedy: needs gen_temperature > 0 (at 0 the greedy answer is all there is)")
         if self.samples_per_prompt > 1 and self.gen_temperature == 0:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -27,6 +28,7 @@ from distill.batching import Batch, collate, with_absent_column
 from distill.generation import pad_token_id
 from distill.losses import TopK, distill_loss
 from distill.onpolicy import sample_draft_responses, target_topk_over_draft_head
+from distill.followups import FOLLOW_UPS, follow_up_prompts, load_follow_ups
 from distill.prompts import exclusion_texts, load_prompt_sources
 from distill.teacher_data import (TeacherDataSettings, generate_teacher_data, load_teacher_data, teacher_data_dir,
                                   teacher_data_key)
@@ -154,6 +156,21 @@ def teacher_records(cfg, target, accelerator) -> list[dict]:
     """The target's responses to the training prompts, generated once (split across processes,
     resumable, cached by content) and read back whole by every process."""
     prompts, settings, out_dir = teacher_data_plan(cfg, target)
+    records = answered(target, prompts, settings, out_dir, accelerator)
+    if cfg.follow_up_share > 0:  # second turns over the target's own first answers (distill.followups)
+        requests = load_follow_ups(cfg.follow_ups) if cfg.follow_ups else FOLLOW_UPS
+        second = follow_up_prompts(prompts, records, target.tokenizer, target.eos_token_ids, requests,
+                                   cfg.follow_up_share, cfg.seed)
+        if second:
+            # the first answer is in the prompt, so a second turn may outgrow the window: training keeps its end
+            wide = dataclasses.replace(settings, max_prompt_tokens=None)
+            records += answered(target, second, wide, teacher_data_dir(teacher_data_key(target, second, wide)),
+                                accelerator)
+    return records
+
+
+def answered(target, prompts, settings: TeacherDataSettings, out_dir: Path, accelerator) -> list[dict]:
+    """The teacher data of `prompts` under `settings` (made, or finished, here), read back by every process."""
     generate_teacher_data(target, prompts, settings, out_dir=out_dir,
                           process_index=accelerator.process_index, num_processes=accelerator.num_processes)
     accelerator.wait_for_everyone()
