@@ -67,8 +67,9 @@ def load_follow_ups(path: str | Path) -> list[str]:
 
 def follow_up_prompts(prompts: Sequence[Prompt], records: Sequence[dict], tokenizer, eos_ids: Collection[int],
                       requests: Sequence[str], share: float, seed: int = 0) -> list[Prompt]:
-    """Second-turn prompts for about `share` of `prompts` that have a greedy answer in `records` (teacher-data
-    rows: prompt_id, sample_idx 0, response_ids), in the prompts' order. A conversation's messages are the
+    """Second-turn prompts for about `share` of `prompts` that have a first answer in `records` (teacher-data
+    rows: prompt_id, sample_idx 0, response_ids: the greedy answer when the data keeps one, else the first
+    sample), in the prompts' order. A conversation's messages are the
     prompt's, the answer as an assistant turn (decoded without its EOS; an answer cut by max_new_tokens stays
     cut, as a served first turn would be) and the chosen request as a user turn."""
     if not 0.0 <= share <= 1.0:

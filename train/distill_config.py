@@ -46,7 +46,8 @@ class DistillConfig:
     gen_shard_size: int = _f(64, "prompts per teacher-data shard (the unit of resuming; bounds a generate "
                                  "batch: a GPU wants it at least gen_batch_size / responses per prompt)")
     topk: int = _f(0, "store the target's top-k log-probs per response token (needed by kd); 0 = none")
-    follow_up_share: float = _f(0.0, "share of the training prompts whose greedy answer gets a second user turn "
+    follow_up_share: float = _f(0.0, "share of the training prompts whose first answer (the greedy one, else the "
+                                      "first sample) gets a second user turn "
                                       "asking to rework it, answered by the target too (distill.followups: "
                                       "multi-turn records, where an answer reuses the context); 0 = none")
     follow_ups: str = _f("", "follow_up_share's requests: a text file, one per line; '' = distill.followups.FOLLOW_UPS")
