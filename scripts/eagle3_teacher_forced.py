@@ -135,14 +135,13 @@ def by_turn(args, target, net) -> None:
         answers = [decode_answer(target.tokenizer, written[(qid, i)]) for i in range(k)]
         prompt_ids = list(target.encode_chat(conversation_for_turn(questions[qid].turns, answers, k)))
         hits = step_hits(target, net, prompt_ids, list(answer), args.steps)
-        into = per_turn.setdefault(k, {"steps": [[] for _ in hits], "lookup": [], "first": []})
+        into = per_turn.setdefault(k, {"steps": [[] for _ in hits], "lookup": []})
         for j, h in enumerate(hits):
             into["steps"][j] += h
         into["lookup"] += lookup_hits(prompt_ids, list(answer))
-        into["first"] += hits[0]
     summary = {}
     for k, into in sorted(per_turn.items()):
-        summary[k] = {"accuracy_per_step": [share(h) for h in into["steps"]], **copy_stats(into["first"], into["lookup"])}
+        summary[k] = {"accuracy_per_step": [share(h) for h in into["steps"]], **copy_stats(into["steps"][0], into["lookup"])}
         s = summary[k]
         print(f"turn {k + 1}: steps " + " ".join(f"{a:.3f}" for a in s["accuracy_per_step"])
               + f" | lookup right {s['lookup_right']:.3f}, drafter right there {s['drafter_right_where_lookup_right']:.3f}"

@@ -25,10 +25,10 @@ from accelerate.utils import gather_object
 from torch.utils.data import DataLoader
 
 from distill.batching import Batch, collate, with_absent_column
+from distill.followups import FOLLOW_UPS, follow_up_prompts, load_follow_ups
 from distill.generation import pad_token_id
 from distill.losses import TopK, distill_loss
 from distill.onpolicy import sample_draft_responses, target_topk_over_draft_head
-from distill.followups import FOLLOW_UPS, follow_up_prompts, load_follow_ups
 from distill.prompts import exclusion_texts, load_prompt_sources
 from distill.teacher_data import (TeacherDataSettings, generate_teacher_data, load_teacher_data, teacher_data_dir,
                                   teacher_data_key)
