@@ -97,6 +97,9 @@ class DistillConfig:
     eagle3_decay: float = _f(0.8, "eagle3: step j's loss weight is decay**j")
     eagle3_prompt_weight: float = _f(0.0, "eagle3: loss weight of positions whose next token is a prompt token "
                                           "(the target's distribution there is as real; 0: response positions only)")
+    eagle3_copy_weight: float = _f(1.0, "eagle3: loss weight, times the position's, where the target's next token "
+                                        "continues an earlier occurrence of the last two tokens (it copies from its "
+                                        "context; 1: as any other position)")
     eagle3_feature_noise: float = _f(0.0, "eagle3: std of the Gaussian noise added to the target's features in training, "
                                           "as a share of each dimension's median |value| (0: none; EAGLE trains on noised features)")
     eagle3_init: str = _f("target_layer", "eagle3: how the layer and fc start: target_layer (the target's high layer "
@@ -237,6 +240,8 @@ class DistillConfig:
             raise ConfigError(f"eagle3_decay: must be in (0, 1], got {self.eagle3_decay}")
         if not 0 <= self.eagle3_prompt_weight <= 1:
             raise ConfigError(f"eagle3_prompt_weight: must be in [0, 1], got {self.eagle3_prompt_weight}")
+        if not 0 < self.eagle3_copy_weight <= 100:
+            raise ConfigError(f"eagle3_copy_weight: must be in (0, 100], got {self.eagle3_copy_weight}")
         if not 0 <= self.eagle3_feature_noise < 1:
             raise ConfigError(f"eagle3_feature_noise: must be in [0, 1), got {self.eagle3_feature_noise}")
         check_choice("eagle3_init", self.eagle3_init, ("target_layer", "random"))  # models.eagle3.EAGLE3_INITS

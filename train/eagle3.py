@@ -9,17 +9,18 @@ the training-time test: each batch is unrolled `eagle3_steps` drafting steps (Ea
 feeding the drafter its own step j-1 output with the token j further on, as decoding does, and its loss
 is the cross-entropy of the drafter's distribution against the target's next-token distribution (the
 target's head on its final state, restricted to the draft vocabulary and renormalised) on the response
-positions (and the prompt's, weighted eagle3_prompt_weight), weighted by eagle3_decay**j; with
-eagle3_feature_noise > 0 the target's features get Gaussian noise in training (`noisy_features`); only the
-positions some step counts are unrolled (`counted_rows`: every position is context, a response-only
-loss computes about half a batch's rows); every `eval_every` steps decode held-out prompts with the real
+positions (and the prompt's, weighted eagle3_prompt_weight; those where the target continues an earlier
+occurrence of the last two tokens, copying from its context, weighted eagle3_copy_weight times), weighted
+by eagle3_decay**j; with eagle3_feature_noise > 0 the target's features get Gaussian noise in training
+(`noisy_features`); only the positions some step counts are unrolled (`counted_rows`: every position is
+context, a response-only loss computes about half a batch's rows); every `eval_every` steps decode held-out prompts with the real
 engine (decode.proposers.eagle3, full depth, no adaptation) and keep the drafter of best measured tau, published
 atomically at the end. `--resume` continues exactly from the last checkpoint (data order is a function
 of the seed, the epoch and the batch index).
 
-Config fields read here: eagle3_layers, eagle3_steps, eagle3_decay, eagle3_prompt_weight, eagle3_feature_noise,
-eagle3_init, eagle3_depth, eagle3_topk, eagle3_tree_nodes, draft_vocab, and the common optimisation, eval_* and
-checkpoint fields.
+Config fields read here: eagle3_layers, eagle3_steps, eagle3_decay, eagle3_prompt_weight, eagle3_copy_weight,
+eagle3_feature_noise, eagle3_init, eagle3_depth, eagle3_topk, eagle3_tree_nodes, draft_vocab, and the common
+optimisation, eval_* and checkpoint fields.
 """
 
 from __future__ import annotations
@@ -161,6 +162,20 @@ def position_weights(mask: torch.Tensor, lengths: torch.Tensor, prompt_weight: f
     return torch.where(mask, 1.0, has_next.float() * prompt_weight)
 
 
+def repeats_context(ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """[B, T] True at position p when its next token continues an earlier occurrence of the two tokens ending
+    at p: some s < p with x[s-1] = x[p-1], x[s] = x[p] and x[s+1] = x[p+1] (the token a 2-gram prompt lookup
+    can propose there). The positions where the target copies from its context. ids [B, T], lengths [B]."""
+    real = lengths_mask(lengths, ids.shape[1])  # [B, T]
+    before, after = ids.roll(1, dims=1), shifted(ids, 1)  # [B, T]: x[p-1], x[p+1]
+    has_both = real & shifted(real, 1, fill=False)  # x[p+1] is real
+    has_both[:, 0] = False  # no x[p-1] at p = 0
+    same = ((ids[:, :, None] == ids[:, None, :]) & (before[:, :, None] == before[:, None, :])
+            & (after[:, :, None] == after[:, None, :]))  # [B, P, S]
+    earlier = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device).tril(-1)  # s < p
+    return (same & earlier & has_both[:, :, None] & has_both[:, None, :]).any(-1)
+
+
 def counted_rows(weight: torch.Tensor, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The positions t whose unrolled steps some loss term counts (weight[t + 1 + j] > 0 for a j < num_steps),
     per record in increasing order: (rows [B, W], in_rows [B, W] bool, False on the filler that pads a
@@ -193,14 +208,15 @@ def noisy_features(features: torch.Tensor, mask: torch.Tensor, scale: float,
 
 
 def eagle3_loss(drafter: Eagle3Drafter, embed: torch.nn.Module, head_rows: torch.Tensor, records: list[FeatureRecord],
-                num_steps: int, decay: float, prompt_weight: float = 0.0,
+                num_steps: int, decay: float, prompt_weight: float = 0.0, copy_weight: float = 1.0,
                 every_row: bool = False, feature_noise: float = 0.0,
                 noise: torch.Generator | None = None) -> tuple[torch.Tensor, list[float]]:
     """sum_j decay**j * the weighted mean over rows of CE(target's restricted distribution, drafter step j).
 
     Step j at row t reads e(x_{t+1+j}) and predicts x_{t+2+j}, whose target distribution is the target's
     head on its final state at t+1+j; the row's weight is that position's (`position_weights`: 1 when it
-    predicts a response token, prompt_weight when a prompt token). every_row: unroll every position, not
+    predicts a response token, prompt_weight when a prompt token), times copy_weight where the next token
+    continues an earlier occurrence of the last two (`repeats_context`). every_row: unroll every position, not
     only the counted ones (the same loss, slower: for scripts/bench_eagle3_train_step.py). feature_noise:
     `noisy_features`' scale (0: the features as the target computed them), drawn from `noise`. Returns (the
     loss, per step the share of response rows where the drafter's argmax is the target's)."""
@@ -209,6 +225,8 @@ def eagle3_loss(drafter: Eagle3Drafter, embed: torch.nn.Module, head_rows: torch
     if feature_noise > 0:
         features = noisy_features(features, lengths_mask(lengths, mask.shape[1]), feature_noise, noise)
     weight = position_weights(mask, lengths, prompt_weight)  # [B, T]
+    if copy_weight != 1.0:
+        weight = weight * torch.where(repeats_context(ids, lengths), copy_weight, 1.0)
     counted = weight > 0
     with torch.no_grad():
         embeds = [embed(shifted(ids, 1 + j)).float() for j in range(num_steps)]  # per step [B, T, D]
@@ -245,7 +263,8 @@ def train_step(cfg, accelerator, target, drafter, head_rows, records, optimizer,
     module = accelerator.unwrap_model(drafter)
     noise = torch.Generator(device=module.fc.weight.device).manual_seed(noise_seed)
     loss, accuracy = eagle3_loss(module, target.model.get_input_embeddings(), head_rows, records, cfg.eagle3_steps,
-                                 cfg.eagle3_decay, cfg.eagle3_prompt_weight, feature_noise=cfg.eagle3_feature_noise,
+                                 cfg.eagle3_decay, cfg.eagle3_prompt_weight, cfg.eagle3_copy_weight,
+                                 feature_noise=cfg.eagle3_feature_noise,
                                  noise=noise)
     accelerator.backward(loss)  # under DeepSpeed: also averages the gradients over processes, clips, steps
     if not steps.deepspeed(accelerator):

@@ -23,7 +23,7 @@ from tests.train.support import greedy_records, peaked_tiny_target
 from train.config import ConfigError
 from train.distill_config import DistillConfig
 from train.eagle3 import (eagle3_loss, lengths_mask, measure_acceptance, noisy_features, pad_batch, position_weights,
-                          train_eagle3)
+                          repeats_context, train_eagle3)
 
 VOCAB = 32
 LAYERS = [0, 1, 1]
@@ -115,25 +115,42 @@ def test_position_weights_are_one_on_responses_the_prompt_weight_before_and_zero
     assert torch.equal(position_weights(mask, lengths, 0.0), mask.float())
 
 
-@pytest.mark.parametrize("prompt_weight", [0.0, 0.5])
-def test_one_step_loss_is_the_weighted_mean_of_each_positions_cross_entropy(target, records, prompt_weight):
+def test_repeats_context_marks_positions_whose_next_token_a_two_gram_lookup_names():
+    ids = torch.tensor([[5, 6, 7, 1, 5, 6, 7, 5, 6, 8, 0], [5, 6, 7, 5, 6, 7, 0, 0, 0, 0, 0]])  # [2, 11]
+    lengths = torch.tensor([11, 6])  # the second record is right-padded with token 0
+    marked = repeats_context(ids, lengths)
+    # record 0: (5, 6) -> 7 at 4-5 repeats 0-1 (p = 5); (6, 7) at 5-6 was followed by 1, now by 5: no; at 7-8
+    # (5, 6) is followed by 8, not 7: no. record 1: p = 4 ((5, 6) -> 7); p = 5 has no next token in the record
+    assert marked.nonzero().tolist() == [[0, 5], [1, 4]]
+    brute = torch.zeros_like(marked)
+    for b in range(2):
+        x, n = ids[b].tolist(), int(lengths[b])
+        for p in range(1, n - 1):
+            brute[b, p] = any(x[s - 1:s + 2] == x[p - 1:p + 2] for s in range(1, p))
+    assert torch.equal(marked, brute)
+
+
+@pytest.mark.parametrize("prompt_weight,copy_weight", [(0.0, 1.0), (0.5, 1.0), (0.0, 4.0)])
+def test_one_step_loss_is_the_weighted_mean_of_each_positions_cross_entropy(target, records, prompt_weight,
+                                                                             copy_weight):
     cache = open_or_build(target, records[:8], LAYERS, 48, 8, 0)
     batch = cache.shard(0)[:4]
     head = target.model.get_output_embeddings().weight.float()  # [V, D]
     embed = target.model.get_input_embeddings()
     drafter = Eagle3Drafter.for_target(target.model, None, LAYERS, seed=0).float()
     with torch.no_grad():
-        loss, _ = eagle3_loss(drafter, embed, head, batch, 1, 0.8, prompt_weight)
+        loss, _ = eagle3_loss(drafter, embed, head, batch, 1, 0.8, prompt_weight, copy_weight)
         ids, features, final, mask, lengths = pad_batch(batch, "cpu")
+        copies = repeats_context(ids, lengths)  # [B, T]
         out = drafter.unroll([embed(torch.roll(ids, -1, dims=1)).float()], features)[0]  # [B, T, D]
         expected_sum, weight_sum = 0.0, 0.0
         for b, record in enumerate(batch):
             for t in range(int(lengths[b]) - 2):  # row t reads token t + 1, predicts t + 2 as the target at t + 1
-                w = 1.0 if record.mask[t + 1] else prompt_weight
+                w = (1.0 if record.mask[t + 1] else prompt_weight) * (copy_weight if copies[b, t + 1] else 1.0)
                 p = torch.softmax(final[b, t + 1] @ head.T, -1)
                 ce = -(p * torch.log_softmax(drafter.logits(out[b, t]), -1)).sum()
                 expected_sum, weight_sum = expected_sum + w * float(ce), weight_sum + w
-    assert weight_sum > 0
+    assert weight_sum > 0 and (copy_weight == 1.0 or copies.any())
     assert float(loss) == pytest.approx(expected_sum / weight_sum, rel=1e-4)
 
 
@@ -251,6 +268,7 @@ def test_resume_ends_where_an_uninterrupted_run_does(target, records, tmp_path, 
                                              (dict(eagle3_init="target"), "eagle3_init"),
                                              (dict(eagle3_prompt_weight=1.5), "eagle3_prompt_weight"),
                                              (dict(eagle3_feature_noise=-0.1), "eagle3_feature_noise"),
+                                             (dict(eagle3_copy_weight=0), "eagle3_copy_weight"),
                                              (dict(loss="fkl"), "loss")])
 def test_bad_configs_name_the_field(override, field):
     with pytest.raises(ConfigError, match=field):
