@@ -68,7 +68,8 @@ def main(argv=None) -> dict:
             batch = records[b * args.batch_size:(b + 1) * args.batch_size]
             for name, (every_row, prompt_weight) in VARIANTS.items():
                 start = time.perf_counter()
-                loss, _ = eagle3_loss(drafter, embed, head_rows, batch, args.steps, 0.8, prompt_weight, every_row)
+                loss, _ = eagle3_loss(drafter, embed, head_rows, batch, args.steps, 0.8, prompt_weight,
+                                      every_row=every_row)
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()

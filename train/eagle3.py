@@ -13,10 +13,10 @@ positions (and the prompt's, weighted eagle3_prompt_weight; those where the targ
 occurrence of the last two tokens, copying from its context, weighted eagle3_copy_weight times), weighted
 by eagle3_decay**j; with eagle3_feature_noise > 0 the target's features get Gaussian noise in training
 (`noisy_features`); only the positions some step counts are unrolled (`counted_rows`: every position is
-context, a response-only loss computes about half a batch's rows); every `eval_every` steps decode held-out prompts with the real
-engine (decode.proposers.eagle3, full depth, no adaptation) and keep the drafter of best measured tau, published
-atomically at the end. `--resume` continues exactly from the last checkpoint (data order is a function
-of the seed, the epoch and the batch index).
+context, a response-only loss computes about half a batch's rows); every `eval_every` steps decode held-out
+prompts with the real engine (decode.proposers.eagle3, full depth, no adaptation) and keep the drafter of best
+measured tau, published atomically at the end. `--resume` continues exactly from the last checkpoint (data
+order is a function of the seed, the epoch and the batch index).
 
 Config fields read here: eagle3_layers, eagle3_steps, eagle3_decay, eagle3_prompt_weight, eagle3_copy_weight,
 eagle3_feature_noise, eagle3_init, eagle3_depth, eagle3_topk, eagle3_tree_nodes, draft_vocab, and the common
@@ -208,7 +208,7 @@ def noisy_features(features: torch.Tensor, mask: torch.Tensor, scale: float,
 
 
 def eagle3_loss(drafter: Eagle3Drafter, embed: torch.nn.Module, head_rows: torch.Tensor, records: list[FeatureRecord],
-                num_steps: int, decay: float, prompt_weight: float = 0.0, copy_weight: float = 1.0,
+                num_steps: int, decay: float, prompt_weight: float = 0.0, *, copy_weight: float = 1.0,
                 every_row: bool = False, feature_noise: float = 0.0,
                 noise: torch.Generator | None = None) -> tuple[torch.Tensor, list[float]]:
     """sum_j decay**j * the weighted mean over rows of CE(target's restricted distribution, drafter step j).
@@ -263,9 +263,8 @@ def train_step(cfg, accelerator, target, drafter, head_rows, records, optimizer,
     module = accelerator.unwrap_model(drafter)
     noise = torch.Generator(device=module.fc.weight.device).manual_seed(noise_seed)
     loss, accuracy = eagle3_loss(module, target.model.get_input_embeddings(), head_rows, records, cfg.eagle3_steps,
-                                 cfg.eagle3_decay, cfg.eagle3_prompt_weight, cfg.eagle3_copy_weight,
-                                 feature_noise=cfg.eagle3_feature_noise,
-                                 noise=noise)
+                                 cfg.eagle3_decay, cfg.eagle3_prompt_weight, copy_weight=cfg.eagle3_copy_weight,
+                                 feature_noise=cfg.eagle3_feature_noise, noise=noise)
     accelerator.backward(loss)  # under DeepSpeed: also averages the gradients over processes, clips, steps
     if not steps.deepspeed(accelerator):
         average_gradients(accelerator, module)  # the loss calls the drafter's parts, not DDP's forward

@@ -139,7 +139,7 @@ def test_one_step_loss_is_the_weighted_mean_of_each_positions_cross_entropy(targ
     embed = target.model.get_input_embeddings()
     drafter = Eagle3Drafter.for_target(target.model, None, LAYERS, seed=0).float()
     with torch.no_grad():
-        loss, _ = eagle3_loss(drafter, embed, head, batch, 1, 0.8, prompt_weight, copy_weight)
+        loss, _ = eagle3_loss(drafter, embed, head, batch, 1, 0.8, prompt_weight, copy_weight=copy_weight)
         ids, features, final, mask, lengths = pad_batch(batch, "cpu")
         copies = repeats_context(ids, lengths)  # [B, T]
         out = drafter.unroll([embed(torch.roll(ids, -1, dims=1)).float()], features)[0]  # [B, T, D]
@@ -180,7 +180,7 @@ def test_unrolling_only_the_counted_positions_leaves_the_loss_and_its_gradient_u
     drafter = Eagle3Drafter.for_target(target.model, None, LAYERS, seed=0, init="target_layer").float()
     results = []
     for every_row in (True, False):
-        loss, accuracy = eagle3_loss(drafter, embed, head, batch, 3, 0.8, prompt_weight, every_row)
+        loss, accuracy = eagle3_loss(drafter, embed, head, batch, 3, 0.8, prompt_weight, every_row=every_row)
         loss.backward()
         results.append((float(loss), accuracy, drafter.fc.weight.grad.clone()))
         drafter.zero_grad()
