@@ -15,6 +15,15 @@ depths make the tree (a child is never more probable than its parent, so the set
 ancestors). The engine's adaptive controller chooses the depth per step from measured costs; the tree
 size follows from it (at most K per depth, at most `tree_nodes`).
 
+Greedy trees have a floor: a node whose path probability is below `min_prob` is neither kept nor
+expanded, so drafting stops at the first depth whose frontier has no node at or above it (a root-only
+tree is a plain decoding step). A trained drafter's path probability is close to the chance that the
+target accepts the node (stop 39, the GPU-trained b2 on MT-bench, nodes of mean path probability 0.03 /
+0.14 / 0.24 / 0.45 / 0.65 / 0.96 were accepted 0.03 / 0.12 / 0.24 / 0.43 / 0.61 / 0.97 of the time), so a node below the floor is a verification row that
+costs more than the tokens it is expected to earn: on the 2-core CPU a tree of 14 rows verifies in 1.5x
+one row's time while 4 rows cost no more than one. The floor lets the tree run deep where the drafter is
+sure and stop at one or two nodes where it is not; BENCHMARKS.md "A probability floor for EAGLE-3 trees".
+
 Sampling: a chain, each token drawn from the drafter's distribution q (scattered into the target's
 vocabulary) and proposed with q, so the multi-draft rule (decode.sampling) keeps the target's
 distribution exactly. A top-K tree would not be a draw from q.
@@ -23,6 +32,7 @@ distribution exactly. A top-K tree would not be a draw from q.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +46,7 @@ from decode.tree import TokenTree
 from models.eagle3 import DraftCache, Eagle3Drafter  # importing models.eagle3 registers the drafter kind "eagle3"
 from models.packed_linear import drafting_weights, packed_for_inference, packing_supported
 
-__all__ = ["DEFAULT_TREE", "Eagle3Proposer", "select_tree"]
+__all__ = ["DEFAULT_MIN_PROB", "DEFAULT_TREE", "Eagle3Proposer", "select_tree"]
 
 # (depth, top-K per expansion, tree nodes): measured on the 2-core CPU, where verifying 8 rows costs about
 # 1.1x one row and 16 rows 1.4x (BENCHMARKS.md). Stop 32's weaker drafter paid most with top-2 and 10 nodes; the
@@ -45,6 +55,10 @@ __all__ = ["DEFAULT_TREE", "Eagle3Proposer", "select_tree"]
 # Arena v2.0), 2.13x / 2.01x (held-out HumanEval + GSM8K) (BENCHMARKS.md, "Four unrolled steps instead of seven").
 # A GPU verifies 32-64 nodes for about one forward.
 DEFAULT_TREE = {"cpu": (8, 3, 14), "cuda": (8, 8, 48)}
+# min_prob, the path-probability floor: 0.05 on the 2-core CPU, where rows past the first few cost 1.5 ms each
+# (about 0.05 of a token's time at 40 tokens/s), measured against 0.03, 0.07 and 0.1 (BENCHMARKS.md, "A
+# probability floor for EAGLE-3 trees"); off on CUDA, where 48 rows verify for about one forward (unmeasured).
+DEFAULT_MIN_PROB = {"cpu": 0.05, "cuda": 0.0}
 
 
 @dataclass
@@ -62,18 +76,26 @@ class Eagle3Proposer(Proposer):
 
     def __init__(self, drafter: Eagle3Drafter, embed: torch.nn.Module, depth: int | None = None,
                  topk: int | None = None, tree_nodes: int | None = None,
-                 eos_token_ids: set[int] = frozenset(), weights: str = "float32", fixed_steps: bool | None = None):
+                 eos_token_ids: set[int] = frozenset(), weights: str = "float32", fixed_steps: bool | None = None,
+                 min_prob: float | None = None):
         """weights: the format of the drafter's packed linear weights on the CPU (models.packed_linear,
         `drafting_weights`: float16 wherever FBGEMM runs it). fixed_steps: a tree's depths as fixed-shape
-        steps (decode.draft_steps), replayed as CUDA graphs where they are supported; None = on CUDA only."""
+        steps (decode.draft_steps), replayed as CUDA graphs where they are supported; None = on CUDA only.
+        min_prob: the path-probability floor of greedy trees (module docstring), in [0, 1); 0 = none,
+        None = DEFAULT_MIN_PROB for the device."""
         device = drafter.fc.weight.device
-        default = DEFAULT_TREE["cuda" if device.type == "cuda" else "cpu"]
+        device_kind = "cuda" if device.type == "cuda" else "cpu"
+        default = DEFAULT_TREE[device_kind]
         self.max_depth = depth or default[0]
         self.topk = topk or default[1]
         self.tree_nodes = tree_nodes or default[2]
         if min(self.max_depth, self.topk, self.tree_nodes) < 1:
             raise ValueError(f"eagle3: depth, topk and tree_nodes must be >= 1, got "
                              f"{self.max_depth}, {self.topk}, {self.tree_nodes}")
+        self.min_prob = DEFAULT_MIN_PROB[device_kind] if min_prob is None else float(min_prob)
+        if not 0.0 <= self.min_prob < 1.0:
+            raise ValueError(f"eagle3: min_prob (the tree's path-probability floor) must be in [0, 1), got {min_prob}")
+        self.min_score = math.log(self.min_prob) if self.min_prob > 0 else float("-inf")  # on log path probabilities
         self.drafter = drafter
         # the same weights, packed on CPU (oneDNN fp32, or FBGEMM fp16 copies under float16-weights)
         self.net = packed_for_inference(drafter, weights if packing_supported(drafter) else "float32")
@@ -192,14 +214,16 @@ class Eagle3Proposer(Proposer):
         base = self.position - 1  # the last context row's position
         if self.step is not None:
             tokens, parents, scores = self.step.run(out, depth, base)
-            return select_tree(root, tokens, parents, scores, candidate_depths(self.topk, depth), self.tree_nodes)
+            return select_tree(root, tokens, parents, scores, candidate_depths(self.topk, depth), self.tree_nodes,
+                               self.min_score)
         self.candidates: list[Candidate] = []
         logq = torch.log_softmax(self.net.logits(out[None]).float(), dim=-1)  # [1, M]
         frontier = self.add_children([-1], *self.top_children(logq), [0.0], 1)
         parent_row = {i: 0 for i in frontier}  # frontier node -> the row of `outs` holding its parent's output
         outs = out[None]  # [n, D]: the outputs of the depth before (the root's row for depth 1)
         for d in range(2, depth + 1):
-            expandable = [i for i in frontier if self.candidates[i].token not in self.eos_token_ids]
+            expandable = [i for i in frontier if self.candidates[i].token not in self.eos_token_ids
+                          and self.candidates[i].score >= self.min_score]
             if not expandable:
                 break
             nodes = [self.candidates[i] for i in expandable]
@@ -211,7 +235,7 @@ class Eagle3Proposer(Proposer):
             frontier = best
         c = self.candidates
         return select_tree(root, [x.token for x in c], [x.parent for x in c], [x.score for x in c],
-                           [x.depth for x in c], self.tree_nodes)
+                           [x.depth for x in c], self.tree_nodes, self.min_score)
 
     def top_children(self, logq: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
         """logq [P, M] -> each parent's top-K (log-probs, target ids), in one device-to-host copy each."""
@@ -248,13 +272,14 @@ class Eagle3Proposer(Proposer):
 
 
 def select_tree(root: int, tokens: list[int], parents: list[int], scores: list[float], depths: list[int],
-                tree_nodes: int) -> TokenTree:
-    """The `tree_nodes` most probable candidates (ties: shallower first; -inf never), parents before
-    children. A child is never more probable than its parent, so the set is closed under ancestors."""
+                tree_nodes: int, min_score: float = float("-inf")) -> TokenTree:
+    """The `tree_nodes` most probable candidates whose log path probability is at least `min_score` (ties:
+    shallower first; -inf never), parents before children. A child is never more probable than its parent,
+    so the set is closed under ancestors."""
     order = np.lexsort((np.asarray(depths), -np.asarray(scores, dtype=np.float64)))
     chosen: set[int] = set()
     for i in order.tolist():
-        if len(chosen) >= tree_nodes or scores[i] == float("-inf"):
+        if len(chosen) >= tree_nodes or scores[i] == float("-inf") or scores[i] < min_score:  # sorted: none after
             break
         if parents[i] < 0 or parents[i] in chosen:
             chosen.add(i)
@@ -266,16 +291,18 @@ def select_tree(root: int, tokens: list[int], parents: list[int], scores: list[f
 
 def build_eagle3_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: set[int] = frozenset(),
                           **kw) -> Eagle3Proposer:
-    """A loaded eagle3 drafter's proposer: its tree's depth, top-K and size from kw (eagle3_depth,
-    eagle3_topk, eagle3_tree_nodes), else from its manifest, else DEFAULT_TREE for the device."""
+    """A loaded eagle3 drafter's proposer: its tree's depth, top-K, size and probability floor from kw
+    (eagle3_depth, eagle3_topk, eagle3_tree_nodes, eagle3_min_prob), else from its manifest's
+    extra.decoding, else DEFAULT_TREE / DEFAULT_MIN_PROB for the device."""
     options = (drafter.manifest.get("extra") or {}).get("decoding") or {}
+    min_prob = kw.get("eagle3_min_prob")
     return Eagle3Proposer(drafter.model, target_model.get_input_embeddings(),
                           depth=kw.get("eagle3_depth") or options.get("depth"),
                           topk=kw.get("eagle3_topk") or options.get("topk"),
                           tree_nodes=kw.get("eagle3_tree_nodes") or options.get("tree_nodes"),
                           eos_token_ids=eos_token_ids,
                           weights=drafting_weights(drafter.model, kw.get("drafter_weights")),
-                          fixed_steps=kw.get("eagle3_fixed_steps"))
+                          fixed_steps=kw.get("eagle3_fixed_steps"), min_prob=options.get("min_prob") if min_prob is None else min_prob)
 
 
 register_proposer("eagle3", build_eagle3_proposer)

@@ -14,8 +14,10 @@ from tests.conftest import make_tiny_llama
 from tests.decode.test_eagle3_decode import features_of, tiny_eagle
 from tests.decode.test_engine import PROMPT, target_greedy
 
-SHAPES = [dict(depth=4, topk=1, tree_nodes=4), dict(depth=5, topk=3, tree_nodes=9),
-          dict(depth=6, topk=4, tree_nodes=16)]
+# min_prob 0: the unfloored trees; 0.03: the floor cuts them alike in both paths (the fixed step drafts every
+# depth, the dynamic path stops below the floor)
+SHAPES = [dict(depth=4, topk=1, tree_nodes=4, min_prob=0), dict(depth=5, topk=3, tree_nodes=9, min_prob=0),
+          dict(depth=6, topk=4, tree_nodes=16, min_prob=0), dict(depth=6, topk=4, tree_nodes=16, min_prob=0.03)]
 
 
 def recorded_trees(proposer, target, prompt, n, eos=frozenset()):
@@ -36,6 +38,8 @@ def test_fixed_steps_draft_the_dynamic_forwards_trees_and_stay_lossless(shape):
     assert fixed.step is not None and not fixed.step.graphed
     assert tokens == ref_tokens == target_greedy(target, PROMPT, 40)
     assert trees == ref_trees and max(len(t) for t, _ in trees) > 1
+    if shape["min_prob"]:  # the floor cut some trees below the budget
+        assert min(len(t) for t, _ in trees) <= shape["tree_nodes"]
 
 
 def test_eos_candidates_are_not_expanded_as_in_the_dynamic_forward():
@@ -44,7 +48,7 @@ def test_eos_candidates_are_not_expanded_as_in_the_dynamic_forward():
     eagle, embed = tiny_eagle(target), target.get_input_embeddings()
     ref = target_greedy(target, PROMPT, 40)
     eos = {ref[5], ref[13], ref[20]}
-    shape = dict(depth=6, topk=4, tree_nodes=12, eos_token_ids=eos)
+    shape = dict(depth=6, topk=4, tree_nodes=12, eos_token_ids=eos, min_prob=0)
     dynamic = Eagle3Proposer(eagle, embed, fixed_steps=False, **shape)
     fixed = Eagle3Proposer(eagle, embed, fixed_steps=True, **shape)
     ref_tokens, ref_trees = recorded_trees(dynamic, target, PROMPT, 40, eos)

@@ -24,7 +24,8 @@ def features_of(target, ids: list[int], layers) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("shape", [dict(depth=1, topk=1, tree_nodes=1), dict(depth=4, topk=1, tree_nodes=4),
-                                   dict(depth=5, topk=3, tree_nodes=9), dict(depth=6, topk=4, tree_nodes=16)])
+                                   dict(depth=5, topk=3, tree_nodes=9), dict(depth=6, topk=4, tree_nodes=16),
+                                   dict(depth=6, topk=4, tree_nodes=16, min_prob=0.03)])
 def test_greedy_output_is_the_targets(shape):
     target = make_tiny_llama(seed=0, layers=4, peak=4.0)
     ref = target_greedy(target, PROMPT, 40)
@@ -37,7 +38,8 @@ def test_greedy_output_is_the_targets(shape):
 
 def test_trees_are_closed_and_within_budget():
     target = make_tiny_llama(seed=0, layers=2)
-    proposer = Eagle3Proposer(tiny_eagle(target), target.get_input_embeddings(), depth=5, topk=3, tree_nodes=7)
+    proposer = Eagle3Proposer(tiny_eagle(target), target.get_input_embeddings(), depth=5, topk=3, tree_nodes=7,
+                              min_prob=0)
     engine = SpeculativeEngine(target, proposer, adaptive=False)
     sizes = []
     original = proposer.draft_tree
@@ -51,6 +53,58 @@ def test_trees_are_closed_and_within_budget():
     proposer.draft_tree = recording
     engine.generate(PROMPT, 20)
     assert sizes and all(n == 8 for n, _ in sizes) and max(d for _, d in sizes) > 1
+
+
+def root_paths(tree) -> set[tuple[int, ...]]:
+    """Every non-root node of a tree as the token path from the root to it."""
+    paths = {0: ()}
+    for i in range(1, len(tree.tokens)):
+        paths[i] = paths[tree.parents[i]] + (tree.tokens[i],)
+    return set(list(paths.values())[1:])
+
+
+def candidate_paths(candidates: list[Candidate]) -> dict[tuple[int, ...], float]:
+    """Each drafted candidate's token path -> its log path probability."""
+    paths: dict[int, tuple[int, ...]] = {}
+    for i, c in enumerate(candidates):
+        paths[i] = (paths[c.parent] if c.parent >= 0 else ()) + (c.token,)
+    return {paths[i]: c.score for i, c in enumerate(candidates)}
+
+
+def test_the_floor_keeps_exactly_the_nodes_at_or_above_it():
+    """With a path-probability floor (and a node budget that does not bind), the tree is the unfloored
+    tree's nodes whose path probability reaches the floor, and drafting stops expanding below it."""
+    target = make_tiny_llama(seed=0, layers=2, peak=4.0)
+    proposer = Eagle3Proposer(tiny_eagle(target), target.get_input_embeddings(), depth=4, topk=3, tree_nodes=64,
+                              min_prob=0)
+    original, checked = proposer.draft_tree, []
+
+    def both(root, out, depth):
+        proposer.min_score = float("-inf")
+        full = original(root, out, depth)
+        scores = candidate_paths(proposer.candidates)
+        floor = sorted(scores.values())[len(scores) // 2]  # the median candidate's: some nodes in, some out
+        proposer.cache.drop_uncommitted()
+        proposer.min_score = floor
+        floored = original(root, out, depth)
+        assert root_paths(full) == set(scores)  # the budget did not bind
+        assert root_paths(floored) == {p for p, s in scores.items() if s >= floor}
+        parents = {c.parent for c in proposer.candidates if c.parent >= 0}
+        assert all(proposer.candidates[p].score >= floor for p in parents)  # nothing below it was expanded
+        checked.append((len(floored), len(full)))
+        return floored
+
+    proposer.draft_tree = both
+    engine = SpeculativeEngine(target, proposer, adaptive=False)
+    assert engine.generate(PROMPT, 24).tokens == target_greedy(target, PROMPT, 24)
+    assert checked and all(n < m for n, m in checked)
+
+
+@pytest.mark.parametrize("min_prob", [-0.1, 1.0, 2.0])
+def test_a_floor_outside_zero_to_one_is_an_error(min_prob):
+    target = make_tiny_llama(seed=0, layers=2)
+    with pytest.raises(ValueError, match="min_prob"):
+        Eagle3Proposer(tiny_eagle(target), target.get_input_embeddings(), min_prob=min_prob)
 
 
 def test_eos_and_max_new_tokens_inside_a_draft():
