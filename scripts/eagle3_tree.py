@@ -1,10 +1,12 @@
 """Give a trained EAGLE-3 drafter another decoding tree shape without retraining.
 
-    python scripts/eagle3_tree.py --drafter DIR [--depth D] [--topk K] [--tree-nodes N] [--out OUT_DIR] [--target T]
+    python scripts/eagle3_tree.py --drafter DIR [--depth D] [--topk K] [--tree-nodes N] [--min-prob P]
+        [--out OUT_DIR] [--target T]
 
 The shape lives in the drafter's manifest (`extra.decoding`): the deepest draft D, the top-K tokens
-offered under each expanded node (and the K nodes expanded per depth), and the N most probable
-candidates kept as the tree (decode.proposers.eagle3). Copies written with --out evaluate side by side in
+offered under each expanded node (and the K nodes expanded per depth), the N most probable
+candidates kept as the tree, and the floor P on a node's path probability below which it is neither kept
+nor expanded (0: none; decode.proposers.eagle3). Copies written with --out evaluate side by side in
 one `decode.evaluate` run (`--drafter A --drafter B ...`), which is how the shipped shape was chosen. An
 option left out keeps the drafter's value; the directory is rewritten atomically (in place unless --out).
 """
@@ -29,6 +31,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=None, help="the deepest draft")
     p.add_argument("--topk", type=int, default=None, help="tokens per expanded node, nodes expanded per depth")
     p.add_argument("--tree-nodes", type=int, default=None, help="tree size, root excluded")
+    p.add_argument("--min-prob", type=float, default=None,
+                   help="the path-probability floor, in [0, 1); 0 = none (default: the device's, DEFAULT_MIN_PROB)")
     p.add_argument("--out", default=None, help="write here instead of rewriting --drafter")
     p.add_argument("--target", default=None, help="the target the drafter belongs to (default: the embedded one)")
     return p.parse_args(argv)
@@ -40,6 +44,9 @@ def main(argv: list[str] | None = None) -> Path:
     bad = [name for name, value in chosen.items() if value is not None and value < 1]
     if bad:
         raise SystemExit(f"{', '.join(bad)}: must be >= 1")
+    if args.min_prob is not None and not 0 <= args.min_prob < 1:
+        raise SystemExit(f"--min-prob {args.min_prob}: must be in [0, 1)")
+    chosen["min_prob"] = args.min_prob
     target = load_target(args.target)
     drafter = load_drafter(args.drafter, target)
     if drafter.kind != "eagle3":
