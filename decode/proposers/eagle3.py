@@ -18,11 +18,12 @@ size follows from it (at most K per depth, at most `tree_nodes`).
 Greedy trees have a floor: a node whose path probability is below `min_prob` is neither kept nor
 expanded, so drafting stops at the first depth whose frontier has no node at or above it (a root-only
 tree is a plain decoding step). A trained drafter's path probability is close to the chance that the
-target accepts the node (stop 39, the GPU-trained b2 on MT-bench, nodes of mean path probability 0.03 /
-0.14 / 0.24 / 0.45 / 0.65 / 0.96 were accepted 0.03 / 0.12 / 0.24 / 0.43 / 0.61 / 0.97 of the time), so a node below the floor is a verification row that
-costs more than the tokens it is expected to earn: on the 2-core CPU a tree of 14 rows verifies in 1.5x
-one row's time while 4 rows cost no more than one. The floor lets the tree run deep where the drafter is
-sure and stop at one or two nodes where it is not; BENCHMARKS.md "A probability floor for EAGLE-3 trees".
+target accepts the node (stop 39, the GPU-trained drafter on MT-bench: nodes of mean path probability
+0.03 / 0.14 / 0.24 / 0.45 / 0.65 / 0.96 were accepted 0.03 / 0.12 / 0.24 / 0.43 / 0.61 / 0.97 of the
+time; scripts/eagle3_calibration.py), so a node below the floor is a verification row that costs more
+than the tokens it is expected to earn: on the 2-core CPU a tree of 14 rows verifies in 1.5x one row's
+time while 4 rows cost no more than one. The floor lets the tree run deep where the drafter is sure and
+stop at one or two nodes where it is not; BENCHMARKS.md "A probability floor for EAGLE-3 trees".
 
 Sampling: a chain, each token drawn from the drafter's distribution q (scattered into the target's
 vocabulary) and proposed with q, so the multi-draft rule (decode.sampling) keeps the target's
@@ -56,7 +57,7 @@ __all__ = ["DEFAULT_MIN_PROB", "DEFAULT_TREE", "Eagle3Proposer", "select_tree"]
 # A GPU verifies 32-64 nodes for about one forward.
 DEFAULT_TREE = {"cpu": (8, 3, 14), "cuda": (8, 8, 48)}
 # min_prob, the path-probability floor: 0.05 on the 2-core CPU, where rows past the first few cost 1.5 ms each
-# (about 0.05 of a token's time at 40 tokens/s), measured against 0.03, 0.07 and 0.1 (BENCHMARKS.md, "A
+# (about 0.06 of a token's time at 40 tokens/s), measured against 0.03, 0.07 and 0.1 (BENCHMARKS.md, "A
 # probability floor for EAGLE-3 trees"); off on CUDA, where 48 rows verify for about one forward (unmeasured).
 DEFAULT_MIN_PROB = {"cpu": 0.05, "cuda": 0.0}
 
@@ -295,14 +296,16 @@ def build_eagle3_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: 
     (eagle3_depth, eagle3_topk, eagle3_tree_nodes, eagle3_min_prob), else from its manifest's
     extra.decoding, else DEFAULT_TREE / DEFAULT_MIN_PROB for the device."""
     options = (drafter.manifest.get("extra") or {}).get("decoding") or {}
-    min_prob = kw.get("eagle3_min_prob")
+    min_prob = kw.get("eagle3_min_prob")  # 0 is a value (no floor), not "unset"
+    if min_prob is None:
+        min_prob = options.get("min_prob")
     return Eagle3Proposer(drafter.model, target_model.get_input_embeddings(),
                           depth=kw.get("eagle3_depth") or options.get("depth"),
                           topk=kw.get("eagle3_topk") or options.get("topk"),
                           tree_nodes=kw.get("eagle3_tree_nodes") or options.get("tree_nodes"),
                           eos_token_ids=eos_token_ids,
                           weights=drafting_weights(drafter.model, kw.get("drafter_weights")),
-                          fixed_steps=kw.get("eagle3_fixed_steps"), min_prob=options.get("min_prob") if min_prob is None else min_prob)
+                          fixed_steps=kw.get("eagle3_fixed_steps"), min_prob=min_prob)
 
 
 register_proposer("eagle3", build_eagle3_proposer)

@@ -1,11 +1,13 @@
 """EAGLE-3 decoding: lossless with chains and dynamic trees, and the training unroll is what decoding computes."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from decode.engine import SpeculativeEngine
 from decode.proposers import PromptLookupProposer, WithPromptLookup
-from decode.proposers.eagle3 import Candidate, Eagle3Proposer
+from decode.proposers.eagle3 import DEFAULT_MIN_PROB, Candidate, Eagle3Proposer, build_eagle3_proposer
 from decode.sampling import SamplingConfig
 from models.eagle3 import Eagle3Drafter
 from tests.conftest import make_tiny_llama
@@ -105,6 +107,21 @@ def test_a_floor_outside_zero_to_one_is_an_error(min_prob):
     target = make_tiny_llama(seed=0, layers=2)
     with pytest.raises(ValueError, match="min_prob"):
         Eagle3Proposer(tiny_eagle(target), target.get_input_embeddings(), min_prob=min_prob)
+
+
+def test_the_floor_comes_from_the_caller_else_the_manifest_else_the_device():
+    target = make_tiny_llama(seed=0, layers=2)
+    eagle = tiny_eagle(target)
+
+    def floor(manifest_floor, **kw):
+        decoding = {} if manifest_floor is None else {"min_prob": manifest_floor}
+        drafter = SimpleNamespace(model=eagle, manifest={"extra": {"decoding": decoding}})
+        return build_eagle3_proposer(drafter, target, **kw).min_prob
+
+    assert floor(None) == DEFAULT_MIN_PROB["cpu"] > 0
+    assert floor(0.2) == 0.2
+    assert floor(0.2, eagle3_min_prob=0.0) == 0.0  # an explicit 0 switches the floor off
+    assert floor(0.0) == 0.0
 
 
 def test_eos_and_max_new_tokens_inside_a_draft():
