@@ -58,7 +58,8 @@ __all__ = ["DEFAULT_MIN_PROB", "DEFAULT_TREE", "Eagle3Proposer", "select_tree"]
 DEFAULT_TREE = {"cpu": (8, 3, 14), "cuda": (8, 8, 48)}
 # min_prob, the path-probability floor: 0.05 on the 2-core CPU, where rows past the first few cost 1.5 ms each
 # (about 0.06 of a token's time at 40 tokens/s), measured against 0.03, 0.07 and 0.1 (BENCHMARKS.md, "A
-# probability floor for EAGLE-3 trees"); off on CUDA, where 48 rows verify for about one forward (unmeasured).
+# probability floor for EAGLE-3 trees"); off on CUDA, where it could save nothing: the fixed-shape step drafts
+# every depth anyway, and 48 rows verify for about one forward (not measured there).
 DEFAULT_MIN_PROB = {"cpu": 0.05, "cuda": 0.0}
 
 
