@@ -8,7 +8,8 @@ trained on it does not copy: on MT-bench's second turns (the default target's ow
 context) a 2-gram lookup in the context names the target's next token at 0.59 of the positions, the GPU-trained
 EAGLE-3 drafter at 0.45 (BENCHMARKS.md, "Second turns"). These prompts give the teacher data such turns: for a
 share of the training prompts, the conversation [their messages, the target's first answer (the greedy one,
-else the first sample), a follow-up request] is answered by the target like any prompt (distill.teacher_data, its own content-addressed cache).
+else the first sample), a follow-up request] is answered by the target like any prompt (distill.teacher_data,
+its own content-addressed cache).
 
 The requests are generic reworking instructions (FOLLOW_UPS, or a file of one per line), written for this
 project and sharing no text with any evaluation set. Which prompts get one, and which request, is a function

@@ -10,6 +10,7 @@ from decode.proposers import PromptLookupProposer, WithPromptLookup
 from decode.proposers.eagle3 import DEFAULT_MIN_PROB, Candidate, Eagle3Proposer, build_eagle3_proposer
 from decode.sampling import SamplingConfig
 from models.eagle3 import Eagle3Drafter
+from scripts.eagle3_calibration import candidate_scores, root_paths
 from tests.conftest import make_tiny_llama
 from tests.decode.test_engine import PROMPT, target_greedy
 
@@ -57,22 +58,6 @@ def test_trees_are_closed_and_within_budget():
     assert sizes and all(n == 8 for n, _ in sizes) and max(d for _, d in sizes) > 1
 
 
-def root_paths(tree) -> set[tuple[int, ...]]:
-    """Every non-root node of a tree as the token path from the root to it."""
-    paths = {0: ()}
-    for i in range(1, len(tree.tokens)):
-        paths[i] = paths[tree.parents[i]] + (tree.tokens[i],)
-    return set(list(paths.values())[1:])
-
-
-def candidate_paths(candidates: list[Candidate]) -> dict[tuple[int, ...], float]:
-    """Each drafted candidate's token path -> its log path probability."""
-    paths: dict[int, tuple[int, ...]] = {}
-    for i, c in enumerate(candidates):
-        paths[i] = (paths[c.parent] if c.parent >= 0 else ()) + (c.token,)
-    return {paths[i]: c.score for i, c in enumerate(candidates)}
-
-
 def test_the_floor_keeps_exactly_the_nodes_at_or_above_it():
     """With a path-probability floor (and a node budget that does not bind), the tree is the unfloored
     tree's nodes whose path probability reaches the floor, and drafting stops expanding below it."""
@@ -84,13 +69,13 @@ def test_the_floor_keeps_exactly_the_nodes_at_or_above_it():
     def both(root, out, depth):
         proposer.min_score = float("-inf")
         full = original(root, out, depth)
-        scores = candidate_paths(proposer.candidates)
+        scores = candidate_scores(proposer.candidates)
         floor = sorted(scores.values())[len(scores) // 2]  # the median candidate's: some nodes in, some out
         proposer.cache.drop_uncommitted()
         proposer.min_score = floor
         floored = original(root, out, depth)
-        assert root_paths(full) == set(scores)  # the budget did not bind
-        assert root_paths(floored) == {p for p, s in scores.items() if s >= floor}
+        assert set(root_paths(full)[1:]) == set(scores)  # the budget did not bind
+        assert set(root_paths(floored)[1:]) == {p for p, s in scores.items() if s >= floor}
         parents = {c.parent for c in proposer.candidates if c.parent >= 0}
         assert all(proposer.candidates[p].score >= floor for p in parents)  # nothing below it was expanded
         checked.append((len(floored), len(full)))
