@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from decode.draft_steps import ContextStep, DraftTreeStep, candidate_depths, draft_graphs_supported
+from decode.lean_eagle3 import lean_eagle3
 from decode.proposers.base import CATCH_UP_SPLIT, Proposer, register_proposer
 from decode.runner import synchronized_clock
 from decode.sampling import SamplingConfig, logits_to_probs, sample
@@ -99,8 +100,6 @@ class Eagle3Proposer(Proposer):
             raise ValueError(f"eagle3: min_prob (the tree's path-probability floor) must be in [0, 1), got {min_prob}")
         self.min_score = math.log(self.min_prob) if self.min_prob > 0 else float("-inf")  # on log path probabilities
         self.drafter = drafter
-        # the same weights, packed on CPU (oneDNN fp32, or FBGEMM fp16 copies under float16-weights)
-        self.net = packed_for_inference(drafter, weights if packing_supported(drafter) else "float32")
         self.embed = embed
         self.feature_layers = drafter.target_layers
         self.vocab_map = drafter.vocab_map.to(device)  # [M] target id of each draft index
@@ -110,6 +109,11 @@ class Eagle3Proposer(Proposer):
         self.cache: DraftCache | None = None
         self.graphed = draft_graphs_supported(device)
         self.fixed_steps = self.graphed if fixed_steps is None else fixed_steps
+        # the same weights, packed on CPU (oneDNN fp32, or FBGEMM fp16 copies under float16-weights): the lean
+        # rows (decode.lean_eagle3) depth by depth, the drafter's own modules in fixed-shape steps
+        weights = weights if packing_supported(drafter) else "float32"
+        lean = None if self.fixed_steps else lean_eagle3(drafter, weights)
+        self.net = lean if lean is not None else packed_for_inference(drafter, weights)
         self.step: DraftTreeStep | None = None  # kept across requests while the cache is (its graphs too)
         self.context_step: ContextStep | None = None
         self.pool = torch.cuda.graph_pool_handle() if self.fixed_steps and self.graphed else None

@@ -1,0 +1,104 @@
+"""The EAGLE-3 drafter's decoding rows on the CPU, written for the speculative loop (as decode.lean_decoder is
+for the target).
+
+Why: a drafting call over 1-3 rows costs about 0.9 ms on the 2-core CPU, of which the GEMMs are about a
+third; the rest is the per-operation cost of some forty small tensor operations (separate q/k/v and
+gate/up projections, the rotary angles recomputed from positions every call, keys and values repeated
+per query head). Per step the proposer makes two to three such calls, about a tenth of a step. This computes
+what `Eagle3Drafter.rows` / `fuse` / `logits` compute (models.eagle3, the training code's layer) with
+fewer operations: q, k and v in one packed GEMM, gate and up in one, the rotary cos/sin looked up in a
+table grown as positions need it (the same float operations as `Eagle3Layer.project`, so the same
+values), q and k rotated together, and grouped-query attention over the unrepeated cache (a group's query
+heads folded into rows, as the target's lean forward does). Weights are packed copies (models.packed_linear:
+fp16 under `drafting_weights`' float16); the drafter's own parameters are untouched. Measured in
+BENCHMARKS.md, "Lean EAGLE-3 drafting rows".
+
+Used by the proposer's dynamic (depth by depth) path wherever the drafter packs on the CPU; the fixed-shape
+steps (decode.draft_steps, CUDA graphs) keep the drafter's own modules. Tests pin its outputs to the
+drafter's.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from decode.lean_decoder import fused_linear
+from models.eagle3 import DraftCache, Eagle3Drafter
+from models.packed_linear import packed_class, packing_supported
+
+__all__ = ["DISABLE_ENV", "LeanEagle3", "lean_eagle3"]
+
+DISABLE_ENV = "SPECDISTILL_NO_LEAN_DRAFTER"  # switch for side-by-side measurements and as an escape hatch
+
+
+def lean_eagle3(drafter: Eagle3Drafter, weights: str) -> "LeanEagle3 | None":
+    """The lean rows of `drafter` with linear weights in `weights` format, or None where it does not pack
+    (not fp32 on the CPU) or the environment switches it off."""
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0") or not packing_supported(drafter):
+        return None
+    return LeanEagle3(drafter, packed_class(weights))
+
+
+class LeanEagle3:
+    """fuse / rows / logits of an Eagle3Drafter on packed, fused weights (see the module docstring)."""
+
+    def __init__(self, drafter: Eagle3Drafter, packed):
+        layer, attn, mlp = drafter.midlayer, drafter.midlayer.self_attn, drafter.midlayer.mlp
+        self.fc = packed(drafter.fc)
+        self.qkv = fused_linear([attn.q_proj, attn.k_proj, attn.v_proj], packed)
+        self.o = packed(attn.o_proj)
+        self.gate_up = fused_linear([mlp.gate_proj, mlp.up_proj], packed)
+        self.down = packed(mlp.down_proj)
+        self.head = packed(drafter.lm_head)
+        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.intermediate = mlp.gate_proj.out_features
+        self.norm_embed = (layer.input_layernorm.weight, layer.input_layernorm.eps)
+        self.norm_state = (layer.hidden_norm.weight, layer.hidden_norm.eps)
+        self.norm_post = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+        self.norm_out = (drafter.norm.weight, drafter.norm.eps)
+        self.inv_freq = layer.inv_freq  # [hd / 2]
+        self.dtype = drafter.norm.weight.dtype
+        self.cos = self.sin = torch.empty(0, self.head_dim, dtype=self.dtype)  # [P, hd]: positions 0..P-1
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """[..., 3 x D_target] -> g [..., D]."""
+        return self.fc(features.to(self.dtype))
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """[..., D] -> draft logits [..., M]."""
+        return self.head(F.rms_norm(out, out.shape[-1:], *self.norm_out))
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [n] -> cos, sin [n, hd], from a table grown (doubled) as positions need it."""
+        need = int(positions.max()) + 1
+        if need > self.cos.shape[0]:
+            size = max(need, 2 * self.cos.shape[0], 1024)
+            angles = torch.arange(size, dtype=torch.float32)[:, None] * self.inv_freq  # as Eagle3Layer.project
+            self.cos = torch.cat([torch.cos(angles)] * 2, dim=-1).to(self.dtype)
+            self.sin = torch.cat([torch.sin(angles)] * 2, dim=-1).to(self.dtype)
+        return self.cos[positions], self.sin[positions]
+
+    def rows(self, embeds: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, cache: DraftCache,
+             visible: torch.Tensor) -> torch.Tensor:
+        """As Eagle3Drafter.rows: embeds, states [n, D]; positions [n]; visible [n, cache.used + n] bool.
+        Appends the rows' keys and values to `cache`; returns the outputs [n, D]."""
+        n, d = states.shape
+        h, hkv, hd = self.heads, self.kv_heads, self.head_dim
+        x = torch.cat([F.rms_norm(embeds, (d,), *self.norm_embed), F.rms_norm(states, (d,), *self.norm_state)], dim=-1)
+        qkv = self.qkv(x).view(n, h + 2 * hkv, hd).transpose(0, 1)  # [H + 2 Hkv, n, hd]: q heads, k heads, v heads
+        cos, sin = self.rotary(positions)  # [n, hd]
+        qk = qkv[:h + hkv]
+        half = hd // 2
+        qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin  # RoPE, rotate-half
+        keys, values = cache.append(qk[h:], qkv[h + hkv:])  # [Hkv, L + n, hd]
+        groups = h // hkv
+        folded = qk[:h].reshape(hkv, groups * n, hd)  # row g*n + i: query head hkv*G + g, row i
+        mask = visible.repeat(groups, 1) if groups > 1 else visible  # [G n, L + n]
+        attended = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask)  # [Hkv, G n, hd]
+        attended = attended.reshape(h, n, hd).transpose(0, 1).reshape(n, h * hd)
+        hidden = states + self.o(attended)
+        gate, up = self.gate_up(F.rms_norm(hidden, (d,), *self.norm_post)).split(self.intermediate, dim=-1)
+        return hidden + self.down(F.silu(gate) * up)
