@@ -52,7 +52,7 @@ class LeanEagle3:
         self.o = packed(attn.o_proj)
         self.gate_up = fused_linear([mlp.gate_proj, mlp.up_proj], packed)
         self.down = packed(mlp.down_proj)
-        self.head = packed(drafter.lm_head)
+        self.lm_head = packed(drafter.lm_head)
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.intermediate = mlp.gate_proj.out_features
         self.norm_embed = (layer.input_layernorm.weight, layer.input_layernorm.eps)
@@ -69,7 +69,7 @@ class LeanEagle3:
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """[..., D] -> draft logits [..., M]."""
-        return self.head(F.rms_norm(out, out.shape[-1:], *self.norm_out))
+        return self.lm_head(F.rms_norm(out, out.shape[-1:], *self.norm_out))
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [n] -> cos, sin [n, hd], from a table grown (doubled) as positions need it."""
