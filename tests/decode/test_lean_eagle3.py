@@ -27,8 +27,8 @@ def drafter_with_gqa():
 
 
 def run_rows(net, drafter, calls, start_position):
-    """Three calls against one cache: a context of 5 rows, then tree rows with a sparse visibility mask.
-    Returns every call's outputs and logits."""
+    """`calls` [(rows, commit)] against one cache, each row seeing a random part of the cached rows and its own
+    earlier rows (a tree's sparse mask). Returns every call's outputs and logits."""
     cache = DraftCache(drafter, 64, "cpu", torch.float32)
     generator = torch.Generator().manual_seed(1)
     d = drafter.config["hidden_size"]
@@ -48,7 +48,7 @@ def run_rows(net, drafter, calls, start_position):
 
 @pytest.mark.parametrize("start_position", [0, 1500])  # 1500: past the rotary table's first size
 def test_lean_rows_logits_and_fuse_equal_the_drafters(start_position):
-    target, drafter = drafter_with_gqa()
+    _, drafter = drafter_with_gqa()
     lean = lean_eagle3(drafter, "float32")
     assert isinstance(lean, LeanEagle3)
     calls = [(5, True), (3, False), (2, False)]
@@ -62,7 +62,7 @@ def test_lean_rows_logits_and_fuse_equal_the_drafters(start_position):
 
 @pytest.mark.skipif(not float16_weights_supported(), reason="no FBGEMM fp16 GEMM on this CPU")
 def test_fp16_lean_rows_equal_the_fp16_packed_drafters():
-    target, drafter = drafter_with_gqa()
+    _, drafter = drafter_with_gqa()
     calls = [(4, True), (3, False)]
     with torch.no_grad():
         got = run_rows(lean_eagle3(drafter, "float16"), drafter, calls, 7)
@@ -72,7 +72,7 @@ def test_fp16_lean_rows_equal_the_fp16_packed_drafters():
 
 
 def test_the_switch_and_an_unpackable_drafter_fall_back_to_the_drafters_own_rows(monkeypatch):
-    target, drafter = drafter_with_gqa()
+    _, drafter = drafter_with_gqa()
     assert lean_eagle3(drafter.to(torch.bfloat16), "float32") is None  # not fp32: no packing
     monkeypatch.setenv(DISABLE_ENV, "1")
     assert lean_eagle3(drafter.float(), "float32") is None
