@@ -1,12 +1,12 @@
 """The EAGLE-3 drafter's decoding rows on the CPU, written for the speculative loop (as decode.lean_decoder is
 for the target).
 
-Why: a drafting call over 1-3 rows cost about 1 ms on the 2-core CPU (in decoding, its weights cold after the
-target's forward), of which the GEMMs were about half; the rest is the per-operation cost of some forty small tensor operations (separate q/k/v and
-gate/up projections, the rotary angles recomputed from positions every call, keys and values repeated
-per query head). Per step the proposer makes two to three such calls, about a tenth of a step. This computes
-what `Eagle3Drafter.rows` / `fuse` / `logits` compute (models.eagle3, the training code's layer) with
-fewer operations: q, k and v in one packed GEMM, gate and up in one, the rotary cos/sin looked up in a
+Why: a drafting call over 1-3 rows cost about 1 ms on the 2-core CPU (in decoding, its weights cold after
+the target's forward), of which the GEMMs were about half; the rest was the per-operation cost of some forty
+small tensor operations (separate q/k/v and gate/up projections, the rotary angles recomputed from positions
+every call, keys and values repeated per query head). Per step the proposer makes two to three such calls,
+about a tenth of a step. This computes what `Eagle3Drafter.rows` / `fuse` / `logits` compute (models.eagle3,
+the training code's layer) with fewer operations: q, k and v in one packed GEMM, gate and up in one, the rotary cos/sin looked up in a
 table grown as positions need it (the same float operations as `Eagle3Layer.project`, so the same
 values), q and k rotated together, and grouped-query attention over the unrepeated cache (a group's query
 heads folded into rows, as the target's lean forward does). Weights are packed copies (models.packed_linear:
