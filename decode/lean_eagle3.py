@@ -1,17 +1,17 @@
 """The EAGLE-3 drafter's decoding rows on the CPU, written for the speculative loop (as decode.lean_decoder is
 for the target).
 
-Why: a drafting call over 1-3 rows cost about 1 ms on the 2-core CPU (in decoding, its weights cold after
-the target's forward), of which the GEMMs were about half; the rest was the per-operation cost of some forty
-small tensor operations (separate q/k/v and gate/up projections, the rotary angles recomputed from positions
-every call, keys and values repeated per query head). Per step the proposer makes two to three such calls,
-about a tenth of a step. This computes what `Eagle3Drafter.rows` / `fuse` / `logits` compute (models.eagle3,
-the training code's layer) with fewer operations: q, k and v in one packed GEMM, gate and up in one, the rotary cos/sin looked up in a
-table grown as positions need it (the same float operations as `Eagle3Layer.project`, so the same
-values), q and k rotated together, and grouped-query attention over the unrepeated cache (a group's query
-heads folded into rows, as the target's lean forward does). Weights are packed copies (models.packed_linear:
-fp16 under `drafting_weights`' float16); the drafter's own parameters are untouched. Measured in
-BENCHMARKS.md, "Lean EAGLE-3 drafting rows".
+Why: a drafting call over 1-3 rows cost about 1 ms on the 2-core CPU (in decoding, its weights cold after the
+target's forward), of which the GEMMs were about half; the rest was the per-operation cost of some forty small
+tensor operations (separate q/k/v and gate/up projections, the rotary angles recomputed from positions every
+call, keys and values repeated per query head). Per step the proposer makes about two such calls, about a
+tenth of a step. This computes what `Eagle3Drafter.rows` / `fuse` / `logits` compute (models.eagle3, the
+training code's layer) with fewer operations: q, k and v in one packed GEMM, gate and up in one, the rotary
+cos/sin looked up in a table grown as positions need it (the same float operations as `Eagle3Layer.project`, so
+the same values), q and k rotated together, and grouped-query attention over the unrepeated cache (a group's
+query heads folded into rows, as the target's lean forward does). Weights are packed copies
+(models.packed_linear: fp16 under `drafting_weights`' float16); the drafter's own parameters are untouched.
+Measured in BENCHMARKS.md, "Lean EAGLE-3 drafting rows".
 
 Used by the proposer's dynamic (depth by depth) path wherever the drafter packs on the CPU; the fixed-shape
 steps (decode.draft_steps, CUDA graphs) keep the drafter's own modules. Tests pin its outputs to the
