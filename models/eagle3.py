@@ -53,8 +53,10 @@ def default_target_layers(num_layers: int) -> list[int]:
     return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
 
 
-def eagle3_config(target_model: nn.Module, draft_vocab_size: int, target_layers: list[int] | None = None) -> dict:
-    """The drafter's shape from the target's config (its attention and MLP shapes, RoPE base)."""
+def eagle3_config(target_model: nn.Module, draft_vocab_size: int, target_layers: list[int] | None = None,
+                  intermediate_size: int = 0) -> dict:
+    """The drafter's shape from the target's config (its attention and MLP shapes, RoPE base); a positive
+    intermediate_size widens (or narrows) the layer's MLP instead of the target's width."""
     text = target_model.config.get_text_config()
     vocab = target_model.get_output_embeddings().weight.shape[0]
     layers = list(target_layers) if target_layers else default_target_layers(text.num_hidden_layers)
@@ -63,7 +65,7 @@ def eagle3_config(target_model: nn.Module, draft_vocab_size: int, target_layers:
     config = {"hidden_size": text.hidden_size, "target_hidden_size": text.hidden_size,
               "num_attention_heads": heads, "num_key_value_heads": getattr(text, "num_key_value_heads", heads),
               "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
-              "intermediate_size": text.intermediate_size, "rms_norm_eps": float(text.rms_norm_eps),
+              "intermediate_size": int(intermediate_size or text.intermediate_size), "rms_norm_eps": float(text.rms_norm_eps),
               "rope_theta": float(rope.get("rope_theta") or getattr(text, "rope_theta", None) or 10000.0),
               "draft_vocab_size": int(draft_vocab_size or vocab), "vocab_size": int(vocab),
               "target_layers": layers}
@@ -88,6 +90,8 @@ def check_config(config: dict, target_num_layers: int | None = None) -> None:
     if config["num_attention_heads"] % config["num_key_value_heads"]:
         raise ValueError(f"eagle3: {config['num_attention_heads']} attention heads are not a multiple of "
                          f"{config['num_key_value_heads']} key/value heads")
+    if config["intermediate_size"] < 1:
+        raise ValueError(f"eagle3_intermediate_size: must be positive, got {config['intermediate_size']}")
     if config["head_dim"] % 2:
         raise ValueError(f"eagle3: head_dim {config['head_dim']} must be even for RoPE")
 
@@ -263,16 +267,18 @@ class Eagle3Drafter(nn.Module):
 
     @classmethod
     def for_target(cls, target_model: nn.Module, vocab_map: torch.Tensor | None,
-                   target_layers: list[int] | None = None, seed: int = 0, init: str = "random") -> "Eagle3Drafter":
+                   target_layers: list[int] | None = None, seed: int = 0, init: str = "random",
+                   intermediate_size: int = 0) -> "Eagle3Drafter":
         """A fresh drafter for `target_model`: the layer and fc initialised as Llama's (normal, std 0.02,
         seeded), the head the target's own rows for the draft vocabulary, the norm the target's final norm
         (the head starts reading the target's way). init "target_layer": then the layer and fc start as the
-        target's own high layer (`start_from_target_layer`)."""
+        target's own high layer (`start_from_target_layer`). intermediate_size: the MLP's width (0: the
+        target's)."""
         if init not in EAGLE3_INITS:
             raise ValueError(f"eagle3_init: one of {EAGLE3_INITS}, got {init!r}")
         head = target_model.get_output_embeddings().weight  # [V, D]
         vocab_map = torch.arange(head.shape[0]) if vocab_map is None else vocab_map.long().cpu()
-        config = eagle3_config(target_model, vocab_map.numel(), target_layers)
+        config = eagle3_config(target_model, vocab_map.numel(), target_layers, intermediate_size)
         generator = torch.Generator().manual_seed(seed)
         drafter = cls(config)
         with torch.no_grad():
@@ -308,7 +314,10 @@ def start_from_target_layer(drafter: Eagle3Drafter, target_model: nn.Module) -> 
     of q/k/v keeps its random start, so the token x_{t+1} enters from the first step. Step 0 then computes
     what the target's layer h computes at t, over the same context: training starts from the target's own
     attention and MLP instead of noise (the head and final norm are the target's already). Weights only: a
-    target whose projections carry biases (Qwen's q/k/v) starts without them, as the drafter has none."""
+    target whose projections carry biases (Qwen's q/k/v) starts without them, as the drafter has none.
+    A wider MLP than the target's holds h's in its first rows (gate, up) and columns (down); down's other
+    columns start at zero, so the start is still h's output and the new units grow from there. A narrower
+    one keeps h's first units."""
     high = drafter.target_layers[-1]
     layer = target_model.get_decoder().layers[high]
     d = drafter.config["hidden_size"]  # the target's (eagle3_config)
@@ -322,8 +331,11 @@ def start_from_target_layer(drafter: Eagle3Drafter, target_model: nn.Module) -> 
     for name in ("q_proj", "k_proj", "v_proj"):
         copy(getattr(attn, name).weight[:, d:], getattr(layer.self_attn, name).weight)  # [out, D] of [out, 2D]
     copy(attn.o_proj.weight, layer.self_attn.o_proj.weight)
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        copy(getattr(mid.mlp, name).weight, getattr(layer.mlp, name).weight)
+    width = min(mid.mlp.gate_proj.weight.shape[0], layer.mlp.gate_proj.weight.shape[0])
+    for name in ("gate_proj", "up_proj"):
+        copy(getattr(mid.mlp, name).weight[:width], getattr(layer.mlp, name).weight[:width])  # [I, D]
+    mid.mlp.down_proj.weight[:, width:].zero_()  # [D, I]
+    copy(mid.mlp.down_proj.weight[:, :width], layer.mlp.down_proj.weight[:, :width])
     copy(mid.hidden_norm.weight, layer.input_layernorm.weight)
     copy(mid.post_attention_layernorm.weight, layer.post_attention_layernorm.weight)
 

@@ -104,6 +104,8 @@ class DistillConfig:
                                           "as a share of each dimension's median |value| (0: none; EAGLE trains on noised features)")
     eagle3_init: str = _f("target_layer", "eagle3: how the layer and fc start: target_layer (the target's high layer "
                                           "over its own high feature) or random (Llama's init)")
+    eagle3_intermediate_size: int = _f(0, "eagle3: the drafter layer's MLP width (0: the target's); a wider one "
+                                          "starts as the target's layer with the new units' outputs at zero")
     eagle3_depth: int = _f(0, "eagle3: decoding's deepest draft (stored in the drafter); 0: the per-device default")
     eagle3_topk: int = _f(0, "eagle3: decoding's top-k per expanded node and nodes expanded per depth; 0: default")
     eagle3_tree_nodes: int = _f(0, "eagle3: decoding's tree size (nodes besides the root); 0: the per-device default")
@@ -245,6 +247,9 @@ class DistillConfig:
         if not 0 <= self.eagle3_feature_noise < 1:
             raise ConfigError(f"eagle3_feature_noise: must be in [0, 1), got {self.eagle3_feature_noise}")
         check_choice("eagle3_init", self.eagle3_init, ("target_layer", "random"))  # models.eagle3.EAGLE3_INITS
+        if self.eagle3_intermediate_size < 0:
+            raise ConfigError(f"eagle3_intermediate_size: must be >= 0 (0: the target's), got "
+                              f"{self.eagle3_intermediate_size}")
         for name in ("eagle3_depth", "eagle3_topk", "eagle3_tree_nodes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0 (0: the default), got {getattr(self, name)}")

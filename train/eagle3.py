@@ -51,7 +51,8 @@ def train_eagle3(cfg, accelerator, target, records: list[dict], eval_prompts: li
     vocab_map = candidate_vocab(cfg, target, records)  # the draft_vocab most frequent response tokens, EOS in
     layers = cfg.eagle3_layers or default_target_layers(target.model.config.get_text_config().num_hidden_layers)
     drafter = Eagle3Drafter.for_target(target.model, vocab_map, layers, seed=cfg.seed,
-                                       init=cfg.eagle3_init).float().train()
+                                       init=cfg.eagle3_init,
+                                       intermediate_size=cfg.eagle3_intermediate_size).float().train()
     pad_id = pad_token_id(target.tokenizer, target.eos_token_ids)
     cache = open_or_build(target, records, drafter.target_layers, cfg.max_seq_len, cfg.gen_batch_size, pad_id,
                           accelerator)

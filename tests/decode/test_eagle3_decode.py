@@ -39,6 +39,18 @@ def test_greedy_output_is_the_targets(shape):
     assert gen.stats.new_tokens == 40
 
 
+def test_a_wider_mlp_than_the_targets_is_lossless_and_exports():
+    """eagle3_intermediate_size: the drafter's MLP at three times the target's width decodes the target's
+    greedy output and its export carries the width vLLM builds the layer with."""
+    target = make_tiny_llama(seed=0, layers=4, peak=4.0)
+    wide = 3 * target.config.intermediate_size
+    drafter = Eagle3Drafter.for_target(target, None, [1, 2, 3], seed=3, init="target_layer",
+                                       intermediate_size=wide).eval()
+    assert drafter.midlayer.mlp.down_proj.weight.shape[1] == wide
+    proposer = Eagle3Proposer(drafter, target.get_input_embeddings(), depth=5, topk=3, tree_nodes=9)
+    assert SpeculativeEngine(target, proposer).generate(PROMPT, 30).tokens == target_greedy(target, PROMPT, 30)
+
+
 def test_trees_are_closed_and_within_budget():
     target = make_tiny_llama(seed=0, layers=2)
     proposer = Eagle3Proposer(tiny_eagle(target), target.get_input_embeddings(), depth=5, topk=3, tree_nodes=7,

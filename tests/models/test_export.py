@@ -102,9 +102,9 @@ def vllm_reads(config: dict) -> tuple[dict, dict]:
     return speculative, draft
 
 
-def save_eagle(path, target, layers=None, vocab=None, seed=3):
+def save_eagle(path, target, layers=None, vocab=None, seed=3, intermediate_size=0):
     vocab_map = None if vocab is None else torch.tensor(vocab)
-    drafter = Eagle3Drafter.for_target(target.model, vocab_map, layers, seed=seed)
+    drafter = Eagle3Drafter.for_target(target.model, vocab_map, layers, seed=seed, intermediate_size=intermediate_size)
     with torch.no_grad():  # norms away from their init, so a swapped norm would show
         for name, param in drafter.named_parameters():
             if name.endswith("norm.weight"):
@@ -276,12 +276,13 @@ def vllm_step0_logits(config: dict, state: dict, embeds: torch.Tensor, hidden: d
     return full
 
 
-@pytest.mark.parametrize("layers", [None, [1, 2, 0]])
-def test_vllm_computation_on_the_export_matches_the_drafter(target, tmp_path, layers):
+@pytest.mark.parametrize("layers, width", [(None, 0), ([1, 2, 0], 0), (None, 200)])  # 200: a wider MLP
+def test_vllm_computation_on_the_export_matches_the_drafter(target, tmp_path, layers, width):
     vocab = list(range(3, 64, 2))
-    drafter = save_eagle(tmp_path / "d", target, layers=layers, vocab=vocab)
+    drafter = save_eagle(tmp_path / "d", target, layers=layers, vocab=vocab, intermediate_size=width)
     export_speculators(tmp_path / "d", tmp_path / "out", target)
     config, state = load_speculators_export(tmp_path / "out")
+    assert config["transformer_layer_config"]["intermediate_size"] == drafter.config["intermediate_size"]
     _, embeds, hidden = unroll_inputs(target, steps=1)
     with torch.no_grad():
         features = torch.cat([hidden[i] for i in drafter.target_layers], dim=-1)

@@ -269,16 +269,22 @@ def test_resume_ends_where_an_uninterrupted_run_does(target, records, tmp_path, 
                                              (dict(eagle3_prompt_weight=1.5), "eagle3_prompt_weight"),
                                              (dict(eagle3_feature_noise=-0.1), "eagle3_feature_noise"),
                                              (dict(eagle3_copy_weight=0), "eagle3_copy_weight"),
+                                             (dict(eagle3_intermediate_size=-1), "eagle3_intermediate_size"),
                                              (dict(loss="fkl"), "loss")])
 def test_bad_configs_name_the_field(override, field):
     with pytest.raises(ConfigError, match=field):
         DistillConfig(method="eagle3", **override)
 
 
-def test_target_layer_start_computes_the_targets_own_layer(target, records):
+@pytest.mark.parametrize("width", [0, 3])  # 0: the target's MLP width; 3: three times it
+def test_target_layer_start_computes_the_targets_own_layer(target, records, width):
     """With the token's half of q/k/v silenced, step 0 of a target_layer start is the target's layer 0 over
-    its own input, at every position; the head and final norm are the target's either way."""
-    drafter = Eagle3Drafter.for_target(target.model, None, [0, 0, 0], seed=0, init="target_layer").float()
+    its own input, at every position, for the target's MLP width and a wider one (the new units start
+    silent); the head and final norm are the target's either way."""
+    size = width * target.model.config.intermediate_size
+    drafter = Eagle3Drafter.for_target(target.model, None, [0, 0, 0], seed=0, init="target_layer",
+                                       intermediate_size=size).float()
+    assert drafter.midlayer.mlp.up_proj.weight.shape[0] == (size or target.model.config.intermediate_size)
     d = drafter.config["hidden_size"]
     for proj in (drafter.midlayer.self_attn.q_proj, drafter.midlayer.self_attn.k_proj,
                  drafter.midlayer.self_attn.v_proj):
@@ -291,7 +297,7 @@ def test_target_layer_start_computes_the_targets_own_layer(target, records):
         embeds = [target.model.get_input_embeddings()(seq).float()]
         step0 = drafter.unroll(embeds, features)[0]
     torch.testing.assert_close(step0, hidden[1], atol=1e-4, rtol=1e-4)
-    random = Eagle3Drafter.for_target(target.model, None, [0, 0, 0], seed=0)
+    random = Eagle3Drafter.for_target(target.model, None, [0, 0, 0], seed=0, intermediate_size=size)
     assert torch.equal(random.lm_head.weight, drafter.lm_head.weight)
     assert not torch.allclose(random.midlayer.mlp.up_proj.weight, drafter.midlayer.mlp.up_proj.weight)
     with pytest.raises(ValueError, match="eagle3_init"):
