@@ -28,7 +28,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from models.packed_linear import cached_copy, packed_class, packing_supported, weights_signature
+from models.packed_linear import cached_copy, gemm_padding, packed_class, packing_supported, weights_signature
 
 __all__ = ["LeanDecoder", "lean_decoder", "lean_supported"]
 
@@ -69,7 +69,7 @@ def lean_decoder(model: torch.nn.Module, weights: str) -> "LeanDecoder | None":
         return None
     decoder = model.get_decoder()
     # the norms' weights are read in place; their identity joins the linears' signature
-    key = (weights, weights_signature(decoder), tuple(p.data_ptr() for p in decoder.parameters()))
+    key = (weights, gemm_padding(), weights_signature(decoder), tuple(p.data_ptr() for p in decoder.parameters()))
     return cached_copy(_cache, decoder, key, lambda: LeanDecoder(decoder, linear_class(decoder, weights)))
 
 

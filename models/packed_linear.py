@@ -42,8 +42,9 @@ import os
 import weakref
 
 import torch
+from torch.nn import functional as F
 
-__all__ = ["DRAFTING_WEIGHTS", "PackedLinear", "PackedLinearFP16", "WEIGHT_FORMATS", "cached_copy",
+__all__ = ["DRAFTING_WEIGHTS", "GEMM_PAD_ENV", "gemm_padding", "PackedLinear", "PackedLinearFP16", "WEIGHT_FORMATS", "cached_copy",
            "check_weight_format", "drafting_weights", "float16_weights_supported", "inference_weights", "packed_class",
            "packed_for_inference", "packing_supported", "set_inference_weights", "weights_signature"]
 
@@ -57,19 +58,51 @@ DISABLE_ENV = "SPECDISTILL_NO_PACKING"
 _cache: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, torch.nn.Module]]" = weakref.WeakKeyDictionary()
 
 
-class PackedLinear(torch.nn.Module):
-    """y = x W^T + b with W held in oneDNN's blocked layout. Inference only (no autograd)."""
+# oneDNN's fp32 GEMM on AVX-512 (brgemm, six rows to a register block) computes one or two rows slower than six:
+# the default target's whole forward took 31.8 / 38.3 ms for 1 / 2 new rows against 29.1 / 31.8 with every GEMM
+# padded to 6 rows (zeros), and 30-32 ms for 3-6 rows, where padding costs more than it saves; on AVX2 one row
+# is the cheapest (BENCHMARKS.md "One or two rows computed as six"; `scripts/bench_gemm_rows.py` measures a
+# machine). So a call of fewer than B rows computes T rows and keeps its own: (B, T) = (3, 6) on AVX-512, never
+# elsewhere; $SPECDISTILL_GEMM_PAD sets it ("B:T", or "off").
+GEMM_PAD_ENV = "SPECDISTILL_GEMM_PAD"
+AVX512_GEMM_PAD = (3, 6)
 
-    def __init__(self, linear: torch.nn.Linear):
+
+def gemm_padding() -> tuple[int, int]:
+    """(B, T): an fp32 packed GEMM call of fewer than B rows computes T rows; (0, 0): never padded.
+    $SPECDISTILL_GEMM_PAD ("B:T" or "off"), else (3, 6) on AVX-512, else (0, 0)."""
+    value = os.environ.get(GEMM_PAD_ENV, "").strip().lower()
+    if value == "off":
+        return 0, 0
+    if value:
+        below, _, to = value.partition(":")
+        if not (below.isdigit() and to.isdigit() and 1 <= int(below) <= int(to)):
+            raise ValueError(f"${GEMM_PAD_ENV}: 'B:T' (calls of fewer than B rows compute T, 1 <= B <= T) "
+                             f"or 'off', got {value!r}")
+        return int(below), int(to)
+    return AVX512_GEMM_PAD if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else (0, 0)
+
+
+class PackedLinear(torch.nn.Module):
+    """y = x W^T + b with W held in oneDNN's blocked layout. Inference only (no autograd). A call of fewer
+    rows than `padding`'s B computes T (zeros after its own), where oneDNN's kernel is faster (gemm_padding)."""
+
+    def __init__(self, linear: torch.nn.Linear, padding: tuple[int, int] | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().contiguous())
         self.bias = None if linear.bias is None else linear.bias.detach()
+        self.pad_below, self.pad_to = gemm_padding() if padding is None else padding
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if x.requires_grad and torch.is_grad_enabled():
             raise RuntimeError("PackedLinear is for inference; train the original module")
+        rows = x.numel() // self.in_features
+        if 0 < rows < self.pad_below:
+            padded = F.pad(x.reshape(rows, self.in_features), (0, 0, 0, self.pad_to - rows))  # [T, in]
+            out = torch.ops.mkldnn._linear_pointwise(padded, self.packed, self.bias, "none", [], "")
+            return out[:rows].view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
@@ -160,7 +193,7 @@ def packed_for_inference(module: torch.nn.Module, weights: str = "float32") -> t
             raise ValueError("float16 inference weights need an fp32 module on the CPU "
                              "(and packing not switched off by $" + DISABLE_ENV + ")")
         return module
-    return cached_copy(_cache, module, (weights, weights_signature(module)),
+    return cached_copy(_cache, module, (weights, gemm_padding(), weights_signature(module)),
                        lambda: clone_with_packed_linears(module, packed_class(weights)))
 
 

@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from decode.engine import SpeculativeEngine
-from models.packed_linear import DISABLE_ENV, PackedLinear, packed_for_inference
+from decode.proposers import DraftModelProposer
+from models.packed_linear import DISABLE_ENV, GEMM_PAD_ENV, PackedLinear, gemm_padding, packed_for_inference
 from decode.runner import ModelRunner
+from tests.conftest import make_tiny_llama
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not built in")
 
@@ -79,3 +81,75 @@ def test_greedy_decoding_is_the_same_with_and_without_packing(tiny_target, monke
     monkeypatch.setenv(DISABLE_ENV, "1")
     plain = SpeculativeEngine(tiny_target).generate(prompt, 24).tokens
     assert packed == plain
+
+
+# ---- small calls padded to the rows oneDNN computes fastest -----------------------------------------
+
+@pytest.mark.parametrize("shape", [(16,), (1, 16), (2, 16), (1, 2, 16), (3, 16), (1, 5, 16), (2, 3, 16)])
+def test_padded_calls_keep_their_rows_shape_and_values(shape):
+    """Rows below B computed as T keep their own rows: the shape asked for, F.linear's values, and the same
+    values as the unpadded call up to rounding; calls of B rows or more are not padded at all."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(16, 24)
+    padded, plain = PackedLinear(linear, padding=(3, 6)), PackedLinear(linear, padding=(0, 0))
+    x = torch.randn(shape)
+    with torch.inference_mode():
+        out = padded(x)
+        assert out.shape == (*shape[:-1], 24) and out.is_contiguous()
+        torch.testing.assert_close(out, linear(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, plain(x), rtol=1e-5, atol=1e-5)
+    rows = x.numel() // 16
+    calls = []
+    original = torch.ops.mkldnn._linear_pointwise
+    try:  # what the kernel was given: T rows when padded, the call's own otherwise
+        torch.ops.mkldnn._linear_pointwise = lambda inp, *a: calls.append(inp.numel() // 16) or original(inp, *a)
+        with torch.inference_mode():
+            padded(x)
+    finally:
+        torch.ops.mkldnn._linear_pointwise = original
+    assert calls == [6 if rows < 3 else rows]
+
+
+@pytest.mark.parametrize("value, expected", [("off", (0, 0)), ("2:4", (2, 4)), (" 3:6 ", (3, 6)), ("1:1", (1, 1))])
+def test_padding_from_the_environment(monkeypatch, value, expected):
+    monkeypatch.setenv(GEMM_PAD_ENV, value)
+    assert gemm_padding() == expected
+
+
+@pytest.mark.parametrize("value", ["6", "4:2", "0:3", "a:b", "3:"])
+def test_a_bad_padding_names_the_variable(monkeypatch, value):
+    monkeypatch.setenv(GEMM_PAD_ENV, value)
+    with pytest.raises(ValueError, match=GEMM_PAD_ENV):
+        gemm_padding()
+
+
+@pytest.mark.parametrize("capability, expected", [("AVX512", (3, 6)), ("AVX2", (0, 0)), ("DEFAULT", (0, 0))])
+def test_padding_by_default_only_on_avx512(monkeypatch, capability, expected):
+    monkeypatch.delenv(GEMM_PAD_ENV, raising=False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    assert gemm_padding() == expected
+
+
+def test_a_new_padding_packs_a_new_copy(monkeypatch):
+    model = tiny_mlp()
+    monkeypatch.setenv(GEMM_PAD_ENV, "off")
+    first = packed_for_inference(model)
+    monkeypatch.setenv(GEMM_PAD_ENV, "2:5")
+    second = packed_for_inference(model)
+    assert second is not first and (second[0].pad_below, second[0].pad_to) == (2, 5)
+    assert (first[0].pad_below, first[0].pad_to) == (0, 0)
+
+
+@pytest.mark.parametrize("pad", ["off", "3:6", "9:12"])  # 9:12: every verification of this test padded too
+def test_greedy_decoding_is_the_targets_under_any_padding(tiny_target, monkeypatch, pad):
+    """Plain and speculative decoding (a 1-layer draft model, 4 drafts: verifications of 1-5 rows) with the
+    engine's packed copies padded give the unpacked target's greedy tokens."""
+    prompt = [5, 8, 13, 21]
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    reference = SpeculativeEngine(tiny_target).generate(prompt, 24).tokens
+    monkeypatch.delenv(DISABLE_ENV)
+    monkeypatch.setenv(GEMM_PAD_ENV, pad)
+    assert (ModelRunner(tiny_target).head.pad_below, ModelRunner(tiny_target).head.pad_to) == gemm_padding()
+    drafter = DraftModelProposer(make_tiny_llama(seed=1, layers=1), gamma=4)
+    for proposer in (None, drafter):
+        assert SpeculativeEngine(tiny_target, proposer).generate(prompt, 24).tokens == reference
