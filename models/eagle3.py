@@ -65,7 +65,8 @@ def eagle3_config(target_model: nn.Module, draft_vocab_size: int, target_layers:
     config = {"hidden_size": text.hidden_size, "target_hidden_size": text.hidden_size,
               "num_attention_heads": heads, "num_key_value_heads": getattr(text, "num_key_value_heads", heads),
               "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
-              "intermediate_size": int(intermediate_size or text.intermediate_size), "rms_norm_eps": float(text.rms_norm_eps),
+              "intermediate_size": int(intermediate_size or text.intermediate_size),
+              "rms_norm_eps": float(text.rms_norm_eps),
               "rope_theta": float(rope.get("rope_theta") or getattr(text, "rope_theta", None) or 10000.0),
               "draft_vocab_size": int(draft_vocab_size or vocab), "vocab_size": int(vocab),
               "target_layers": layers}

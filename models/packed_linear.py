@@ -44,9 +44,9 @@ import weakref
 import torch
 from torch.nn import functional as F
 
-__all__ = ["DRAFTING_WEIGHTS", "GEMM_PAD_ENV", "gemm_padding", "PackedLinear", "PackedLinearFP16", "WEIGHT_FORMATS", "cached_copy",
-           "check_weight_format", "drafting_weights", "float16_weights_supported", "inference_weights", "packed_class",
-           "packed_for_inference", "packing_supported", "set_inference_weights", "weights_signature"]
+__all__ = ["DRAFTING_WEIGHTS", "GEMM_PAD_ENV", "PackedLinear", "PackedLinearFP16", "WEIGHT_FORMATS", "cached_copy",
+           "check_weight_format", "drafting_weights", "float16_weights_supported", "gemm_padding", "inference_weights",
+           "packed_class", "packed_for_inference", "packing_supported", "set_inference_weights", "weights_signature"]
 
 WEIGHT_FORMATS = ("float32", "float16")
 # the attribute of a model that says in which format its inference copies hold linear weights
@@ -59,11 +59,11 @@ _cache: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, torch.nn.Module
 
 
 # oneDNN's fp32 GEMM on AVX-512 (brgemm, six rows to a register block) computes one or two rows slower than six:
-# the default target's whole forward took 31.8 / 38.3 ms for 1 / 2 new rows against 29.1 / 31.8 with every GEMM
-# padded to 6 rows (zeros), and 30-32 ms for 3-6 rows, where padding costs more than it saves; on AVX2 one row
-# is the cheapest (BENCHMARKS.md "One or two rows computed as six"; `scripts/bench_gemm_rows.py` measures a
-# machine). So a call of fewer than B rows computes T rows and keeps its own: (B, T) = (3, 6) on AVX-512, never
-# elsewhere; $SPECDISTILL_GEMM_PAD sets it ("B:T", or "off").
+# the default target's whole forward took 31.0 / 37.1 ms for 1 / 2 new rows against 29.4 / 30.9 with its GEMMs
+# padded to 6 rows (zeros), and 29-31 ms for 3-6 rows, where padding cost more (about 1 ms of pads and slices a
+# forward) than it saved; on AVX2 one row is the cheapest (BENCHMARKS.md "One or two rows computed as six";
+# `scripts/bench_gemm_rows.py` measures a machine). So a call of fewer than B rows computes T rows and keeps its
+# own: (B, T) = (3, 6) on AVX-512, never elsewhere; $SPECDISTILL_GEMM_PAD sets it ("B:T", or "off").
 GEMM_PAD_ENV = "SPECDISTILL_GEMM_PAD"
 AVX512_GEMM_PAD = (3, 6)
 

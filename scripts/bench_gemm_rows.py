@@ -15,7 +15,6 @@ both produce the same tokens. Prints a table; writes DIR/gemm_rows.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -31,7 +30,7 @@ from decode.questions import load_questions  # noqa: E402
 from decode.runner import ModelRunner  # noqa: E402
 from models.packed_linear import GEMM_PAD_ENV, gemm_padding  # noqa: E402
 from models.target import load_target  # noqa: E402
-from scripts.bench_packing import QUESTIONS, time_forward  # noqa: E402
+from scripts.bench_packing import QUESTIONS, print_comparison, time_forward, write_report  # noqa: E402
 
 
 def parse_args(argv):
@@ -103,19 +102,8 @@ def main(argv=None) -> dict:
               "decoding": bench_decoding(target, settings, args)}
     print(f"target forward over N new tokens after {args.context} cached, median of {args.reps} "
           f"(torch threads {report['threads']}, {report['cpu_capability']}):")
-    print(f"| N | padded {padded}, ms | unpadded, ms | speedup | padded cost / unpadded 1 row |")
-    print("|---|---|---|---|---|")
-    one = report["forwards"][0]["off"]
-    for row in report["forwards"]:
-        print(f"| {row['rows']} | {row[padded]:.1f} | {row['off']:.1f} | {row['off'] / row[padded]:.2f}x | "
-              f"{row[padded] / one:.2f} |")
-    d = report["decoding"]
-    print(f"plain greedy decoding, {d['tokens']} tokens: padded {d['tok_s'][padded]:.1f} tok/s, unpadded "
-          f"{d['tok_s']['off']:.1f} tok/s ({d['tok_s'][padded] / d['tok_s']['off']:.2f}x); same tokens: "
-          f"{d['same_tokens']}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gemm_rows.json").write_text(json.dumps(report, indent=2))
+    print_comparison(report, padded, "off")
+    write_report(report, Path(args.out) / "gemm_rows.json")
     return report
 
 

@@ -84,7 +84,7 @@ def bench_forwards(model, args) -> list[dict]:
             for packed, runner in runners.items():
                 times[packed].append(time_forward(runner, context, rows))
         ms = {packed: 1000 * statistics.median(t[1:]) for packed, t in times.items()}
-        table.append({"rows": rows, "packed_ms": ms[True], "unpacked_ms": ms[False]})
+        table.append({"rows": rows, "packed": ms[True], "unpacked": ms[False]})
     return table
 
 
@@ -96,7 +96,7 @@ def bench_decoding(target, args) -> dict:
         engine = make(lambda: SpeculativeEngine(target.model, None, target.eos_token_ids), packed)
         gen = engine.generate(prompt, args.decode_tokens)
         out[packed] = (gen.tokens, gen.stats.new_tokens / gen.stats.total_time_s)
-    return {"packed_tok_s": out[True][1], "unpacked_tok_s": out[False][1],
+    return {"tok_s": {"packed": out[True][1], "unpacked": out[False][1]},
             "same_tokens": out[True][0] == out[False][0], "tokens": len(out[True][0])}
 
 
@@ -107,20 +107,27 @@ def main(argv=None) -> dict:
               "forwards": bench_forwards(target.model, args), "decoding": bench_decoding(target, args)}
     print(f"target forward over N new tokens after {args.context} cached, median of {args.reps} "
           f"(torch threads {report['threads']}):")
-    print("| N | packed ms | F.linear ms | packed speedup | packed cost / its 1-row cost |")
-    print("|---|---|---|---|---|")
-    one = report["forwards"][0]["packed_ms"]
-    for row in report["forwards"]:
-        print(f"| {row['rows']} | {row['packed_ms']:.1f} | {row['unpacked_ms']:.1f} | "
-              f"{row['unpacked_ms'] / row['packed_ms']:.2f}x | {row['packed_ms'] / one:.2f} |")
-    d = report["decoding"]
-    print(f"plain greedy decoding, {d['tokens']} tokens: packed {d['packed_tok_s']:.1f} tok/s, F.linear "
-          f"{d['unpacked_tok_s']:.1f} tok/s ({d['packed_tok_s'] / d['unpacked_tok_s']:.2f}x); same tokens: "
-          f"{d['same_tokens']}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "packing.json").write_text(json.dumps(report, indent=2))
+    print_comparison(report, "packed", "unpacked")
+    write_report(report, Path(args.out) / "packing.json")
     return report
+
+
+def print_comparison(report: dict, new: str, old: str) -> None:
+    """The table and decoding line of a two-setting report: every report["forwards"] row holds the forward's ms
+    under `new` and `old`; report["decoding"]["tok_s"] plain decoding's tokens a second under each."""
+    print(f"| N | {new}, ms | {old}, ms | speedup | {new} cost / its 1-row cost |")
+    print("|---|---|---|---|---|")
+    one = report["forwards"][0][new]
+    for row in report["forwards"]:
+        print(f"| {row['rows']} | {row[new]:.1f} | {row[old]:.1f} | {row[old] / row[new]:.2f}x | {row[new] / one:.2f} |")
+    d = report["decoding"]
+    print(f"plain greedy decoding, {d['tokens']} tokens: {new} {d['tok_s'][new]:.1f} tok/s, {old} "
+          f"{d['tok_s'][old]:.1f} tok/s ({d['tok_s'][new] / d['tok_s'][old]:.2f}x); same tokens: {d['same_tokens']}")
+
+
+def write_report(report: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":
