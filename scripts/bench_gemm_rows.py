@@ -15,8 +15,6 @@ both produce the same tokens. Prints a table; writes DIR/gemm_rows.json.
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -26,11 +24,11 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from decode.engine import SpeculativeEngine  # noqa: E402  (ROOT on sys.path first)
-from decode.questions import load_questions  # noqa: E402
 from decode.runner import ModelRunner  # noqa: E402
 from models.packed_linear import GEMM_PAD_ENV, gemm_padding  # noqa: E402
 from models.target import load_target  # noqa: E402
-from scripts.bench_packing import QUESTIONS, print_comparison, time_forward, write_report  # noqa: E402
+from scripts.bench_packing import (  # noqa: E402
+    compare_decoding, compare_forwards, env_set, print_comparison, write_report)
 
 
 def parse_args(argv):
@@ -45,50 +43,26 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def built_with(pad: str, factory):
-    """factory() with $SPECDISTILL_GEMM_PAD = pad while it packs its weights, the old value after."""
-    old = os.environ.get(GEMM_PAD_ENV)
-    os.environ[GEMM_PAD_ENV] = pad
-    try:
-        return factory()
-    finally:
-        os.environ.pop(GEMM_PAD_ENV)
-        if old is not None:
-            os.environ[GEMM_PAD_ENV] = old
+def runners_and_engines(model, eos_token_ids, settings: list[str]):
+    """Per setting of $SPECDISTILL_GEMM_PAD: a runner packed under it, and a function building a plain engine."""
+    runners, engines = {}, {}
+    for pad in settings:
+        with env_set(GEMM_PAD_ENV, pad):
+            runners[pad] = ModelRunner(model)
 
-
-@torch.inference_mode()
-def bench_forwards(model, settings: list[str], args) -> list[dict]:
-    runners = {k: built_with(k, lambda: ModelRunner(model)) for k in settings}
-    context = list(range(100, 100 + args.context))
-    table = []
-    for rows in args.rows:
-        times: dict[str, list[float]] = {k: [] for k in settings}
-        for rep in range(args.reps + 1):  # the first rep warms up (oneDNN builds its kernel per shape)
-            for k in settings if rep % 2 else settings[::-1]:
-                times[k].append(time_forward(runners[k], context, rows))
-        table.append({"rows": rows, **{k: 1000 * statistics.median(t[1:]) for k, t in times.items()}})
-    return table
-
-
-def bench_decoding(target, settings: list[str], args) -> dict:
-    question = load_questions(QUESTIONS)[0]
-    prompt = target.encode_chat([{"role": "user", "content": question.turns[0]}])
-    out = {}
-    for k in settings + settings[::-1]:  # twice each, interleaved; the second of each counts
-        engine = built_with(k, lambda: SpeculativeEngine(target.model, None, target.eos_token_ids))
-        gen = engine.generate(prompt, args.decode_tokens)
-        out[k] = (gen.tokens, gen.stats.new_tokens / gen.stats.total_time_s)
-    first = settings[0]
-    return {"tok_s": {k: tok_s for k, (_, tok_s) in out.items()},
-            "same_tokens": all(tokens == out[first][0] for tokens, _ in out.values()), "tokens": len(out[first][0])}
+        def engine(pad=pad):
+            with env_set(GEMM_PAD_ENV, pad):
+                return SpeculativeEngine(model, None, eos_token_ids)
+        engines[pad] = engine
+    return runners, engines
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.pad:
         try:
-            built_with(args.pad, gemm_padding)  # a bad B:T fails here, before the target loads
+            with env_set(GEMM_PAD_ENV, args.pad):
+                gemm_padding()  # a bad B:T fails here, before the target loads
         except ValueError as err:
             raise SystemExit(f"--pad: {err}") from err
     padded = args.pad or ":".join(map(str, gemm_padding()))
@@ -96,10 +70,10 @@ def main(argv=None) -> dict:
         raise SystemExit("this machine pads no GEMM by default: pass --pad B:T to compare one with none")
     settings = ["off", padded]
     target = load_target(args.target)
+    runners, engines = runners_and_engines(target.model, target.eos_token_ids, settings)
     report = {"threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-              "context": args.context, "pad": padded,
-              "forwards": bench_forwards(target.model, settings, args),
-              "decoding": bench_decoding(target, settings, args)}
+              "context": args.context, "pad": padded, "forwards": compare_forwards(runners, args),
+              "decoding": compare_decoding(target, engines, args)}
     print(f"target forward over N new tokens after {args.context} cached, median of {args.reps} "
           f"(torch threads {report['threads']}, {report['cpu_capability']}):")
     print_comparison(report, padded, "off")

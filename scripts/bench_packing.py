@@ -3,9 +3,9 @@
     .venv/bin/python scripts/bench_packing.py [--rows 1 2 4 8 16] [--reps 15] [--context 300] [--out DIR]
 
 For each N the target runs a forward of N tokens after a `--context`-token prefix (the shape of a
-verification step), packed and unpacked interleaved rep by rep, so the machine's noise hits both alike.
-Then plain greedy decoding of `--decode-tokens` tokens after one MT-bench question, both ways, and a
-check that both produce the same tokens. Prints a table; writes DIR/packing.json.
+verification step), packed and unpacked interleaved rep by rep, their order reversed every other rep, so
+the machine's noise hits both alike. Then plain greedy decoding of `--decode-tokens` tokens after one
+MT-bench question, both ways, and a check that both produce the same tokens. Prints a table; writes DIR/packing.json.
 """
 
 from __future__ import annotations
@@ -44,12 +44,12 @@ def parse_args(argv):
 
 
 @contextmanager
-def switched_off(env: str, off: bool):
-    """`env` set to "1" (a feature switched off) or unset while the block runs, restored after; the engine
-    reads these switches when a runner or engine is built."""
+def env_set(env: str, value: str | None):
+    """`env` set to `value` (None: unset) while the block runs, restored after; the engine reads these settings
+    when a runner or engine is built."""
     old = os.environ.pop(env, None)
-    if off:
-        os.environ[env] = "1"
+    if value is not None:
+        os.environ[env] = value
     try:
         yield
     finally:
@@ -58,10 +58,9 @@ def switched_off(env: str, off: bool):
             os.environ[env] = old
 
 
-def make(factory, packed: bool):
-    """Build with packing on or off."""
-    with switched_off(DISABLE_ENV, not packed):
-        return factory()
+def switched_off(env: str, off: bool):
+    """`env` set to "1" (a feature switched off) or unset while the block runs."""
+    return env_set(env, "1" if off else None)
 
 
 def time_forward(runner: ModelRunner, context: list[int], rows: int) -> float:
@@ -74,30 +73,55 @@ def time_forward(runner: ModelRunner, context: list[int], rows: int) -> float:
 
 
 @torch.inference_mode()
-def bench_forwards(model, args) -> list[dict]:
-    runners = {packed: make(lambda: ModelRunner(model), packed) for packed in (True, False)}
+def compare_forwards(runners: dict[str, ModelRunner], args) -> list[dict]:
+    """Per N in args.rows, each runner's forward over N new tokens after args.context cached: the median ms of
+    args.reps, the runners interleaved rep by rep and their order reversed every other rep."""
     context = list(range(100, 100 + args.context))
+    names = list(runners)
     table = []
     for rows in args.rows:
-        times = {True: [], False: []}
-        for _ in range(args.reps + 1):  # the first rep warms up (oneDNN builds its kernel per shape)
-            for packed, runner in runners.items():
-                times[packed].append(time_forward(runner, context, rows))
-        ms = {packed: 1000 * statistics.median(t[1:]) for packed, t in times.items()}
-        table.append({"rows": rows, "packed": ms[True], "unpacked": ms[False]})
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for rep in range(args.reps + 1):  # the first rep warms up (oneDNN builds its kernel per shape)
+            for name in names if rep % 2 else names[::-1]:
+                times[name].append(time_forward(runners[name], context, rows))
+        table.append({"rows": rows, **{name: 1000 * statistics.median(t[1:]) for name, t in times.items()}})
     return table
 
 
-def bench_decoding(target, args) -> dict:
+def compare_decoding(target, build: dict, args) -> dict:
+    """Plain greedy decoding of args.decode_tokens tokens after MT-bench's first question with each engine
+    build[name]() makes: twice each, interleaved, the second of each counts; whether all gave the same tokens."""
     question = load_questions(QUESTIONS)[0]
     prompt = target.encode_chat([{"role": "user", "content": question.turns[0]}])
+    names = list(build)
     out = {}
-    for packed in (True, False, True, False):  # twice each, interleaved; the second of each counts
-        engine = make(lambda: SpeculativeEngine(target.model, None, target.eos_token_ids), packed)
-        gen = engine.generate(prompt, args.decode_tokens)
-        out[packed] = (gen.tokens, gen.stats.new_tokens / gen.stats.total_time_s)
-    return {"tok_s": {"packed": out[True][1], "unpacked": out[False][1]},
-            "same_tokens": out[True][0] == out[False][0], "tokens": len(out[True][0])}
+    for name in names + names[::-1]:
+        gen = build[name]().generate(prompt, args.decode_tokens)
+        out[name] = (gen.tokens, gen.stats.new_tokens / gen.stats.total_time_s)
+    first = out[names[0]][0]
+    return {"tok_s": {name: tok_s for name, (_, tok_s) in out.items()},
+            "same_tokens": all(tokens == first for tokens, _ in out.values()), "tokens": len(first)}
+
+
+def packing(packed: bool):
+    return switched_off(DISABLE_ENV, not packed)
+
+
+def bench_forwards(model, args) -> list[dict]:
+    runners = {}
+    for name, packed in (("packed", True), ("unpacked", False)):
+        with packing(packed):
+            runners[name] = ModelRunner(model)
+    return compare_forwards(runners, args)
+
+
+def bench_decoding(target, args) -> dict:
+    def build(packed: bool):
+        def engine():
+            with packing(packed):
+                return SpeculativeEngine(target.model, None, target.eos_token_ids)
+        return engine
+    return compare_decoding(target, {"packed": build(True), "unpacked": build(False)}, args)
 
 
 def main(argv=None) -> dict:
@@ -119,7 +143,8 @@ def print_comparison(report: dict, new: str, old: str) -> None:
     print("|---|---|---|---|---|")
     one = report["forwards"][0][new]
     for row in report["forwards"]:
-        print(f"| {row['rows']} | {row[new]:.1f} | {row[old]:.1f} | {row[old] / row[new]:.2f}x | {row[new] / one:.2f} |")
+        print(f"| {row['rows']} | {row[new]:.1f} | {row[old]:.1f} | {row[old] / row[new]:.2f}x | "
+              f"{row[new] / one:.2f} |")
     d = report["decoding"]
     print(f"plain greedy decoding, {d['tokens']} tokens: {new} {d['tok_s'][new]:.1f} tok/s, {old} "
           f"{d['tok_s'][old]:.1f} tok/s ({d['tok_s'][new] / d['tok_s'][old]:.2f}x); same tokens: {d['same_tokens']}")

@@ -86,7 +86,7 @@ def test_greedy_decoding_is_the_same_with_and_without_packing(tiny_target, monke
 # ---- small calls padded to the rows oneDNN computes fastest -----------------------------------------
 
 @pytest.mark.parametrize("shape", [(16,), (1, 16), (2, 16), (1, 2, 16), (3, 16), (1, 5, 16), (2, 3, 16)])
-def test_padded_calls_keep_their_rows_shape_and_values(shape):
+def test_padded_calls_keep_their_rows_shape_and_values(shape, monkeypatch):
     """Rows below B computed as T keep their own rows: the shape asked for, F.linear's values, and the same
     values as the unpadded call up to rounding; calls of B rows or more are not padded at all."""
     torch.manual_seed(0)
@@ -99,14 +99,12 @@ def test_padded_calls_keep_their_rows_shape_and_values(shape):
         torch.testing.assert_close(out, linear(x), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out, plain(x), rtol=1e-5, atol=1e-5)
     rows = x.numel() // 16
-    calls = []
+    calls = []  # what the kernel was given: T rows when padded, the call's own otherwise
     original = torch.ops.mkldnn._linear_pointwise
-    try:  # what the kernel was given: T rows when padded, the call's own otherwise
-        torch.ops.mkldnn._linear_pointwise = lambda inp, *a: calls.append(inp.numel() // 16) or original(inp, *a)
-        with torch.inference_mode():
-            padded(x)
-    finally:
-        torch.ops.mkldnn._linear_pointwise = original
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        lambda inp, *a: calls.append(inp.numel() // 16) or original(inp, *a))
+    with torch.inference_mode():
+        padded(x)
     assert calls == [6 if rows < 3 else rows]
 
 
