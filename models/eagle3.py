@@ -148,6 +148,8 @@ class Eagle3Layer(nn.Module):
         """embeds, state [..., T, D], positions [T] or [..., T] -> q [..., H, T, hd], k, v [..., Hkv, T, hd]
         (q, k rotated)."""
         attn = self.self_attn
+        # under bf16 autocast (training) the fused feature arrives in bf16: normed in the norm's dtype, the fused kernel
+        state = state.to(self.hidden_norm.weight.dtype)
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(state)], dim=-1)  # [..., T, 2D]
         q = attn.q_proj(x).unflatten(-1, (attn.num_heads, attn.head_dim)).transpose(-3, -2)
         k = attn.k_proj(x).unflatten(-1, (attn.num_kv_heads, attn.head_dim)).transpose(-3, -2)

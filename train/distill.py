@@ -83,9 +83,6 @@ def main(argv: list[str] | None = None) -> Path | None:
 
 
 def make_accelerator(cfg: DistillConfig) -> Accelerator:
-    precision = cfg.mixed_precision
-    if precision == "auto":
-        precision = "bf16" if torch.cuda.is_available() else "no"
     if cfg.tracker == "wandb":
         if importlib.util.find_spec("wandb") is None:
             raise ConfigError("tracker: wandb is not installed; pip install '.[track]' or set tracker: none")
@@ -95,6 +92,7 @@ def make_accelerator(cfg: DistillConfig) -> Accelerator:
     # DeepSpeed launch it would silently turn DeepSpeed into plain DDP, so there DeepSpeed's CPU accelerator
     # (gloo without oneCCL) takes the device instead
     deepspeed = deepspeed_launch()
+    precision = resolve_mixed_precision(cfg.mixed_precision, cfg.method, deepspeed)
     # without CUDA, accelerate finds no backend for DeepSpeed and would count one process per rank: name gloo
     handlers = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and not torch.cuda.is_available() else None
     accelerator = Accelerator(cpu=not torch.cuda.is_available() and not deepspeed, kwargs_handlers=handlers,
@@ -107,6 +105,7 @@ def make_accelerator(cfg: DistillConfig) -> Accelerator:
         check_deepspeed(cfg, accelerator)
     logging.basicConfig(level=logging.INFO if accelerator.is_main_process else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    log.info("mixed precision: %s%s", precision, " (auto)" if cfg.mixed_precision == "auto" else "")
     if accelerator.device.type == "cpu":
         threads = cpu_threads(cfg.threads, accelerator.num_processes)
         torch.set_num_threads(threads)
@@ -114,6 +113,32 @@ def make_accelerator(cfg: DistillConfig) -> Accelerator:
     if cfg.tracker != "none":
         accelerator.init_trackers("specdistill", config=asdict(cfg))
     return accelerator
+
+
+# Methods that "auto" trains under bf16 autocast on a CPU with native bf16 GEMMs: those measured there. EAGLE-3:
+# a step 1.5x faster and drafters as fast as fp32's (BENCHMARKS.md, "EAGLE-3 training in bf16 on the CPU"). The
+# others stay fp32 on the CPU until measured (a tiny on-policy reverse-KL run learned less under bf16).
+CPU_BF16_METHODS = frozenset({"eagle3"})
+
+
+def resolve_mixed_precision(choice: str, method: str, deepspeed: bool = False) -> str:
+    """"auto": bf16 on CUDA, and for CPU_BF16_METHODS on a CPU whose oneDNN has native bf16 GEMMs (AVX512-BF16
+    or AMX: twice fp32's throughput, measured 390-416 against 158-201 GFLOP/s on the 2-core AVX-512 host) outside
+    DeepSpeed (whose bf16 keeps bf16 weights, not autocast: on a CPU DeepSpeed is for checking sharding against
+    DDP); else no (AVX2 hosts emulate bf16, slower than fp32). Any other choice stands as given."""
+    if choice != "auto":
+        return choice
+    if torch.cuda.is_available():
+        return "bf16"
+    return "bf16" if method in CPU_BF16_METHODS and native_bf16_cpu() and not deepspeed else "no"
+
+
+def native_bf16_cpu() -> bool:
+    """oneDNN runs bf16 GEMMs natively on this CPU (AVX512-BF16 / AMX)."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def cpu_threads(requested: int, num_processes: int) -> int:

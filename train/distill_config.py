@@ -126,7 +126,8 @@ class DistillConfig:
     max_steps: int = _f(0, "optimizer steps; 0 = run the epochs")
     max_seq_len: int = _f(384, "prompt + response tokens per sequence (the prompt is cut from the left)")
     seed: int = _f(0, "seed for data order, teacher sampling and initialization")
-    mixed_precision: str = _f("auto", "no, bf16, fp16, or auto (bf16 on CUDA, no on CPU)")
+    mixed_precision: str = _f("auto", "no, bf16, fp16, or auto (bf16 on CUDA, and for eagle3 on CPUs with native "
+                                       "bf16 GEMMs, AVX512-BF16 or AMX; no elsewhere)")
     threads: int = _f(0, "torch threads per process on the CPU; 0 = the machine's cores shared among the processes "
                          "(accelerate launch would leave one per process)")
     target_dtype: str = _f("auto", "the frozen target's weights: float32, bfloat16, or auto (bf16 on CUDA, fp32 on CPU); "

@@ -263,9 +263,11 @@ def train_step(cfg, accelerator, target, drafter, head_rows, records, optimizer,
     """noise_seed: the feature noise's seed, a function of the batch (the same draws after --resume)."""
     module = accelerator.unwrap_model(drafter)
     noise = torch.Generator(device=module.fc.weight.device).manual_seed(noise_seed)
-    loss, accuracy = eagle3_loss(module, target.model.get_input_embeddings(), head_rows, records, cfg.eagle3_steps,
-                                 cfg.eagle3_decay, cfg.eagle3_prompt_weight, copy_weight=cfg.eagle3_copy_weight,
-                                 feature_noise=cfg.eagle3_feature_noise, noise=noise)
+    with accelerator.autocast():  # the loss calls the drafter's parts, not the prepared forward accelerate wraps
+        loss, accuracy = eagle3_loss(module, target.model.get_input_embeddings(), head_rows, records,
+                                     cfg.eagle3_steps, cfg.eagle3_decay, cfg.eagle3_prompt_weight,
+                                     copy_weight=cfg.eagle3_copy_weight, feature_noise=cfg.eagle3_feature_noise,
+                                     noise=noise)
     accelerator.backward(loss)  # under DeepSpeed: also averages the gradients over processes, clips, steps
     if not steps.deepspeed(accelerator):
         average_gradients(accelerator, module)  # the loss calls the drafter's parts, not DDP's forward

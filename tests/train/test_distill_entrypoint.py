@@ -116,6 +116,30 @@ def test_cpu_training_uses_the_machines_cores_not_accelerates_one_thread():
         load_config(DistillConfig, ["--threads", "-1"])
 
 
+def test_auto_mixed_precision_is_bf16_on_cuda_and_for_eagle3_on_cpus_with_native_bf16(monkeypatch):
+    import train.distill as distill
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for native, expected in ((True, "bf16"), (False, "no")):
+        monkeypatch.setattr(distill, "native_bf16_cpu", lambda: native)
+        assert distill.resolve_mixed_precision("auto", "eagle3") == expected
+        assert distill.resolve_mixed_precision("auto", "eagle3", deepspeed=True) == "no"  # bf16 weights, not autocast
+        assert distill.resolve_mixed_precision("auto", "kd") == "no"  # not measured under bf16 on a CPU
+        for chosen in ("no", "bf16", "fp16"):  # a choice stands whatever the machine and method
+            assert distill.resolve_mixed_precision(chosen, "eagle3") == chosen
+            assert distill.resolve_mixed_precision(chosen, "seqkd") == chosen
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert {distill.resolve_mixed_precision("auto", m) for m in ("eagle3", "seqkd", "medusa")} == {"bf16"}
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads the CPU's flags from /proc/cpuinfo")
+def test_native_bf16_is_what_the_cpu_flags_say():
+    from train.distill import native_bf16_cpu
+
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    assert native_bf16_cpu() == bool({"avx512_bf16", "amx_bf16"} & flags)
+
+
 def test_precedence_default_yaml_cli(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text("lr: 0.01\nbatch_size: 3\nprompts: ['self:5']\n")

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 
 from decode.engine import SpeculativeEngine
 from decode.proposers import build_proposer
@@ -260,6 +261,30 @@ def test_resume_ends_where_an_uninterrupted_run_does(target, records, tmp_path, 
     a, b = load_drafter(whole, target).model.state_dict(), load_drafter(resumed, target).model.state_dict()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("precision, autocast", [("bf16", True), ("no", False)])
+def test_mixed_precision_runs_the_loss_under_autocast_and_keeps_fp32_weights(target, records, tmp_path, monkeypatch,
+                                                                              precision, autocast):
+    import train.eagle3 as eagle3_training
+
+    seen, loss = [], eagle3_training.eagle3_loss
+
+    def spy(*args, **kwargs):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return loss(*args, **kwargs)
+
+    monkeypatch.setattr(eagle3_training, "eagle3_loss", spy)
+    monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
+    AcceleratorState._reset_state(reset_partial_state=True)  # a process's accelerate state holds one precision
+    try:
+        accelerator = Accelerator(cpu=True, mixed_precision=precision)
+        out = train_eagle3(eagle3_config(tmp_path, max_steps=4, eval_every=0), accelerator, target, records[:40], [])
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert len(seen) == 4 and set(seen) == {autocast}
+    drafter = load_drafter(out, target).model
+    assert {p.dtype for p in drafter.parameters()} == {torch.float32}
 
 
 @pytest.mark.parametrize("override, field", [(dict(eagle3_layers=[1, 2]), "eagle3_layers"),
