@@ -134,9 +134,11 @@ def resolve_mixed_precision(choice: str, method: str, deepspeed: bool = False) -
 
 
 def native_bf16_cpu() -> bool:
-    """oneDNN runs bf16 GEMMs natively on this CPU (AVX512-BF16 / AMX)."""
+    """This CPU has bf16 GEMM instructions (AVX512-BF16 or AMX) and oneDNN to run them. (oneDNN's own
+    `_is_mkldnn_bf16_supported` also says yes on plain AVX-512, where it emulates bf16.)"""
     try:
-        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return bool(torch.backends.mkldnn.is_available()
+                    and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()))
     except (AttributeError, RuntimeError):
         return False
 

@@ -137,7 +137,7 @@ def test_native_bf16_is_what_the_cpu_flags_say():
     from train.distill import native_bf16_cpu
 
     flags = set(Path("/proc/cpuinfo").read_text().split())
-    assert native_bf16_cpu() == bool({"avx512_bf16", "amx_bf16"} & flags)
+    assert native_bf16_cpu() == bool({"avx512_bf16", "amx_tile"} & flags)
 
 
 def test_precedence_default_yaml_cli(tmp_path):
