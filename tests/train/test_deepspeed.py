@@ -27,7 +27,7 @@ from tests.train.test_distill_entrypoint import prompts_file, tiny_target_dir  #
 
 
 def launch(config: str, args: list[str]):
-    # fp32 in both: DeepSpeed's bf16 keeps bf16 weights where DDP's autocasts (auto picks bf16 on a native-bf16 CPU)
+    # fp32 in both: DeepSpeed's bf16 keeps bf16 weights, DDP autocasts (auto: bf16 for eagle3 on a native-bf16 CPU)
     return run_entrypoint(args + ["--mixed_precision", "no"],
                           launcher=[ACCELERATE, "launch", "--config_file", config, *TWO_CPU])
 
