@@ -38,7 +38,10 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import os
+import statistics
+import time
 import weakref
 
 import torch
@@ -46,7 +49,8 @@ from torch.nn import functional as F
 
 __all__ = ["DRAFTING_WEIGHTS", "GEMM_PAD_ENV", "PackedLinear", "PackedLinearFP16", "WEIGHT_FORMATS", "cached_copy",
            "check_weight_format", "drafting_weights", "float16_weights_supported", "gemm_padding", "inference_weights",
-           "packed_class", "packed_for_inference", "packing_supported", "set_inference_weights", "weights_signature"]
+           "measured_gemm_padding", "packed_class", "packed_for_inference", "packing_supported",
+           "set_inference_weights", "weights_signature"]
 
 WEIGHT_FORMATS = ("float32", "float16")
 # the attribute of a model that says in which format its inference copies hold linear weights
@@ -55,22 +59,31 @@ WEIGHTS_ATTR = "specdistill_inference_weights"
 # env switch for side-by-side measurements (scripts/bench_packing.py) and as an escape hatch
 DISABLE_ENV = "SPECDISTILL_NO_PACKING"
 
+log = logging.getLogger("specdistill.packed_linear")
+
 _cache: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, torch.nn.Module]]" = weakref.WeakKeyDictionary()
 
 
-# oneDNN's fp32 GEMM on AVX-512 (brgemm, six rows to a register block) computes one or two rows slower than six:
-# the default target's whole forward took 31.0 / 37.1 ms for 1 / 2 new rows against 29.4 / 30.9 with its GEMMs
-# padded to 6 rows (zeros), and 29-31 ms for 3-6 rows, where padding cost more (about 1 ms of pads and slices a
-# forward) than it saved; on AVX2 one row is the cheapest (BENCHMARKS.md "One or two rows computed as six";
-# `scripts/bench_gemm_rows.py` measures a machine). So a call of fewer than B rows computes T rows and keeps its
-# own: (B, T) = (3, 6) on AVX-512, never elsewhere; $SPECDISTILL_GEMM_PAD sets it ("B:T", or "off").
+# oneDNN's fp32 GEMM on AVX-512 (brgemm, six rows to a register block) computed one or two rows slower than six on
+# the 2-core AMD EPYC (Zen 4): the default target's whole forward took 31.0 / 37.1 ms for 1 / 2 new rows against
+# 29.4 / 30.9 with its GEMMs padded to 6 rows (zeros), and 29-31 ms for 3-6 rows, where padding cost more (about
+# 1 ms of pads and slices a forward) than it saved (BENCHMARKS.md "One or two rows computed as six"). On a 2-core
+# Intel Xeon with AVX-512 and AMX the same kernel is fastest at one row and padding made plain decoding 0.86x
+# (BENCHMARKS.md "GEMM padding measured, not assumed"); on AVX2 one row is the cheapest. So a call of fewer than B
+# rows computes T rows and keeps its own where this machine measures that faster: on AVX-512, one short timing per
+# process (measured_gemm_padding) chooses (B, T) among (3, 6), (2, 6) and none; elsewhere none.
+# $SPECDISTILL_GEMM_PAD sets it ("B:T", or "off"); `scripts/bench_gemm_rows.py` measures a whole forward.
 GEMM_PAD_ENV = "SPECDISTILL_GEMM_PAD"
-AVX512_GEMM_PAD = (3, 6)
+PAD_TO = 6
+# padding must save at least this share of a call's time to be chosen: the pads and slices cost about 1 ms a
+# forward that the timing's GEMMs do not show, and a decision should not flip on noise
+PAD_MIN_GAIN = 0.05
 
 
 def gemm_padding() -> tuple[int, int]:
     """(B, T): an fp32 packed GEMM call of fewer than B rows computes T rows; (0, 0): never padded.
-    $SPECDISTILL_GEMM_PAD ("B:T" or "off"), else (3, 6) on AVX-512, else (0, 0)."""
+    $SPECDISTILL_GEMM_PAD ("B:T" or "off"), else on AVX-512 what this machine measures (measured_gemm_padding),
+    else (0, 0)."""
     value = os.environ.get(GEMM_PAD_ENV, "").strip().lower()
     if value == "off":
         return 0, 0
@@ -80,7 +93,50 @@ def gemm_padding() -> tuple[int, int]:
             raise ValueError(f"${GEMM_PAD_ENV}: 'B:T' (calls of fewer than B rows compute T, 1 <= B <= T) "
                              f"or 'off', got {value!r}")
         return int(below), int(to)
-    return AVX512_GEMM_PAD if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else (0, 0)
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return 0, 0
+    return measured_gemm_padding()
+
+
+@functools.cache
+def measured_gemm_padding() -> tuple[int, int]:
+    """(3, 6) where one and two rows computed as six are both faster by PAD_MIN_GAIN, (2, 6) where only one row
+    is, else (0, 0): timed once per process on this machine's threads (about 0.1 s)."""
+    one, two = padding_gains(gemm_row_timings())
+    choice = (3, PAD_TO) if one >= PAD_MIN_GAIN and two >= PAD_MIN_GAIN else (2, PAD_TO) if one >= PAD_MIN_GAIN \
+        else (0, 0)
+    log.info("fp32 GEMM padding: %s (padding to %d rows saves %.0f%% at 1 row, %.0f%% at 2)",
+             "off" if choice == (0, 0) else "%d:%d" % choice, PAD_TO, 100 * one, 100 * two)
+    return choice
+
+
+def padding_gains(timings: dict[tuple[int, int], float]) -> tuple[float, float]:
+    """The share of time padding to PAD_TO saves at 1 and 2 rows, from {(rows, computed rows): seconds}."""
+    return tuple(1.0 - timings[(rows, PAD_TO)] / timings[(rows, rows)] for rows in (1, 2))
+
+
+def gemm_row_timings(megabytes: int = 64, reps: int = 5) -> dict[tuple[int, int], float]:
+    """{(rows, computed rows): median seconds} of packed fp32 GEMMs over `megabytes` of weights shaped like a
+    small LLM's layers (more than any core's L2, so the weights stream as in a forward), for 1 and 2 rows, each
+    computed as itself and as PAD_TO; the variants interleaved rep by rep."""
+    shapes = [(1536, 576), (576, 1536), (960, 576), (576, 576)]  # [out, in]: the default target's MLP, QKV, o
+    weights, size = [], 0
+    while size < megabytes * 2 ** 20:
+        for out_features, in_features in shapes:
+            weight = torch.empty(out_features, in_features).uniform_(-0.05, 0.05)
+            weights.append((torch.ops.mkldnn._reorder_linear_weight(weight), in_features))
+            size += weight.numel() * weight.element_size()
+    variants = [(1, 1), (1, PAD_TO), (2, 2), (2, PAD_TO)]
+    samples: dict[tuple[int, int], list[float]] = {v: [] for v in variants}
+    with torch.inference_mode():
+        inputs = {v: {i: torch.full((v[1], i), 0.01) for _, i in shapes} for v in variants}
+        for _ in range(reps + 1):  # the first round warms the kernels and is dropped
+            for variant in variants:
+                start = time.perf_counter()
+                for weight, in_features in weights:
+                    torch.ops.mkldnn._linear_pointwise(inputs[variant][in_features], weight, None, "none", [], "")
+                samples[variant].append(time.perf_counter() - start)
+    return {v: statistics.median(times[1:]) for v, times in samples.items()}
 
 
 class PackedLinear(torch.nn.Module):

@@ -2,9 +2,10 @@
 
     .venv/bin/python scripts/bench_gemm_rows.py [--pad B:T] [--rows 1 2 3 ... 16] [--reps 15] [--out DIR]
 
-oneDNN's fp32 GEMM (the engine's packed linear layers, models.packed_linear) is slower for one or two rows
-than for six on AVX-512 hosts, faster on AVX2 ones; `$SPECDISTILL_GEMM_PAD` ("B:T": a call of fewer than B
-rows computes T; default 3:6 on AVX-512, else off) pads them. This measures a padding and none on this
+oneDNN's fp32 GEMM (the engine's packed linear layers, models.packed_linear) was slower for one or two rows
+than for six on an AMD AVX-512 host, faster on an Intel AVX-512 one and on AVX2 ones; `$SPECDISTILL_GEMM_PAD`
+("B:T": a call of fewer than B rows computes T; by default on AVX-512 what a short timing of packed GEMMs finds
+faster, models.packed_linear.measured_gemm_padding, else off) pads them. This measures a padding and none on this
 machine, interleaved rep by rep, the order reversed every other rep, so the machine's noise and any
 first-or-second bias hit both alike: the target's forward over N new tokens after a `--context`-token
 prefix (the shape of a verification step; logits for every row), then plain greedy decoding of

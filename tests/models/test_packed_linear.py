@@ -5,6 +5,7 @@ import torch
 
 from decode.engine import SpeculativeEngine
 from decode.proposers import DraftModelProposer
+from models import packed_linear
 from models.packed_linear import DISABLE_ENV, GEMM_PAD_ENV, PackedLinear, gemm_padding, packed_for_inference
 from decode.runner import ModelRunner
 from tests.conftest import make_tiny_llama
@@ -121,11 +122,44 @@ def test_a_bad_padding_names_the_variable(monkeypatch, value):
         gemm_padding()
 
 
-@pytest.mark.parametrize("capability, expected", [("AVX512", (3, 6)), ("AVX2", (0, 0)), ("DEFAULT", (0, 0))])
-def test_padding_by_default_only_on_avx512(monkeypatch, capability, expected):
+@pytest.mark.parametrize("capability", ["AVX2", "DEFAULT"])
+def test_no_padding_by_default_below_avx512(monkeypatch, capability):
     monkeypatch.delenv(GEMM_PAD_ENV, raising=False)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    assert gemm_padding() == expected
+    monkeypatch.setattr(packed_linear, "gemm_row_timings", lambda: pytest.fail("timed where nothing is padded"))
+    assert gemm_padding() == (0, 0)
+
+
+def fake_timings(one_padded: float, two_padded: float) -> dict[tuple[int, int], float]:
+    """Timings where 1 and 2 rows take 1.0 s as themselves and the given seconds computed as six."""
+    return {(1, 1): 1.0, (1, 6): one_padded, (2, 2): 1.0, (2, 6): two_padded}
+
+
+@pytest.mark.parametrize("one_padded, two_padded, expected", [
+    (0.80, 0.85, (3, 6)),   # both faster padded (the AMD Zen 4 host's forward)
+    (0.90, 1.10, (2, 6)),   # only one row
+    (1.15, 1.12, (0, 0)),   # neither (the Intel Xeon host's)
+    (0.97, 0.97, (0, 0)),   # faster by less than PAD_MIN_GAIN: noise, not a reason
+    (1.10, 0.80, (0, 0)),   # two rows alone cannot be padded without one
+])
+def test_avx512_padding_follows_the_measured_gain(monkeypatch, one_padded, two_padded, expected):
+    monkeypatch.delenv(GEMM_PAD_ENV, raising=False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(packed_linear, "gemm_row_timings", lambda: fake_timings(one_padded, two_padded))
+    packed_linear.measured_gemm_padding.cache_clear()
+    try:
+        assert gemm_padding() == expected
+    finally:
+        packed_linear.measured_gemm_padding.cache_clear()
+
+
+def test_gemm_row_timings_time_every_variant():
+    timings = packed_linear.gemm_row_timings(megabytes=2, reps=2)
+    assert set(timings) == {(1, 1), (1, 6), (2, 2), (2, 6)}
+    assert all(t > 0 for t in timings.values())
+    one, two = packed_linear.padding_gains(timings)
+    assert one == pytest.approx(1 - timings[(1, 6)] / timings[(1, 1)])
+    assert two == pytest.approx(1 - timings[(2, 6)] / timings[(2, 2)])
 
 
 def test_a_new_padding_packs_a_new_copy(monkeypatch):
