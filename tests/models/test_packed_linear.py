@@ -154,9 +154,11 @@ def test_avx512_padding_follows_the_measured_gain(monkeypatch, one_padded, two_p
 
 
 def test_gemm_row_timings_time_every_variant():
+    rng_before = torch.get_rng_state()
     timings = packed_linear.gemm_row_timings(megabytes=2, reps=2)
     assert set(timings) == {(1, 1), (1, 6), (2, 2), (2, 6)}
     assert all(t > 0 for t in timings.values())
+    assert torch.equal(torch.get_rng_state(), rng_before)  # timing draws nothing: seeded runs stay as they were
     one, two = packed_linear.padding_gains(timings)
     assert one == pytest.approx(1 - timings[(1, 6)] / timings[(1, 1)])
     assert two == pytest.approx(1 - timings[(2, 6)] / timings[(2, 2)])
