@@ -21,7 +21,7 @@ if __name__ == "__main__":
 
 import importlib.util  # noqa: E402
 import logging  # noqa: E402
-from dataclasses import asdict  # noqa: E402
+from dataclasses import asdict, replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -54,7 +54,10 @@ OWN_LOOP_METHODS = {
 
 def main(argv: list[str] | None = None) -> Path | None:
     cfg = load_config(DistillConfig, argv)
-    accelerator = make_accelerator(cfg)
+    asked = cfg.mixed_precision
+    # what runs, not "auto", in every record of the run (the drafter's manifest, the summary, the tracker)
+    cfg = replace(cfg, mixed_precision=resolve_mixed_precision(asked, cfg.method, deepspeed_launch()))
+    accelerator = make_accelerator(cfg, asked)
     set_seed(cfg.seed)
     target = steps.load_target_for(cfg, accelerator)
     records = steps.teacher_records(cfg, target, accelerator)
@@ -82,7 +85,8 @@ def main(argv: list[str] | None = None) -> Path | None:
     return out
 
 
-def make_accelerator(cfg: DistillConfig) -> Accelerator:
+def make_accelerator(cfg: DistillConfig, asked: str | None = None) -> Accelerator:
+    """The run's accelerator; `asked`: the mixed_precision the config gave, when cfg holds what it resolved to."""
     if cfg.tracker == "wandb":
         if importlib.util.find_spec("wandb") is None:
             raise ConfigError("tracker: wandb is not installed; pip install '.[track]' or set tracker: none")
@@ -105,7 +109,7 @@ def make_accelerator(cfg: DistillConfig) -> Accelerator:
         check_deepspeed(cfg, accelerator)
     logging.basicConfig(level=logging.INFO if accelerator.is_main_process else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-    log.info("mixed precision: %s%s", precision, " (auto)" if cfg.mixed_precision == "auto" else "")
+    log.info("mixed precision: %s%s", precision, " (auto)" if (asked or cfg.mixed_precision) == "auto" else "")
     if accelerator.device.type == "cpu":
         threads = cpu_threads(cfg.threads, accelerator.num_processes)
         torch.set_num_threads(threads)

@@ -157,6 +157,10 @@ def test_literal_accelerate_launch_trains_and_resumes(tiny_target_dir, prompts_f
     manifest = json.loads((full / "drafter" / "manifest.json").read_text())
     assert manifest["kind"] == "draft_model"
     assert manifest["config"]["output_dir"] == str(full / "drafter")
+    # the record names the precision that ran (auto resolved), the log that it was auto's choice
+    from train.distill import resolve_mixed_precision
+    assert manifest["config"]["mixed_precision"] == resolve_mixed_precision("auto", "seqkd")
+    assert f"mixed precision: {manifest['config']['mixed_precision']} (auto)" in res.stderr
 
     part = tmp_path / "part"
     first = run_entrypoint(job_args(tiny_target_dir, prompts_file, part, checkpoint_every=2, stop_at_step=3))
