@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> Path | None:
     return out
 
 
-def make_accelerator(cfg: DistillConfig, asked: str | None = None) -> Accelerator:
-    """The run's accelerator; `asked`: the mixed_precision the config gave, when cfg holds what it resolved to."""
+def make_accelerator(cfg: DistillConfig, asked: str) -> Accelerator:
+    """The run's accelerator in cfg.mixed_precision, already resolved (main); `asked`: what the config gave."""
     if cfg.tracker == "wandb":
         if importlib.util.find_spec("wandb") is None:
             raise ConfigError("tracker: wandb is not installed; pip install '.[track]' or set tracker: none")
@@ -96,11 +96,10 @@ def make_accelerator(cfg: DistillConfig, asked: str | None = None) -> Accelerato
     # DeepSpeed launch it would silently turn DeepSpeed into plain DDP, so there DeepSpeed's CPU accelerator
     # (gloo without oneCCL) takes the device instead
     deepspeed = deepspeed_launch()
-    precision = resolve_mixed_precision(cfg.mixed_precision, cfg.method, deepspeed)
     # without CUDA, accelerate finds no backend for DeepSpeed and would count one process per rank: name gloo
     handlers = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and not torch.cuda.is_available() else None
     accelerator = Accelerator(cpu=not torch.cuda.is_available() and not deepspeed, kwargs_handlers=handlers,
-                              gradient_accumulation_steps=cfg.grad_accum, mixed_precision=precision,
+                              gradient_accumulation_steps=cfg.grad_accum, mixed_precision=cfg.mixed_precision,
                               log_with=None if cfg.tracker == "none" else cfg.tracker,
                               project_dir=cfg.work_dir,
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True,
@@ -109,7 +108,7 @@ def make_accelerator(cfg: DistillConfig, asked: str | None = None) -> Accelerato
         check_deepspeed(cfg, accelerator)
     logging.basicConfig(level=logging.INFO if accelerator.is_main_process else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-    log.info("mixed precision: %s%s", precision, " (auto)" if (asked or cfg.mixed_precision) == "auto" else "")
+    log.info("mixed precision: %s%s", cfg.mixed_precision, " (auto)" if asked == "auto" else "")
     if accelerator.device.type == "cpu":
         threads = cpu_threads(cfg.threads, accelerator.num_processes)
         torch.set_num_threads(threads)
