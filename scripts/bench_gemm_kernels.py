@@ -7,8 +7,8 @@ what Inductor uses for a static batch), and F.linear (MKL's sgemm, unpacked).
 
 GEMMs only, no attention or norms, the kernels interleaved rep by rep (order reversed every other rep), median of
 `--reps` after one warm-up rep. A kernel that wins here need not win in a forward: on a 2-core Intel Xeon with
-AMX MKL's packing took 0.74x oneDNN's time at one row and 0.67x at eight here, and made plain decoding 1.05-1.12x
-faster and speculative decoding no faster (BENCHMARKS.md "MKL's packed sgemm against oneDNN's packing").
+AMX MKL's packing took 0.67-0.92x oneDNN's time here (two runs), and made plain decoding 1.05-1.12x faster and
+speculative decoding no faster (BENCHMARKS.md "MKL's packed sgemm against oneDNN's packing").
 Also checks that MKL's packings for 2-16 rows compute a row bit for bit alike. Prints a table; writes
 DIR/gemm_kernels.json.
 """
@@ -49,7 +49,8 @@ def kernels_for(weights: list[torch.Tensor], rows: int) -> dict:
     return {
         "onednn packed": lambda x: [torch.ops.mkldnn._linear_pointwise(x[w.shape[1]], p, None, "none", [], "")
                                     for p, w in zip(onednn, weights)],
-        "mkl packed": lambda x: [torch.ops.mkl._mkl_linear(x[w.shape[1]], p, w, None, rows) for p, w in zip(mkl, weights)],
+        "mkl packed": lambda x: [torch.ops.mkl._mkl_linear(x[w.shape[1]], p, w, None, rows)
+                                 for p, w in zip(mkl, weights)],
         "F.linear": lambda x: [F.linear(x[w.shape[1]], w) for w in weights],
     }
 
