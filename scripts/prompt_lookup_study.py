@@ -129,18 +129,28 @@ def replay(records: list[tuple[list[int], list[int]]], policy: Policy) -> dict:
             "accepted_after_strong_match": strong_accepted / max(strong, 1), "steps": steps}
 
 
-def parse_args(argv):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("teacher_data", nargs="+", type=Path)
     p.add_argument("--out", type=Path, default=None)
-    return p.parse_args(argv)
+    return p
+
+
+def load_answers(parser: argparse.ArgumentParser, directories: list[Path]) -> list[tuple[list[int], list[int]]]:
+    """(prompt, answer) token lists of every directory; a missing or unfinished one is an argparse error."""
+    records = []
+    for directory in directories:
+        try:
+            records += [(row["prompt_ids"], row["response_ids"]) for row in load_teacher_data(directory)]
+        except FileNotFoundError as err:
+            parser.error(f"argument teacher_data: {err}")
+    return records
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv)
-    records = []
-    for directory in args.teacher_data:
-        records += [(row["prompt_ids"], row["response_ids"]) for row in load_teacher_data(directory)]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    records = load_answers(parser, args.teacher_data)
     report = {"answers": len(records), "policies": [{**asdict(p), **replay(records, p)} for p in POLICIES]}
     print(f"{len(records)} answers")
     print("| policy | tau | rows a step | steps after an n >= 2 match | tokens they accept |")

@@ -3,8 +3,11 @@ verification would accept."""
 
 import random
 
+import pytest
+
 from decode.proposers.prompt_lookup import lookup_match
-from scripts.prompt_lookup_study import POLICIES, NgramIndex, Policy, accepted_and_rows, proposals, replay, within_nodes
+from scripts.prompt_lookup_study import (POLICIES, NgramIndex, Policy, accepted_and_rows, main, proposals, replay,
+                                         within_nodes)
 
 
 def test_the_engine_policy_proposes_what_the_engine_looks_up():
@@ -33,3 +36,10 @@ def test_replay_of_an_answer_that_repeats_its_prompt():
     assert one_chain["steps"] == 2 and one_chain["tau"] == 4.0
     plain = replay([(prompt, answer)], Policy("none", min_ngram=3, max_ngram=3, num_tokens=1))
     assert plain["tau"] >= 1.0 and plain["rows_per_step"] >= 1.0
+
+
+def test_a_directory_without_teacher_data_is_an_error_naming_it(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path)])
+    assert exit_.value.code == 2
+    assert f"argument teacher_data: no teacher data in {tmp_path}" in capsys.readouterr().err
