@@ -22,6 +22,7 @@ writes then go to explicit slots, `slots`).
 
 from __future__ import annotations
 
+import logging
 import os
 import weakref
 
@@ -29,6 +30,9 @@ import torch
 import torch.nn.functional as F
 
 from models.packed_linear import cached_copy, gemm_padding, packed_class, packing_supported, weights_signature
+from models.q41_linear import Q41Linear, kernel_unavailable, q41_or_packed
+
+log = logging.getLogger("specdistill.lean")
 
 __all__ = ["LeanDecoder", "lean_decoder", "lean_supported"]
 
@@ -69,15 +73,31 @@ def lean_decoder(model: torch.nn.Module, weights: str) -> "LeanDecoder | None":
         return None
     decoder = model.get_decoder()
     # the norms' weights are read in place; their identity joins the linears' signature
-    key = (weights, gemm_padding(), weights_signature(decoder), tuple(p.data_ptr() for p in decoder.parameters()))
-    return cached_copy(_cache, decoder, key, lambda: LeanDecoder(decoder, linear_class(decoder, weights)))
+    key = (weights, gemm_padding(), kernel_unavailable(), weights_signature(decoder),
+           tuple(p.data_ptr() for p in decoder.parameters()))
+    return cached_copy(_cache, decoder, key, lambda: built_decoder(decoder, weights))
+
+
+def built_decoder(decoder: torch.nn.Module, weights: str) -> "LeanDecoder":
+    lean = LeanDecoder(decoder, linear_class(decoder, weights))
+    if next(decoder.parameters()).device.type == "cpu" and weights == "float32":
+        linears = [m for layer in lean.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        on_q41 = sum(isinstance(m, Q41Linear) for m in linears)
+        reason = kernel_unavailable()
+        log.info("fp32 layer GEMMs: the Q4_1 kernel for %d of %d matrices%s", on_q41, len(linears),
+                 f" ({reason})" if reason else " (the others are not exactly on a 4-bit grid of 32)"
+                 if on_q41 < len(linears) else "")
+    return lean
 
 
 def linear_class(decoder: torch.nn.Module, weights: str):
-    """What the fused projections become: packed copies on the CPU (models.packed_linear); on CUDA the fused
-    nn.Linear itself (cuBLAS reads it as it is)."""
+    """What the fused projections become: on the CPU in fp32, the Q4_1 kernel's matrices where they are exactly
+    Q4_1 (models.q41_linear), else packed copies (models.packed_linear); on CUDA the fused nn.Linear itself
+    (cuBLAS reads it as it is)."""
     if next(decoder.parameters()).device.type == "cuda":
         return lambda linear: linear
+    if weights == "float32" and kernel_unavailable() is None:
+        return q41_or_packed
     return packed_class(weights)
 
 

@@ -21,6 +21,8 @@ from decode.proposers.prompt_lookup import PromptLookupProposer
 from decode.runner import ExtraRows, ModelRunner
 from models.packed_linear import (PackedLinear, PackedLinearFP16, float16_weights_supported, inference_weights,
                                   packed_for_inference, set_inference_weights)
+from models.q41_linear import DISABLE_ENV as NO_Q41_ENV
+from models.q41_linear import Q41Linear, kernel_unavailable, pack_q41, unpack_q41
 from models.target import PRECISIONS, cpu_has_native_bf16, resolve_precision
 from tests.conftest import make_tiny_llama
 
@@ -112,6 +114,49 @@ def test_lean_forward_is_rebuilt_when_the_weights_change():
         for run in (second, reference):
             run.start(8)
         torch.testing.assert_close(second.forward([1, 2, 3])[1], reference.forward([1, 2, 3])[1])
+
+
+def q41_llama(seed: int) -> torch.nn.Module:
+    """A tiny Llama whose layer matrices are exactly Q4_1 (as the default target's are), its head not."""
+    model = make_tiny_llama(hidden_size=128, layers=2, seed=seed, peak=4.0)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and "lm_head" not in name:
+                module.weight.copy_(unpack_q41(pack_q41(module.weight)))
+    return model
+
+
+def q41_runner(model, on: bool) -> ModelRunner:
+    old = os.environ.pop(NO_Q41_ENV, None)
+    if not on:
+        os.environ[NO_Q41_ENV] = "1"
+    try:
+        return runner(model, True)
+    finally:
+        os.environ.pop(NO_Q41_ENV, None)
+        if old is not None:
+            os.environ[NO_Q41_ENV] = old
+
+
+@pytest.mark.skipif(kernel_unavailable() is not None, reason=f"the Q4_1 kernel: {kernel_unavailable()}")
+def test_the_q41_kernel_computes_what_onednn_does_and_speculation_stays_plain_decoding():
+    model = q41_llama(seed=8)
+    on, off = q41_runner(model, True), q41_runner(model, False)
+    kinds = {type(m) for layer in on.lean.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)}
+    assert kinds == {Q41Linear}
+    assert not any(isinstance(layer.qkv, Q41Linear) for layer in off.lean.layers)
+    with torch.inference_mode():
+        for a, b in zip(forwards(on), forwards(off)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    prompt = [5, 9, 3, 17, 22, 40, 5, 9, 3]
+    plain = SpeculativeEngine(model, None, eos_token_ids={2}).generate(prompt, 40).tokens
+    os.environ[NO_Q41_ENV] = "1"
+    try:
+        assert SpeculativeEngine(model, None, eos_token_ids={2}).generate(prompt, 40).tokens == plain
+    finally:
+        os.environ.pop(NO_Q41_ENV)
+    proposer = PromptLookupProposer(num_tokens=4)
+    assert SpeculativeEngine(model, proposer, eos_token_ids={2}, adaptive=False).generate(prompt, 40).tokens == plain
 
 
 def test_lean_forward_declines_what_it_does_not_compute():

@@ -1,4 +1,6 @@
-"""scripts/bench_q41_gemm.py: its packing is exact on a Q4_1 grid, and its kernel computes F.linear over it."""
+"""models.q41_linear: the packing is exact on a Q4_1 grid, the kernel computes F.linear over it with each row
+alike whatever the row count, and the engine uses it only where a matrix is exactly Q4_1, with greedy output
+unchanged."""
 
 import shutil
 
@@ -6,18 +8,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scripts.bench_q41_gemm import (Q41Weight, avx512_available, build_kernel, grid_deviation, pack_q41, q41_linear,
-                                    unpack_q41)
+from models.q41_linear import (MAX_ROWS, Q41Linear, Q41Weight, avx512_available, build_kernel, grid_deviation,
+                               pack_q41, q41_linear, q41_or_packed, q41_usable, unpack_q41)
+from models.packed_linear import PackedLinear
 
 
 def q41_matrix(n: int, k: int, seed: int = 0) -> torch.Tensor:
     """[n, k] weights that are exactly Q4_1: per group of 32, code * step + min, codes 0 and 15 both present."""
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
-    codes[..., 0], codes[..., 1] = 0, 15  # the group's min and max are on the grid's ends, as Q4_1 writes them
+    codes[..., 0], codes[..., 1] = 0, 15  # the group's min and max are the grid's ends, as Q4_1 writes them
     step = torch.rand(n, k // 32, 1, generator=g) * 0.01 + 1e-3
     low = torch.randn(n, k // 32, 1, generator=g) * 0.05
     return (codes * step + low).reshape(n, k)
+
+
+def snap_to_q41(linear: torch.nn.Linear) -> None:
+    with torch.no_grad():
+        linear.weight.copy_(unpack_q41(pack_q41(linear.weight)))
 
 
 def test_packing_a_q41_matrix_loses_nothing():
@@ -26,10 +34,14 @@ def test_packing_a_q41_matrix_loses_nothing():
     assert torch.allclose(unpack_q41(pack_q41(w)), w, rtol=0, atol=1e-6)
 
 
-def test_a_matrix_off_the_grid_shows_its_deviation():
+def test_a_matrix_off_the_grid_shows_its_deviation_and_is_not_used():
     w = torch.randn(24, 128)
     assert grid_deviation(w) > 1e-3
-    assert (unpack_q41(pack_q41(w)) - w).abs().max() > 1e-3
+    linear = torch.nn.Linear(128, 24, bias=False)
+    assert not q41_usable(linear)
+    assert isinstance(q41_or_packed(linear), PackedLinear)
+    snap_to_q41(linear)
+    assert q41_usable(linear)
 
 
 def test_shapes_the_kernel_cannot_take_are_errors():
@@ -46,12 +58,24 @@ def test_the_kernel_computes_f_linear_over_the_packed_weights(tmp_path):
     lib = build_kernel(tmp_path)
     w = q41_matrix(40, 1536, seed=1)
     q = pack_q41(w)
-    x = torch.randn(5, 1536)
+    x = torch.randn(40, 1536)  # more than one block of 16 rows
     y = q41_linear(lib, x, q)
     reference = F.linear(x, w)
     assert float((y - reference).abs().max() / reference.abs().max()) < 1e-5
-    assert torch.equal(q41_linear(lib, x[:1], q), y[:1])  # a row is computed alike whatever the row count
+    for rows in (1, 5, 17):  # a row is computed alike whatever the row count
+        assert torch.equal(q41_linear(lib, x[:rows], q), y[:rows])
     swapped = Q41Weight(((q.packed & 15) << 4) | (q.packed >> 4), q.step, q.minimum)  # the nibbles' order mixed up
     assert float((q41_linear(lib, x, swapped) - reference).abs().max() / reference.abs().max()) > 1e-2
     with pytest.raises(ValueError, match="fp32"):
-        q41_linear(lib, torch.randn(17, 1536), q)
+        q41_linear(lib, torch.randn(MAX_ROWS + 1, 1536), q)
+
+
+@needs_kernel
+def test_q41_linear_sends_long_calls_to_onednn_and_matches_both_ways(tmp_path):
+    linear = torch.nn.Linear(128, 48, bias=False)
+    snap_to_q41(linear)
+    module = Q41Linear(linear, build_kernel(tmp_path))
+    for rows in (1, 3, MAX_ROWS, MAX_ROWS + 7):
+        x = torch.randn(1, rows, 128)
+        with torch.no_grad():
+            assert torch.allclose(module(x), linear(x), rtol=1e-5, atol=1e-5)

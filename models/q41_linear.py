@@ -1,0 +1,246 @@
+"""The target's layer GEMMs computed in their own 4-bit form (Q4_1), for the engine's decode-time rows.
+
+Why: the default target ships as a Q4_1 GGUF, so every matrix of its 30 layers holds, per group of 32 weights,
+q * d + m with q in 0..15 (checked here matrix by matrix: `grid_deviation` is exactly 0). The engine streams
+them as 425 MB of fp32 a forward; packed two codes a byte they are 53 MB (plus 13 MB of steps and minima). A
+small AVX-512 kernel (compiled once with the system's gcc into the cache, loaded with ctypes) computes
+x @ W^T from the codes with fp32 activations and fp32 accumulation: the same weights, only the summation order
+differs from oneDNN's, and each row is computed alike whatever the number of rows, so plain decoding and every
+speculative verification see the same numbers. BENCHMARKS.md, "A Q4_1 kernel of our own".
+
+Where it runs: `q41_or_packed` gives a `Q41Linear` for a bias-free fp32 matrix on its grid (K a multiple
+of 64, at most 2048) when the kernel is available (an AVX-512 CPU, gcc on PATH, not switched off by
+$SPECDISTILL_NO_Q41); calls of at most `MAX_ROWS` rows go to the kernel, longer ones (prefill) to oneDNN's packed
+GEMM. Anything else keeps models.packed_linear's PackedLinear, and the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from models.cache import cache_root
+from models.packed_linear import PackedLinear
+
+log = logging.getLogger("specdistill.q41")
+
+DISABLE_ENV = "SPECDISTILL_NO_Q41"
+GROUP = 32
+GRID_TOLERANCE = 1e-6  # a matrix within this of its grid (relative to its largest weight) is Q4_1 up to rounding
+MAX_ROWS = 64  # decode-time calls (trees, chains, single rows); longer calls are prefill, left to oneDNN
+
+KERNEL_SOURCE = r"""
+#include <immintrin.h>
+#include <stdint.h>
+// y[R, N] = x[R, K] @ W^T, W[n, 32g + j] = q * d[n, g] + m[n, g]; packed[n, 16g + j] = q_j | q_{j+16} << 4.
+// R <= 64; K / 32 <= 64 and even. Each row's sum runs in the same order whatever R is.
+void q41_gemm(const float *x, int R, int K, const uint8_t *packed, const float *d, const float *m, int N, float *y,
+              int threads) {
+    int G = K / 32;
+    float xs[64 * 64];  // per row and group: the sum of x, which m multiplies
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) {
+            float s = 0;
+            for (int j = 0; j < 32; j++) s += x[r * K + g * 32 + j];
+            xs[r * G + g] = s;
+        }
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int n = 0; n < N; n++) {
+        const uint8_t *p = packed + (size_t)n * (K / 2);
+        const float *dn = d + (size_t)n * G, *mn = m + (size_t)n * G;
+        __m512i low = _mm512_set1_epi32(15);
+        for (int r0 = 0; r0 < R; r0 += 16) {
+            int rb = R - r0 < 16 ? R - r0 : 16;
+            __m512 acc[16][4];
+            for (int r = 0; r < rb; r++)
+                for (int a = 0; a < 4; a++) acc[r][a] = _mm512_setzero_ps();
+            for (int g = 0; g < G; g += 2) {
+                __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + g * 16)));
+                __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + g * 16 + 16)));
+                __m512 d0 = _mm512_set1_ps(dn[g]), d1 = _mm512_set1_ps(dn[g + 1]);
+                __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b0, low)), d0);
+                __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b0, 4)), d0);
+                __m512 w2 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b1, low)), d1);
+                __m512 w3 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b1, 4)), d1);
+                for (int r = 0; r < rb; r++) {
+                    const float *xr = x + (r0 + r) * K + g * 32;
+                    acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r][0]);
+                    acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r][1]);
+                    acc[r][2] = _mm512_fmadd_ps(w2, _mm512_loadu_ps(xr + 32), acc[r][2]);
+                    acc[r][3] = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xr + 48), acc[r][3]);
+                }
+            }
+            for (int r = 0; r < rb; r++) {
+                __m512 a = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
+                float s = _mm512_reduce_add_ps(a);
+                for (int g = 0; g < G; g++) s += mn[g] * xs[(r0 + r) * G + g];
+                y[(size_t)(r0 + r) * N + n] = s;
+            }
+        }
+    }
+}
+"""
+
+
+class Q41Weight:
+    """One [N, K] matrix as Q4_1: packed [N, K/2] uint8 codes, step d and minimum m [N, K/32] fp32."""
+
+    def __init__(self, packed: torch.Tensor, step: torch.Tensor, minimum: torch.Tensor):
+        self.packed, self.step, self.minimum = packed, step, minimum
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.packed.shape[1] * 2
+
+
+def grid_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] -> (codes [N, K/32, 32] in 0..15 as float, step [N, K/32], min [N, K/32]): each group's 4-bit grid
+    from its min and max, the one Q4_1 quantizes on."""
+    n, k = weight.shape
+    groups = weight.reshape(n, k // GROUP, GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    step = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    codes = torch.round((groups - low[..., None]) / step[..., None]).clamp(0, 15)
+    return codes, step, low
+
+
+def grid_deviation(weight: torch.Tensor) -> float:
+    """max |w - its 4-bit grid value| / max |w|: 0 when the matrix is exactly Q4_1."""
+    codes, step, low = grid_codes(weight)
+    rebuilt = (codes * step[..., None] + low[..., None]).reshape(weight.shape)
+    return float((rebuilt - weight).abs().max() / weight.abs().max().clamp(min=1e-30))
+
+
+def shape_supported(weight: torch.Tensor) -> bool:
+    return weight.dim() == 2 and weight.shape[1] % (2 * GROUP) == 0 and weight.shape[1] // GROUP <= 64
+
+
+def pack_q41(weight: torch.Tensor) -> Q41Weight:
+    """[N, K] fp32 -> Q41Weight; byte j of group g holds code j (low nibble) and code j + 16 (high nibble)."""
+    if not shape_supported(weight):
+        raise ValueError(f"pack_q41: K must be a multiple of {2 * GROUP} and at most {64 * GROUP}, "
+                         f"got {list(weight.shape)}")
+    n, k = weight.shape
+    codes, step, low = grid_codes(weight.detach().float())
+    codes = codes.to(torch.uint8)  # [N, G, 32]
+    packed = (codes[..., :16] | (codes[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+    return Q41Weight(packed, step.contiguous(), low.contiguous())
+
+
+def unpack_q41(w: Q41Weight) -> torch.Tensor:
+    """Q41Weight -> the [N, K] fp32 matrix it stands for (the packing's inverse, for checks)."""
+    n, k = w.shape
+    bytes_ = w.packed.reshape(n, k // GROUP, 16)
+    codes = torch.cat([bytes_ & 15, bytes_ >> 4], dim=-1).float()  # [N, G, 32]
+    return (codes * w.step[..., None] + w.minimum[..., None]).reshape(n, k)
+
+
+def avx512_available() -> bool:
+    try:
+        return "avx512f" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def build_kernel(directory: Path) -> ctypes.CDLL:
+    """Compile KERNEL_SOURCE with gcc into directory/libq41.so (atomically: a half-written library is never
+    loaded) and load it. RuntimeError naming what is missing or what gcc said."""
+    if shutil.which("gcc") is None:
+        raise RuntimeError("the Q4_1 kernel needs gcc on PATH")
+    if not avx512_available():
+        raise RuntimeError("the Q4_1 kernel is AVX-512 and this CPU has no avx512f")
+    directory.mkdir(parents=True, exist_ok=True)
+    library = directory / "libq41.so"
+    if not library.exists():
+        with tempfile.TemporaryDirectory(dir=directory) as tmp:
+            source, built = Path(tmp) / "q41.c", Path(tmp) / "libq41.so"
+            source.write_text(KERNEL_SOURCE)
+            done = subprocess.run(["gcc", "-O3", "-mavx512f", "-mfma", "-fopenmp", "-shared", "-fPIC", str(source),
+                                   "-o", str(built)], capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"gcc could not build the Q4_1 kernel: {done.stderr.strip()[-500:]}")
+            os.replace(built, library)
+    lib = ctypes.CDLL(str(library))
+    pointer = ctypes.c_void_p
+    lib.q41_gemm.argtypes = [pointer, ctypes.c_int, ctypes.c_int, pointer, pointer, pointer, ctypes.c_int, pointer,
+                             ctypes.c_int]
+    lib.q41_gemm.restype = None
+    return lib
+
+
+def kernel_directory() -> Path:
+    """Content-addressed by the source: an edited kernel is built anew, never loaded stale."""
+    digest = hashlib.sha256(KERNEL_SOURCE.encode()).hexdigest()[:16]
+    return cache_root() / "kernels" / f"q41-{digest}"
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel() -> tuple[ctypes.CDLL | None, str | None]:
+    try:
+        return build_kernel(kernel_directory()), None
+    except (RuntimeError, OSError) as error:
+        return None, str(error)
+
+
+def kernel_unavailable() -> str | None:
+    """None when the engine may use the kernel, else why not."""
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return f"${DISABLE_ENV} is set"
+    return _kernel()[1]
+
+
+def q41_linear(lib: ctypes.CDLL, x: torch.Tensor, w: Q41Weight) -> torch.Tensor:
+    """x [R, K] fp32 (1 <= R <= MAX_ROWS) -> [R, N], as F.linear(x, unpack_q41(w)) up to the summation order."""
+    n, k = w.shape
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"q41_linear: x must be fp32 [1..{MAX_ROWS}, {k}], got {x.dtype} {list(x.shape)}")
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], n)
+    lib.q41_gemm(x.data_ptr(), x.shape[0], k, w.packed.data_ptr(), w.step.data_ptr(), w.minimum.data_ptr(), n,
+                 y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+class Q41Linear(torch.nn.Module):
+    """y = x W^T for a bias-free fp32 W exactly on its Q4_1 grid: up to MAX_ROWS rows through the kernel, more
+    (prefill) through oneDNN's packed GEMM of the same weights. Inference only."""
+
+    def __init__(self, linear: torch.nn.Linear, lib: ctypes.CDLL):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.lib = lib
+        self.q41 = pack_q41(linear.weight.detach())
+        self.prefill = PackedLinear(linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if x.requires_grad and torch.is_grad_enabled():
+            raise RuntimeError("Q41Linear is for inference; train the original module")
+        rows = x.numel() // self.in_features
+        if not 1 <= rows <= MAX_ROWS or x.dtype != torch.float32:
+            return self.prefill(x)
+        y = q41_linear(self.lib, x.reshape(rows, self.in_features), self.q41)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def q41_usable(linear: torch.nn.Linear) -> bool:
+    """A bias-free fp32 CPU matrix of a shape the kernel takes, on its Q4_1 grid up to float rounding (the
+    default target's layers: exactly)."""
+    w = linear.weight
+    return (linear.bias is None and w.dtype == torch.float32 and w.device.type == "cpu" and shape_supported(w)
+            and grid_deviation(w.detach()) <= GRID_TOLERANCE)
+
+
+def q41_or_packed(linear: torch.nn.Module) -> torch.nn.Module:
+    """Q41Linear where `q41_usable` and the kernel is available, else PackedLinear (oneDNN)."""
+    if kernel_unavailable() is None and q41_usable(linear):
+        return Q41Linear(linear, _kernel()[0])
+    return PackedLinear(linear)
