@@ -79,14 +79,16 @@ def lean_decoder(model: torch.nn.Module, weights: str) -> "LeanDecoder | None":
 
 
 def built_decoder(decoder: torch.nn.Module, weights: str) -> "LeanDecoder":
+    """LeanDecoder over `linear_class`'s matrices; on the CPU in fp32 it logs how many run on the Q4_1 kernel."""
     lean = LeanDecoder(decoder, linear_class(decoder, weights))
     if next(decoder.parameters()).device.type == "cpu" and weights == "float32":
         linears = [m for layer in lean.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         on_q41 = sum(isinstance(m, Q41Linear) for m in linears)
         reason = kernel_unavailable()
+        if reason is None and on_q41 < len(linears):
+            reason = "the others are not on a 4-bit grid of 32"
         log.info("fp32 layer GEMMs: the Q4_1 kernel for %d of %d matrices%s", on_q41, len(linears),
-                 f" ({reason})" if reason else " (the others are not exactly on a 4-bit grid of 32)"
-                 if on_q41 < len(linears) else "")
+                 f" ({reason})" if reason else "")
     return lean
 
 
