@@ -203,7 +203,12 @@ def q41_linear(lib: ctypes.CDLL, x: torch.Tensor, w: Q41Weight) -> torch.Tensor:
     n, k = w.shape
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"q41_linear: x must be fp32 [1..{MAX_ROWS}, {k}], got {x.dtype} {list(x.shape)}")
-    x = x.contiguous()
+    return q41_gemm(lib, x.contiguous(), w)
+
+
+def q41_gemm(lib: ctypes.CDLL, x: torch.Tensor, w: Q41Weight) -> torch.Tensor:
+    """q41_linear without its checks, for callers that have made them: x contiguous fp32 [1..MAX_ROWS, K]."""
+    n, k = w.shape
     y = torch.empty(x.shape[0], n)
     lib.q41_gemm(x.data_ptr(), x.shape[0], k, w.packed.data_ptr(), w.step.data_ptr(), w.minimum.data_ptr(), n,
                  y.data_ptr(), torch.get_num_threads())
@@ -227,7 +232,7 @@ class Q41Linear(torch.nn.Module):
         rows = x.numel() // self.in_features
         if not 1 <= rows <= MAX_ROWS or x.dtype != torch.float32:
             return self.prefill(x)
-        y = q41_linear(self.lib, x.reshape(rows, self.in_features), self.q41)
+        y = q41_gemm(self.lib, x.reshape(rows, self.in_features).contiguous(), self.q41)  # the checks are above
         return y.view(*x.shape[:-1], self.out_features)
 
 

@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from models.q41_linear import GROUP, Q41Weight, build_kernel, grid_deviation, pack_q41, q41_linear  # noqa: E402
+from models.q41_linear import (GROUP, MAX_ROWS, Q41Weight, build_kernel, grid_deviation, pack_q41,  # noqa: E402
+                               q41_linear)
 
 
 def layer_matrices(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -61,8 +62,8 @@ def parse_args(argv):
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--out", default="runs/bench_q41_gemm")
     args = p.parse_args(argv)
-    if any(not 1 <= r <= 16 for r in args.rows):
-        p.error(f"--rows: each between 1 and 16, got {args.rows}")
+    if any(not 1 <= r <= MAX_ROWS for r in args.rows):
+        p.error(f"--rows: each between 1 and {MAX_ROWS} (the kernel's limit), got {args.rows}")
     return args
 
 
