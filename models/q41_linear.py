@@ -9,7 +9,7 @@ differs from oneDNN's, and each row is computed alike whatever the number of row
 speculative verification see the same numbers. BENCHMARKS.md, "A Q4_1 kernel of our own".
 
 Where it runs: `q41_or_packed` gives a `Q41Linear` for a bias-free fp32 matrix on its grid (K a multiple
-of 64, at most 2048) when the kernel is available (an AVX-512 CPU, gcc on PATH, not switched off by
+of 32, N even) when the kernel is available (an AVX-512 CPU, gcc on PATH, not switched off by
 $SPECDISTILL_NO_Q41); calls of at most `MAX_ROWS` rows go to the kernel, longer ones (prefill) to oneDNN's packed
 GEMM. Anything else keeps models.packed_linear's PackedLinear, and the reason is logged once.
 """
@@ -42,53 +42,54 @@ KERNEL_SOURCE = r"""
 #include <immintrin.h>
 #include <stdint.h>
 // y[R, N] = x[R, K] @ W^T, W[n, 32g + j] = q * d[n, g] + m[n, g]; packed[n, 16g + j] = q_j | q_{j+16} << 4.
-// R <= 64; K / 32 <= 64 and even. Each row's sum runs in the same order whatever R is.
+// K % 32 == 0, N % NB == 0. The weights are rebuilt exactly as they were dequantized (q * d rounded, then + m
+// rounded), so this is x @ W^T with the fp32 W, in another summation order: per (row, output) one 16-lane
+// accumulator over the groups, then its lanes' sum. That order does not depend on R: a row is computed alike
+// whatever the number of rows. Blocks of RB rows x NB outputs share each x load and each decoded weight vector
+// (2 cores do about one 512-bit FMA a cycle each; blocking is what keeps a tree's rows near that).
+#define RB 8
+#define NB 2
 void q41_gemm(const float *x, int R, int K, const uint8_t *packed, const float *d, const float *m, int N, float *y,
               int threads) {
     int G = K / 32;
-    float xs[64 * 64];  // per row and group: the sum of x, which m multiplies
-    for (int r = 0; r < R; r++)
-        for (int g = 0; g < G; g++) {
-            float s = 0;
-            for (int j = 0; j < 32; j++) s += x[r * K + g * 32 + j];
-            xs[r * G + g] = s;
-        }
     #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int n = 0; n < N; n++) {
-        const uint8_t *p = packed + (size_t)n * (K / 2);
-        const float *dn = d + (size_t)n * G, *mn = m + (size_t)n * G;
+    for (int n0 = 0; n0 < N; n0 += NB) {
         __m512i low = _mm512_set1_epi32(15);
-        for (int r0 = 0; r0 < R; r0 += 16) {
-            int rb = R - r0 < 16 ? R - r0 : 16;
-            __m512 acc[16][4];
-            for (int r = 0; r < rb; r++)
-                for (int a = 0; a < 4; a++) acc[r][a] = _mm512_setzero_ps();
-            for (int g = 0; g < G; g += 2) {
-                __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + g * 16)));
-                __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + g * 16 + 16)));
-                __m512 d0 = _mm512_set1_ps(dn[g]), d1 = _mm512_set1_ps(dn[g + 1]);
-                __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b0, low)), d0);
-                __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b0, 4)), d0);
-                __m512 w2 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b1, low)), d1);
-                __m512 w3 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b1, 4)), d1);
-                for (int r = 0; r < rb; r++) {
-                    const float *xr = x + (r0 + r) * K + g * 32;
-                    acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r][0]);
-                    acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r][1]);
-                    acc[r][2] = _mm512_fmadd_ps(w2, _mm512_loadu_ps(xr + 32), acc[r][2]);
-                    acc[r][3] = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xr + 48), acc[r][3]);
+        for (int r0 = 0; r0 < R; r0 += RB) {
+            int rb = R - r0 < RB ? R - r0 : RB;
+            __m512 acc[RB][NB];
+            for (int r = 0; r < RB; r++)
+                for (int a = 0; a < NB; a++) acc[r][a] = _mm512_setzero_ps();
+            for (int g = 0; g < G; g++) {
+                __m512i codes[NB];
+                __m512 step[NB], minimum[NB], w[NB];
+                for (int a = 0; a < NB; a++) {
+                    size_t i = (size_t)(n0 + a) * G + g;
+                    codes[a] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(packed + 16 * i)));
+                    step[a] = _mm512_set1_ps(d[i]);
+                    minimum[a] = _mm512_set1_ps(m[i]);
+                }
+                for (int half = 0; half < 2; half++) {  // weights 0..15 of the group (low nibbles), then 16..31
+                    for (int a = 0; a < NB; a++) {
+                        __m512i q = half ? _mm512_srli_epi32(codes[a], 4) : _mm512_and_si512(codes[a], low);
+                        w[a] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), step[a]), minimum[a]);
+                    }
+                    for (int r = 0; r < rb; r++) {
+                        __m512 xv = _mm512_loadu_ps(x + (size_t)(r0 + r) * K + g * 32 + half * 16);
+                        for (int a = 0; a < NB; a++) acc[r][a] = _mm512_fmadd_ps(w[a], xv, acc[r][a]);
+                    }
                 }
             }
-            for (int r = 0; r < rb; r++) {
-                __m512 a = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
-                float s = _mm512_reduce_add_ps(a);
-                for (int g = 0; g < G; g++) s += mn[g] * xs[(r0 + r) * G + g];
-                y[(size_t)(r0 + r) * N + n] = s;
-            }
+            for (int r = 0; r < rb; r++)
+                for (int a = 0; a < NB; a++) y[(size_t)(r0 + r) * N + n0 + a] = _mm512_reduce_add_ps(acc[r][a]);
         }
     }
 }
 """
+
+# -ffp-contract=off: the weights are rebuilt as q * d, rounded, + m, rounded, as they were dequantized; a fused
+# multiply-add would round once and give weights one ulp off the model's.
+GCC_FLAGS = ("-O3", "-mavx512f", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 
 class Q41Weight:
@@ -120,14 +121,18 @@ def grid_deviation(weight: torch.Tensor) -> float:
     return float((rebuilt - weight).abs().max() / weight.abs().max().clamp(min=1e-30))
 
 
+OUTPUT_BLOCK = 2  # the kernel's NB: outputs computed together
+
+
 def shape_supported(weight: torch.Tensor) -> bool:
-    return weight.dim() == 2 and weight.shape[1] % (2 * GROUP) == 0 and weight.shape[1] // GROUP <= 64
+    """[N, K] with K whole groups and N whole output blocks of the kernel."""
+    return weight.dim() == 2 and weight.shape[1] % GROUP == 0 and weight.shape[0] % OUTPUT_BLOCK == 0
 
 
 def pack_q41(weight: torch.Tensor) -> Q41Weight:
     """[N, K] fp32 -> Q41Weight; byte j of group g holds code j (low nibble) and code j + 16 (high nibble)."""
     if not shape_supported(weight):
-        raise ValueError(f"pack_q41: K must be a multiple of {2 * GROUP} and at most {64 * GROUP}, "
+        raise ValueError(f"pack_q41: K must be a multiple of {GROUP} and N of {OUTPUT_BLOCK}, "
                          f"got {list(weight.shape)}")
     n, k = weight.shape
     codes, step, low = grid_codes(weight.detach().float())
@@ -164,8 +169,7 @@ def build_kernel(directory: Path) -> ctypes.CDLL:
         with tempfile.TemporaryDirectory(dir=directory) as tmp:
             source, built = Path(tmp) / "q41.c", Path(tmp) / "libq41.so"
             source.write_text(KERNEL_SOURCE)
-            done = subprocess.run(["gcc", "-O3", "-mavx512f", "-mfma", "-fopenmp", "-shared", "-fPIC", str(source),
-                                   "-o", str(built)], capture_output=True, text=True)
+            done = subprocess.run(["gcc", *GCC_FLAGS, str(source), "-o", str(built)], capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"gcc could not build the Q4_1 kernel: {done.stderr.strip()[-500:]}")
             os.replace(built, library)
@@ -178,8 +182,8 @@ def build_kernel(directory: Path) -> ctypes.CDLL:
 
 
 def kernel_directory() -> Path:
-    """Content-addressed by the source: an edited kernel is built anew, never loaded stale."""
-    digest = hashlib.sha256(KERNEL_SOURCE.encode()).hexdigest()[:16]
+    """Content-addressed by the source and the flags: an edited kernel is built anew, never loaded stale."""
+    digest = hashlib.sha256((KERNEL_SOURCE + " ".join(GCC_FLAGS)).encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"q41-{digest}"
 
 

@@ -46,7 +46,9 @@ def test_a_matrix_off_the_grid_shows_its_deviation_and_is_not_used():
 
 def test_shapes_the_kernel_cannot_take_are_errors():
     with pytest.raises(ValueError, match="K must be"):
-        pack_q41(torch.randn(4, 96))
+        pack_q41(torch.randn(4, 80))  # K not whole groups of 32
+    with pytest.raises(ValueError, match="N of 2"):
+        pack_q41(torch.randn(3, 64))  # N not whole blocks of the kernel's 2 outputs
 
 
 needs_kernel = pytest.mark.skipif(shutil.which("gcc") is None or not avx512_available(),
@@ -58,16 +60,28 @@ def test_the_kernel_computes_f_linear_over_the_packed_weights(tmp_path):
     lib = build_kernel(tmp_path)
     w = q41_matrix(40, 1536, seed=1)
     q = pack_q41(w)
-    x = torch.randn(40, 1536)  # more than one block of 16 rows
+    x = torch.randn(40, 1536)  # several blocks of the kernel's 8 rows
     y = q41_linear(lib, x, q)
     reference = F.linear(x, w)
     assert float((y - reference).abs().max() / reference.abs().max()) < 1e-5
-    for rows in (1, 5, 17):  # a row is computed alike whatever the row count
+    for rows in (1, 5, 9, 17):  # a row is computed alike whatever the row count
         assert torch.equal(q41_linear(lib, x[:rows], q), y[:rows])
     swapped = Q41Weight(((q.packed & 15) << 4) | (q.packed >> 4), q.step, q.minimum)  # the nibbles' order mixed up
     assert float((q41_linear(lib, x, swapped) - reference).abs().max() / reference.abs().max()) > 1e-2
     with pytest.raises(ValueError, match="fp32"):
         q41_linear(lib, torch.randn(MAX_ROWS + 1, 1536), q)
+
+
+@needs_kernel
+def test_the_kernel_rebuilds_the_weights_exactly(tmp_path):
+    """A one-hot row reads one column of W: equal to the packing's weights bit for bit only if each weight is
+    rebuilt as it was dequantized (q * d rounded, then + m rounded), not one ulp off (a fused multiply-add)."""
+    lib = build_kernel(tmp_path)
+    w = q41_matrix(64, 256, seed=2)
+    columns = torch.tensor([0, 17, 31, 32, 100, 255])
+    x = torch.nn.functional.one_hot(columns, 256).float()  # [6, 256]
+    q = pack_q41(w)
+    assert torch.equal(q41_linear(lib, x, q), unpack_q41(q)[:, columns].T)
 
 
 @needs_kernel
