@@ -11,7 +11,7 @@ from collections.abc import Collection, Sequence
 import torch
 from transformers import GenerationConfig
 
-from models.packed_linear import packed_for_inference
+from models.q41_linear import q41_for_inference
 
 __all__ = ["generate_batch", "cut_at_eos", "left_pad", "pad_token_id"]
 
@@ -62,9 +62,10 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
                    top_p: float = 1.0) -> list[list[int]]:
     """New tokens per prompt, each cut after its first EOS (kept). Sampling draws from torch's global RNG
     (HF generate takes no generator): callers seed it, inside `torch.random.fork_rng` to leave theirs be.
-    On CPU in fp32 the model generates through its packed inference copy (models.packed_linear)."""
+    On CPU in fp32 the model generates through its packed inference copy (models.packed_linear), its exactly-Q4_1
+    matrices (the default target's layers) on the Q4_1 kernel where it runs (models.q41_linear)."""
     device = next(model.parameters()).device
-    model = packed_for_inference(model)
+    model = q41_for_inference(model)
     input_ids, attention_mask = left_pad(prompts, pad_id, device)       # [B, T]
     config = generation_config(max_new_tokens, do_sample, temperature, top_p, pad_id, eos_token_ids)
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)

@@ -24,14 +24,17 @@ import os
 import shutil
 import subprocess
 import tempfile
+import weakref
 from pathlib import Path
 
 import torch
 
 from models.cache import cache_root
-from models.packed_linear import PackedLinear
+from models.packed_linear import (PackedLinear, cached_copy, clone_with_packed_linears, packed_for_inference,
+                                  packing_supported, weights_signature)
 
 log = logging.getLogger("specdistill.q41")
+_copies: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, torch.nn.Module]]" = weakref.WeakKeyDictionary()
 
 DISABLE_ENV = "SPECDISTILL_NO_Q41"
 GROUP = 32
@@ -253,3 +256,14 @@ def q41_or_packed(linear: torch.nn.Module) -> torch.nn.Module:
     if kernel_unavailable() is None and q41_usable(linear):
         return Q41Linear(linear, _kernel()[0])
     return PackedLinear(linear)
+
+
+def q41_for_inference(module: torch.nn.Module) -> torch.nn.Module:
+    """models.packed_linear.packed_for_inference(module) with its exactly-Q4_1 matrices on the kernel: for batched
+    generation by the target (distill.generation), whose decode steps are one row per sequence. The same weights,
+    so the same greedy tokens up to fp32 summation order (BENCHMARKS.md, stop 46). Cached until the weights
+    change."""
+    if kernel_unavailable() is not None or not packing_supported(module):
+        return packed_for_inference(module)
+    return cached_copy(_copies, module, weights_signature(module),
+                       lambda: clone_with_packed_linears(module, q41_or_packed))

@@ -22,7 +22,7 @@ from decode.runner import ExtraRows, ModelRunner
 from models.packed_linear import (PackedLinear, PackedLinearFP16, float16_weights_supported, inference_weights,
                                   packed_for_inference, set_inference_weights)
 from models.q41_linear import DISABLE_ENV as NO_Q41_ENV
-from models.q41_linear import Q41Linear, kernel_unavailable, pack_q41, unpack_q41
+from models.q41_linear import Q41Linear, kernel_unavailable, pack_q41, q41_for_inference, unpack_q41
 from models.target import PRECISIONS, cpu_has_native_bf16, resolve_precision
 from tests.conftest import make_tiny_llama
 
@@ -157,6 +157,27 @@ def test_the_q41_kernel_computes_what_onednn_does_and_speculation_stays_plain_de
         os.environ.pop(NO_Q41_ENV)
     proposer = PromptLookupProposer(num_tokens=4)
     assert SpeculativeEngine(model, proposer, eos_token_ids={2}, adaptive=False).generate(prompt, 40).tokens == plain
+
+
+@pytest.mark.skipif(kernel_unavailable() is not None, reason=f"the Q4_1 kernel: {kernel_unavailable()}")
+def test_batched_teacher_generation_runs_the_q41_matrices_on_the_kernel_and_writes_the_same_tokens():
+    from distill.generation import generate_batch
+    model = q41_llama(seed=9)
+    copy_ = q41_for_inference(model)
+    projections = [module.get_submodule(name) for module in copy_.model.layers
+                   for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    assert all(isinstance(m, Q41Linear) for m in projections)
+    assert not isinstance(copy_.lm_head, Q41Linear)  # not on its grid
+    assert q41_for_inference(model) is copy_  # cached while the weights are unchanged
+    prompts = [[5, 9, 3, 17], [22, 40], [7, 7, 7, 7, 7, 8]]
+    on = generate_batch(model, prompts, max_new_tokens=24, pad_id=0, eos_token_ids={2})
+    os.environ[NO_Q41_ENV] = "1"
+    try:
+        assert q41_for_inference(model) is not copy_
+        assert generate_batch(model, prompts, max_new_tokens=24, pad_id=0, eos_token_ids={2}) == on
+    finally:
+        os.environ.pop(NO_Q41_ENV)
 
 
 def test_lean_forward_declines_what_it_does_not_compute():
