@@ -14,6 +14,7 @@ from decode.step_graphs import BUCKETS, StepSet, graphs_supported
 from decode.tree import attention_bias
 from models.hf_compat import cache_argument
 from models.packed_linear import inference_weights, packed_for_inference
+from models.q41_linear import head_for_inference
 
 
 @dataclass
@@ -56,7 +57,8 @@ class ModelRunner:
         # the hand-written Llama forward where it applies (decode.lean_decoder), else transformers' decoder
         self.lean = lean_decoder(model, weights)
         self.decoder = None if self.lean is not None else packed_for_inference(model.get_decoder(), weights)
-        self.head = packed_for_inference(model.get_output_embeddings(), weights)
+        head = model.get_output_embeddings()  # fp32: on the Q8_0 kernel where it is exactly Q8_0 (models.q41_linear)
+        self.head = head_for_inference(head) if weights == "float32" else packed_for_inference(head, weights)
         self.num_layers = model.config.get_text_config().num_hidden_layers
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype

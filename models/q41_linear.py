@@ -12,6 +12,11 @@ Where it runs: `q41_or_packed` gives a `Q41Linear` for a bias-free fp32 matrix o
 of 32, N even) when the kernel is available (an AVX-512 CPU, gcc on PATH, not switched off by
 $SPECDISTILL_NO_Q41); calls of at most `MAX_ROWS` rows go to the kernel, longer ones (prefill) to oneDNN's packed
 GEMM. Anything else keeps models.packed_linear's PackedLinear, and the reason is logged once.
+
+The head: the default target's tied embedding is Q8_0 in the GGUF (int8 codes, one fp16-born step per group of
+32, so every weight is q * d exactly). `head_for_inference` gives it a `Q80Linear` on the library's second
+function, `q80_gemm` (the same blocking and row-alike order): 113 MB of fp32 become 28 MB of codes, the head of a
+one-row forward about 1.8x faster (BENCHMARKS.md, stop 46).
 """
 
 from __future__ import annotations
@@ -88,6 +93,38 @@ void q41_gemm(const float *x, int R, int K, const uint8_t *packed, const float *
         }
     }
 }
+
+// The Q8_0 form (the default target's tied head): W[n, 32g + j] = q * d[n, g], q int8; codes[n, 32g + j] = q.
+// q * d is exact in fp32 (8-bit q, fp16-born d), so this too is x @ W^T with the fp32 W in another order, each
+// row alike whatever R is, in the same blocks.
+void q80_gemm(const float *x, int R, int K, const int8_t *codes, const float *d, int N, float *y, int threads) {
+    int G = K / 32;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int n0 = 0; n0 < N; n0 += NB) {
+        for (int r0 = 0; r0 < R; r0 += RB) {
+            int rb = R - r0 < RB ? R - r0 : RB;
+            __m512 acc[RB][NB];
+            for (int r = 0; r < RB; r++)
+                for (int a = 0; a < NB; a++) acc[r][a] = _mm512_setzero_ps();
+            for (int g = 0; g < G; g++) {
+                for (int half = 0; half < 2; half++) {  // weights 0..15 of the group, then 16..31
+                    __m512 w[NB];
+                    for (int a = 0; a < NB; a++) {
+                        size_t i = (size_t)(n0 + a) * G + g;
+                        __m128i q = _mm_loadu_si128((const __m128i *)(codes + 32 * i + 16 * half));
+                        w[a] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(d[i]));
+                    }
+                    for (int r = 0; r < rb; r++) {
+                        __m512 xv = _mm512_loadu_ps(x + (size_t)(r0 + r) * K + g * 32 + half * 16);
+                        for (int a = 0; a < NB; a++) acc[r][a] = _mm512_fmadd_ps(w[a], xv, acc[r][a]);
+                    }
+                }
+            }
+            for (int r = 0; r < rb; r++)
+                for (int a = 0; a < NB; a++) y[(size_t)(r0 + r) * N + n0 + a] = _mm512_reduce_add_ps(acc[r][a]);
+        }
+    }
+}
 """
 
 # -ffp-contract=off: the weights are rebuilt as q * d, rounded, + m, rounded, as they were dequantized; a fused
@@ -152,6 +189,49 @@ def unpack_q41(w: Q41Weight) -> torch.Tensor:
     return (codes * w.step[..., None] + w.minimum[..., None]).reshape(n, k)
 
 
+class Q80Weight:
+    """One [N, K] matrix as Q8_0: int8 codes [N, K] and step d [N, K/32] fp32 (w = q * d)."""
+
+    def __init__(self, codes: torch.Tensor, step: torch.Tensor):
+        self.codes, self.step = codes, step
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+
+def q80_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (codes [N, K/32, 32] in -127..127 as float, step [N, K/32]): each group's grid as Q8_0 writes it,
+    d = max |w| / 127 (a group of zeros: d = 0)."""
+    n, k = weight.shape
+    groups = weight.reshape(n, k // GROUP, GROUP)
+    step = groups.abs().amax(-1) / 127
+    codes = torch.round(groups / step.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).clamp(-127, 127)
+    return codes, step
+
+
+def q80_deviation(weight: torch.Tensor) -> float:
+    """max |w - its 8-bit grid value| / max |w|: 0 when the matrix is exactly Q8_0."""
+    codes, step = q80_codes(weight)
+    rebuilt = (codes * step[..., None]).reshape(weight.shape)
+    return float((rebuilt - weight).abs().max() / weight.abs().max().clamp(min=1e-30))
+
+
+def pack_q80(weight: torch.Tensor) -> Q80Weight:
+    """[N, K] fp32 -> Q80Weight (int8 codes, one step per group of 32)."""
+    if not shape_supported(weight):
+        raise ValueError(f"pack_q80: K must be a multiple of {GROUP} and N of {OUTPUT_BLOCK}, "
+                         f"got {list(weight.shape)}")
+    codes, step = q80_codes(weight.detach().float())
+    return Q80Weight(codes.to(torch.int8).reshape(weight.shape).contiguous(), step.contiguous())
+
+
+def unpack_q80(w: Q80Weight) -> torch.Tensor:
+    """Q80Weight -> the [N, K] fp32 matrix it stands for."""
+    n, k = w.shape
+    return (w.codes.reshape(n, k // GROUP, GROUP).float() * w.step[..., None]).reshape(n, k)
+
+
 def avx512_available() -> bool:
     try:
         return "avx512f" in Path("/proc/cpuinfo").read_text()
@@ -181,6 +261,8 @@ def build_kernel(directory: Path) -> ctypes.CDLL:
     lib.q41_gemm.argtypes = [pointer, ctypes.c_int, ctypes.c_int, pointer, pointer, pointer, ctypes.c_int, pointer,
                              ctypes.c_int]
     lib.q41_gemm.restype = None
+    lib.q80_gemm.argtypes = [pointer, ctypes.c_int, ctypes.c_int, pointer, pointer, ctypes.c_int, pointer, ctypes.c_int]
+    lib.q80_gemm.restype = None
     return lib
 
 
@@ -243,6 +325,56 @@ class Q41Linear(torch.nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+def q80_gemm(lib: ctypes.CDLL, x: torch.Tensor, w: Q80Weight) -> torch.Tensor:
+    """x contiguous fp32 [1..MAX_ROWS, K] -> [R, N] over a Q80Weight (the caller has checked x)."""
+    n, k = w.shape
+    y = torch.empty(x.shape[0], n)
+    lib.q80_gemm(x.data_ptr(), x.shape[0], k, w.codes.data_ptr(), w.step.data_ptr(), n, y.data_ptr(),
+                 torch.get_num_threads())
+    return y
+
+
+class Q80Linear(torch.nn.Module):
+    """y = x W^T for a bias-free fp32 W exactly on its Q8_0 grid (the default target's tied head): up to MAX_ROWS
+    rows through the kernel, more through oneDNN's packed GEMM of the same weights. Inference only."""
+
+    def __init__(self, linear: torch.nn.Linear, lib: ctypes.CDLL):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.lib = lib
+        self.q80 = pack_q80(linear.weight.detach())
+        self.prefill = PackedLinear(linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if x.requires_grad and torch.is_grad_enabled():
+            raise RuntimeError("Q80Linear is for inference; train the original module")
+        rows = x.numel() // self.in_features
+        if not 1 <= rows <= MAX_ROWS or x.dtype != torch.float32:
+            return self.prefill(x)
+        y = q80_gemm(self.lib, x.reshape(rows, self.in_features).contiguous(), self.q80)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def q80_usable(linear: torch.nn.Module) -> bool:
+    """A bias-free fp32 CPU nn.Linear of a shape the kernel takes, exactly on its Q8_0 grid up to float rounding."""
+    w = getattr(linear, "weight", None)
+    return (isinstance(linear, torch.nn.Linear) and linear.bias is None and w.dtype == torch.float32
+            and w.device.type == "cpu" and shape_supported(w) and q80_deviation(w.detach()) <= GRID_TOLERANCE)
+
+
+def head_for_inference(head: torch.nn.Module) -> torch.nn.Module:
+    """The target's output head for the engine: on the Q8_0 kernel where it is exactly Q8_0 (the default
+    target's tied embedding) and the kernel runs, else models.packed_linear's packed copy. Logged once per head;
+    cached until the weights change."""
+    if kernel_unavailable() is not None or not q80_usable(head):
+        return packed_for_inference(head)
+
+    def build():
+        log.info("fp32 head: the Q8_0 kernel (%d x %d)", head.out_features, head.in_features)
+        return Q80Linear(head, _kernel()[0])
+    return cached_copy(_copies, head, ("q80", weights_signature(head)), build)
+
+
 def q41_usable(linear: torch.nn.Linear) -> bool:
     """A bias-free fp32 CPU matrix of a shape the kernel takes, on its Q4_1 grid up to float rounding (the
     default target's layers: exactly)."""
@@ -259,11 +391,19 @@ def q41_or_packed(linear: torch.nn.Module) -> torch.nn.Module:
 
 
 def q41_for_inference(module: torch.nn.Module) -> torch.nn.Module:
-    """models.packed_linear.packed_for_inference(module) with its exactly-Q4_1 matrices on the kernel: for batched
+    """models.packed_linear.packed_for_inference(module) with its exactly-Q4_1 matrices (and an exactly-Q8_0
+    head) on the kernels: for batched
     generation by the target (distill.generation), whose decode steps are one row per sequence. The same weights,
     so the same greedy tokens up to fp32 summation order (BENCHMARKS.md, stop 46). Cached until the weights
     change."""
     if kernel_unavailable() is not None or not packing_supported(module):
         return packed_for_inference(module)
-    return cached_copy(_copies, module, weights_signature(module),
-                       lambda: clone_with_packed_linears(module, q41_or_packed))
+    return cached_copy(_copies, module, ("q41", weights_signature(module)),
+                       lambda: clone_with_packed_linears(module, _on_a_kernel_or_packed))
+
+
+def _on_a_kernel_or_packed(linear: torch.nn.Linear) -> torch.nn.Module:
+    """Q41Linear, else Q80Linear (a head), else PackedLinear."""
+    if kernel_unavailable() is None and not q41_usable(linear) and q80_usable(linear):
+        return Q80Linear(linear, _kernel()[0])
+    return q41_or_packed(linear)

@@ -9,13 +9,15 @@ define), packs the matrices two codes a byte, builds the engine's Q4_1 kernel (m
 fp32 activations and accumulation; the weights are the target's exactly, only the summation order differs from
 oneDNN's), checks it against `F.linear` and that a row is computed alike at 1 and 5 rows, then times all 210
 matrices at each row count, interleaved rep by rep with `F.linear` (each kernel call goes through ctypes and an
-OpenMP fork, as in the engine). Prints a table and writes DIR/bench_q41_gemm.json. Needs gcc and an AVX-512 CPU
-(a clear error otherwise).
+OpenMP fork, as in the engine). The same for the tied head (its GGUF form is Q8_0: int8 codes, one step per group
+of 32) on the library's Q8_0 kernel. Prints two tables and writes DIR/bench_q41_gemm.json. Needs gcc and an
+AVX-512 CPU (a clear error otherwise).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -29,8 +31,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from models.q41_linear import (GROUP, MAX_ROWS, Q41Weight, build_kernel, grid_deviation, pack_q41,  # noqa: E402
-                               q41_linear)
+from models.q41_linear import (GROUP, MAX_ROWS, build_kernel, grid_deviation, pack_q41, pack_q80,  # noqa: E402
+                               q41_linear, q80_deviation, q80_gemm)
 
 
 def layer_matrices(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -39,9 +41,9 @@ def layer_matrices(model: torch.nn.Module) -> list[torch.Tensor]:
             if isinstance(module, torch.nn.Linear) and "lm_head" not in name]
 
 
-def time_rows(lib, weights: list[torch.Tensor], packed: list[Q41Weight], rows: int, reps: int) -> tuple[float, float]:
-    """Median seconds for all matrices at `rows` rows: (F.linear, the Q4_1 kernel), interleaved, the first rep
-    dropped."""
+def time_rows(kernel, weights: list[torch.Tensor], packed: list, rows: int, reps: int) -> tuple[float, float]:
+    """Median seconds for all matrices at `rows` rows: (F.linear, kernel(x, packed matrix)), interleaved, the first
+    rep dropped."""
     inputs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
     dense, q41 = [], []
     for _ in range(reps + 1):
@@ -51,7 +53,7 @@ def time_rows(lib, weights: list[torch.Tensor], packed: list[Q41Weight], rows: i
         dense.append(time.perf_counter() - start)
         start = time.perf_counter()
         for w in packed:
-            q41_linear(lib, inputs[w.shape[1]], w)
+            kernel(inputs[w.shape[1]], w)
         q41.append(time.perf_counter() - start)
     return statistics.median(dense[1:]), statistics.median(q41[1:])
 
@@ -70,7 +72,9 @@ def parse_args(argv):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from models.target import load_target
-    weights = layer_matrices(load_target().model)
+    model = load_target().model
+    weights = layer_matrices(model)
+    head = model.get_output_embeddings().weight.detach().float().contiguous()  # the tied embedding: Q8_0
     deviation = max(grid_deviation(w) for w in weights)
     packed = [pack_q41(w) for w in weights]
     with tempfile.TemporaryDirectory() as tmp:
@@ -82,12 +86,24 @@ def main(argv=None) -> dict:
             errors.append(float((q41_linear(lib, x, q) - reference).abs().max() / reference.abs().max()))
         x = torch.randn(5, weights[0].shape[1])
         alike = torch.equal(q41_linear(lib, x[:1], packed[0]), q41_linear(lib, x, packed[0])[:1])
-        timings = {rows: time_rows(lib, weights, packed, rows, args.reps) for rows in args.rows}
+        timings = {rows: time_rows(functools.partial(q41_linear, lib), weights, packed, rows, args.reps)
+                   for rows in args.rows}
+        head_deviation = q80_deviation(head)
+        head_packed = pack_q80(head)
+        x = torch.randn(3, head.shape[1])
+        reference = F.linear(x, head)
+        head_error = float((q80_gemm(lib, x, head_packed) - reference).abs().max() / reference.abs().max())
+        head_timings = {rows: time_rows(functools.partial(q80_gemm, lib), [head], [head_packed], rows, args.reps)
+                        for rows in args.rows}
     report = {"matrices": len(weights), "parameters": sum(w.numel() for w in weights),
               "max_grid_deviation": deviation, "max_relative_error": max(errors), "row_alike_at_1_and_5": alike,
               "threads": torch.get_num_threads(), "reps": args.reps,
               "rows": [{"rows": r, "f_linear_ms": a * 1e3, "q41_ms": b * 1e3, "speedup": a / b}
-                       for r, (a, b) in timings.items()]}
+                       for r, (a, b) in timings.items()],
+              "head": {"shape": list(head.shape), "max_grid_deviation": head_deviation,
+                       "max_relative_error": head_error,
+                       "rows": [{"rows": r, "f_linear_ms": a * 1e3, "q80_ms": b * 1e3, "speedup": a / b}
+                                for r, (a, b) in head_timings.items()]}}
     print(f"{len(weights)} layer matrices, {report['parameters'] / 1e6:.1f}M weights; largest deviation from a 4-bit "
           f"grid of {GROUP}: {deviation:.1e}; kernel against F.linear: max relative error {max(errors):.1e}; a row "
           f"computed alike at 1 and 5 rows: {alike}")
@@ -95,6 +111,12 @@ def main(argv=None) -> dict:
     print("|---|---|---|---|")
     for row in report["rows"]:
         print(f"| {row['rows']} | {row['f_linear_ms']:.1f} | {row['q41_ms']:.1f} | {row['speedup']:.2f}x |")
+    print(f"the head {list(head.shape)}: largest deviation from an 8-bit grid of {GROUP}: {head_deviation:.1e}; "
+          f"Q8_0 kernel against F.linear: {head_error:.1e}")
+    print("| rows | head, F.linear fp32, ms | head, Q8_0 kernel, ms | speedup |")
+    print("|---|---|---|---|")
+    for row in report["head"]["rows"]:
+        print(f"| {row['rows']} | {row['f_linear_ms']:.2f} | {row['q80_ms']:.2f} | {row['speedup']:.2f}x |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_q41_gemm.json").write_text(json.dumps(report, indent=2))

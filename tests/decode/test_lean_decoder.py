@@ -22,7 +22,8 @@ from decode.runner import ExtraRows, ModelRunner
 from models.packed_linear import (PackedLinear, PackedLinearFP16, float16_weights_supported, inference_weights,
                                   packed_for_inference, set_inference_weights)
 from models.q41_linear import DISABLE_ENV as NO_Q41_ENV
-from models.q41_linear import Q41Linear, kernel_unavailable, pack_q41, q41_for_inference, unpack_q41
+from models.q41_linear import (Q41Linear, Q80Linear, kernel_unavailable, pack_q41, pack_q80, q41_for_inference,
+                               unpack_q41, unpack_q80)
 from models.target import PRECISIONS, cpu_has_native_bf16, resolve_precision
 from tests.conftest import make_tiny_llama
 
@@ -178,6 +179,25 @@ def test_batched_teacher_generation_runs_the_q41_matrices_on_the_kernel_and_writ
         assert generate_batch(model, prompts, max_new_tokens=24, pad_id=0, eos_token_ids={2}) == on
     finally:
         os.environ.pop(NO_Q41_ENV)
+
+
+@pytest.mark.skipif(kernel_unavailable() is not None, reason=f"the Q4_1 kernel: {kernel_unavailable()}")
+def test_a_q80_head_runs_on_its_kernel_and_greedy_output_does_not_change():
+    model = q41_llama(seed=10)
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        head.weight.copy_(unpack_q80(pack_q80(head.weight)))  # the default target's tied head is exactly Q8_0
+    assert isinstance(q41_runner(model, True).head, Q80Linear)
+    assert not isinstance(q41_runner(model, False).head, Q80Linear)
+    prompt = [5, 9, 3, 17, 22, 40, 5, 9, 3]
+    plain = SpeculativeEngine(model, None, eos_token_ids={2}).generate(prompt, 40).tokens
+    os.environ[NO_Q41_ENV] = "1"
+    try:
+        assert SpeculativeEngine(model, None, eos_token_ids={2}).generate(prompt, 40).tokens == plain
+    finally:
+        os.environ.pop(NO_Q41_ENV)
+    proposer = PromptLookupProposer(num_tokens=4)
+    assert SpeculativeEngine(model, proposer, eos_token_ids={2}, adaptive=False).generate(prompt, 40).tokens == plain
 
 
 def test_lean_forward_declines_what_it_does_not_compute():

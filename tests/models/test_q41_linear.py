@@ -1,6 +1,6 @@
-"""models.q41_linear: the packing is exact on a Q4_1 grid, the kernel computes F.linear over it with each row
-alike whatever the row count, and the engine uses it only where a matrix is exactly Q4_1, with greedy output
-unchanged."""
+"""models.q41_linear: the packing is exact on a Q4_1 (layers) or Q8_0 (head) grid, the kernels compute F.linear
+over it with each row alike whatever the row count, and the engine uses them only where a matrix is exactly on
+such a grid, with greedy output unchanged."""
 
 import shutil
 
@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.q41_linear import (MAX_ROWS, Q41Linear, Q41Weight, avx512_available, build_kernel, grid_deviation,
-                               pack_q41, q41_linear, q41_or_packed, q41_usable, unpack_q41)
+from models.q41_linear import (MAX_ROWS, Q41Linear, Q41Weight, Q80Linear, avx512_available, build_kernel,
+                               grid_deviation, head_for_inference, pack_q41, pack_q80, q41_linear, q41_or_packed,
+                               q41_usable, q80_deviation, q80_gemm, q80_usable, unpack_q41, unpack_q80)
 from models.packed_linear import PackedLinear
 
 
@@ -93,3 +94,52 @@ def test_q41_linear_sends_long_calls_to_onednn_and_matches_both_ways(tmp_path):
         x = torch.randn(1, rows, 128)
         with torch.no_grad():
             assert torch.allclose(module(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+def q80_matrix(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """[n, k] weights that are exactly Q8_0: per group of 32, code * step with codes in -127..127, 127 present."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (n, k // 32, 32), generator=g).float()
+    codes[..., 0] = 127
+    step = (torch.rand(n, k // 32, 1, generator=g) * 0.01 + 1e-3).half().float()  # Q8_0 stores d in fp16
+    return (codes * step).reshape(n, k)
+
+
+def test_packing_a_q80_matrix_loses_nothing_and_other_matrices_are_not_used():
+    w = q80_matrix(24, 128)
+    assert q80_deviation(w) == 0
+    assert torch.equal(unpack_q80(pack_q80(w)), w)
+    linear = torch.nn.Linear(128, 24, bias=False)
+    assert not q80_usable(linear)  # random weights: far off any 8-bit grid
+    with torch.no_grad():
+        linear.weight.copy_(w)
+    assert q80_usable(linear)
+
+
+@needs_kernel
+def test_the_q80_kernel_computes_f_linear_and_reads_the_weights_exactly(tmp_path):
+    lib = build_kernel(tmp_path)
+    w = q80_matrix(40, 576, seed=3)
+    q = pack_q80(w)
+    x = torch.randn(21, 576)
+    y = q80_gemm(lib, x, q)
+    reference = F.linear(x, w)
+    assert float((y - reference).abs().max() / reference.abs().max()) < 1e-5
+    for rows in (1, 5, 9):  # a row is computed alike whatever the row count
+        assert torch.equal(q80_gemm(lib, x[:rows].contiguous(), q), y[:rows])
+    columns = torch.tensor([0, 15, 16, 31, 300])
+    assert torch.equal(q80_gemm(lib, F.one_hot(columns, 576).float(), q), w[:, columns].T)
+
+
+@needs_kernel
+def test_the_head_goes_to_the_q80_kernel_only_when_it_is_exactly_q80():
+    head = torch.nn.Linear(128, 64, bias=False)
+    assert isinstance(head_for_inference(head), PackedLinear)
+    with torch.no_grad():
+        head.weight.copy_(q80_matrix(64, 128, seed=4))
+    fast = head_for_inference(head)
+    assert isinstance(fast, Q80Linear) and head_for_inference(head) is fast  # cached
+    for rows in (1, 7, MAX_ROWS + 3):  # past MAX_ROWS: oneDNN's packed copy of the same weights
+        x = torch.randn(1, rows, 128)
+        with torch.no_grad():
+            torch.testing.assert_close(fast(x), head(x), rtol=1e-5, atol=1e-5)
