@@ -16,7 +16,7 @@ GEMM. Anything else keeps models.packed_linear's PackedLinear, and the reason is
 The head: the default target's tied embedding is Q8_0 in the GGUF (int8 codes, one fp16-born step per group of
 32, so every weight is q * d exactly). `head_for_inference` gives it a `Q80Linear` on the library's second
 function, `q80_gemm` (the same blocking and row-alike order): 113 MB of fp32 become 28 MB of codes, the head of a
-one-row forward about 1.8x faster (BENCHMARKS.md, stop 46).
+one-row forward about 1.9x faster (BENCHMARKS.md, stop 46).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import tempfile
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -54,7 +55,7 @@ KERNEL_SOURCE = r"""
 // rounded), so this is x @ W^T with the fp32 W, in another summation order: per (row, output) one 16-lane
 // accumulator over the groups, then its lanes' sum. That order does not depend on R: a row is computed alike
 // whatever the number of rows. Blocks of RB rows x NB outputs share each x load and each decoded weight vector
-// (2 cores do about one 512-bit FMA a cycle each; blocking is what keeps a tree's rows near that).
+// (a tree's rows are bound by FMA throughput; the blocking keeps loads and decoding off that path).
 #define RB 8
 #define NB 2
 void q41_gemm(const float *x, int R, int K, const uint8_t *packed, const float *d, const float *m, int N, float *y,
@@ -304,25 +305,36 @@ def q41_gemm(lib: ctypes.CDLL, x: torch.Tensor, w: Q41Weight) -> torch.Tensor:
     return y
 
 
-class Q41Linear(torch.nn.Module):
-    """y = x W^T for a bias-free fp32 W exactly on its Q4_1 grid: up to MAX_ROWS rows through the kernel, more
-    (prefill) through oneDNN's packed GEMM of the same weights. Inference only."""
+class KernelLinear(torch.nn.Module):
+    """y = x W^T for a bias-free fp32 W exactly on a grid a kernel of this library reads: up to MAX_ROWS rows
+    through the kernel (`gemm` over `pack`'s form), more (prefill) through oneDNN's packed GEMM of the same weights.
+    Inference only. Subclasses name the form."""
+
+    pack: Callable[[torch.Tensor], object]  # [N, K] fp32 -> the kernel's form
+    gemm: Callable[[ctypes.CDLL, torch.Tensor, object], torch.Tensor]  # (lib, x [R, K], form) -> [R, N]
 
     def __init__(self, linear: torch.nn.Linear, lib: ctypes.CDLL):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.lib = lib
-        self.q41 = pack_q41(linear.weight.detach())
+        self.codes = self.pack(linear.weight.detach())
         self.prefill = PackedLinear(linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if x.requires_grad and torch.is_grad_enabled():
-            raise RuntimeError("Q41Linear is for inference; train the original module")
+            raise RuntimeError(f"{type(self).__name__} is for inference; train the original module")
         rows = x.numel() // self.in_features
         if not 1 <= rows <= MAX_ROWS or x.dtype != torch.float32:
             return self.prefill(x)
-        y = q41_gemm(self.lib, x.reshape(rows, self.in_features).contiguous(), self.q41)  # the checks are above
+        y = self.gemm(self.lib, x.reshape(rows, self.in_features).contiguous(), self.codes)  # the checks are above
         return y.view(*x.shape[:-1], self.out_features)
+
+
+class Q41Linear(KernelLinear):
+    """A KernelLinear over Q4_1 (the default target's layer matrices)."""
+
+    pack = staticmethod(pack_q41)
+    gemm = staticmethod(q41_gemm)
 
 
 def q80_gemm(lib: ctypes.CDLL, x: torch.Tensor, w: Q80Weight) -> torch.Tensor:
@@ -334,25 +346,11 @@ def q80_gemm(lib: ctypes.CDLL, x: torch.Tensor, w: Q80Weight) -> torch.Tensor:
     return y
 
 
-class Q80Linear(torch.nn.Module):
-    """y = x W^T for a bias-free fp32 W exactly on its Q8_0 grid (the default target's tied head): up to MAX_ROWS
-    rows through the kernel, more through oneDNN's packed GEMM of the same weights. Inference only."""
+class Q80Linear(KernelLinear):
+    """A KernelLinear over Q8_0 (the default target's tied head)."""
 
-    def __init__(self, linear: torch.nn.Linear, lib: ctypes.CDLL):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.lib = lib
-        self.q80 = pack_q80(linear.weight.detach())
-        self.prefill = PackedLinear(linear)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        if x.requires_grad and torch.is_grad_enabled():
-            raise RuntimeError("Q80Linear is for inference; train the original module")
-        rows = x.numel() // self.in_features
-        if not 1 <= rows <= MAX_ROWS or x.dtype != torch.float32:
-            return self.prefill(x)
-        y = q80_gemm(self.lib, x.reshape(rows, self.in_features).contiguous(), self.q80)
-        return y.view(*x.shape[:-1], self.out_features)
+    pack = staticmethod(pack_q80)
+    gemm = staticmethod(q80_gemm)
 
 
 def q80_usable(linear: torch.nn.Module) -> bool:

@@ -139,6 +139,18 @@ def q41_runner(model, on: bool) -> ModelRunner:
             os.environ[NO_Q41_ENV] = old
 
 
+def assert_greedy_output_is_the_same_without_the_kernels_and_with_speculation(model) -> None:
+    prompt = [5, 9, 3, 17, 22, 40, 5, 9, 3]
+    plain = SpeculativeEngine(model, None, eos_token_ids={2}).generate(prompt, 40).tokens
+    os.environ[NO_Q41_ENV] = "1"
+    try:
+        assert SpeculativeEngine(model, None, eos_token_ids={2}).generate(prompt, 40).tokens == plain
+    finally:
+        os.environ.pop(NO_Q41_ENV)
+    proposer = PromptLookupProposer(num_tokens=4)
+    assert SpeculativeEngine(model, proposer, eos_token_ids={2}, adaptive=False).generate(prompt, 40).tokens == plain
+
+
 @pytest.mark.skipif(kernel_unavailable() is not None, reason=f"the Q4_1 kernel: {kernel_unavailable()}")
 def test_the_q41_kernel_computes_what_onednn_does_and_speculation_stays_plain_decoding():
     model = q41_llama(seed=8)
@@ -149,15 +161,7 @@ def test_the_q41_kernel_computes_what_onednn_does_and_speculation_stays_plain_de
     with torch.inference_mode():
         for a, b in zip(forwards(on), forwards(off)):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    prompt = [5, 9, 3, 17, 22, 40, 5, 9, 3]
-    plain = SpeculativeEngine(model, None, eos_token_ids={2}).generate(prompt, 40).tokens
-    os.environ[NO_Q41_ENV] = "1"
-    try:
-        assert SpeculativeEngine(model, None, eos_token_ids={2}).generate(prompt, 40).tokens == plain
-    finally:
-        os.environ.pop(NO_Q41_ENV)
-    proposer = PromptLookupProposer(num_tokens=4)
-    assert SpeculativeEngine(model, proposer, eos_token_ids={2}, adaptive=False).generate(prompt, 40).tokens == plain
+    assert_greedy_output_is_the_same_without_the_kernels_and_with_speculation(model)
 
 
 @pytest.mark.skipif(kernel_unavailable() is not None, reason=f"the Q4_1 kernel: {kernel_unavailable()}")
@@ -189,15 +193,7 @@ def test_a_q80_head_runs_on_its_kernel_and_greedy_output_does_not_change():
         head.weight.copy_(unpack_q80(pack_q80(head.weight)))  # the default target's tied head is exactly Q8_0
     assert isinstance(q41_runner(model, True).head, Q80Linear)
     assert not isinstance(q41_runner(model, False).head, Q80Linear)
-    prompt = [5, 9, 3, 17, 22, 40, 5, 9, 3]
-    plain = SpeculativeEngine(model, None, eos_token_ids={2}).generate(prompt, 40).tokens
-    os.environ[NO_Q41_ENV] = "1"
-    try:
-        assert SpeculativeEngine(model, None, eos_token_ids={2}).generate(prompt, 40).tokens == plain
-    finally:
-        os.environ.pop(NO_Q41_ENV)
-    proposer = PromptLookupProposer(num_tokens=4)
-    assert SpeculativeEngine(model, proposer, eos_token_ids={2}, adaptive=False).generate(prompt, 40).tokens == plain
+    assert_greedy_output_is_the_same_without_the_kernels_and_with_speculation(model)
 
 
 def test_lean_forward_declines_what_it_does_not_compute():
