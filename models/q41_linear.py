@@ -41,6 +41,7 @@ from models.packed_linear import (PackedLinear, cached_copy, clone_with_packed_l
 
 log = logging.getLogger("specdistill.q41")
 _copies: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, torch.nn.Module]]" = weakref.WeakKeyDictionary()
+_head_checks: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, bool]]" = weakref.WeakKeyDictionary()
 
 DISABLE_ENV = "SPECDISTILL_NO_Q41"
 GROUP = 32
@@ -363,8 +364,9 @@ def q80_usable(linear: torch.nn.Module) -> bool:
 def head_for_inference(head: torch.nn.Module) -> torch.nn.Module:
     """The target's output head for the engine: on the Q8_0 kernel where it is exactly Q8_0 (the default
     target's tied embedding) and the kernel runs, else models.packed_linear's packed copy. Logged once per head;
-    cached until the weights change."""
-    if kernel_unavailable() is not None or not q80_usable(head):
+    the grid check (a pass over every weight) and the copy are cached until the weights change."""
+    usable = cached_copy(_head_checks, head, weights_signature(head), lambda: q80_usable(head))
+    if kernel_unavailable() is not None or not usable:
         return packed_for_inference(head)
 
     def build():
@@ -401,7 +403,10 @@ def q41_for_inference(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def _on_a_kernel_or_packed(linear: torch.nn.Linear) -> torch.nn.Module:
-    """Q41Linear, else Q80Linear (a head), else PackedLinear."""
-    if kernel_unavailable() is None and not q41_usable(linear) and q80_usable(linear):
-        return Q80Linear(linear, _kernel()[0])
-    return q41_or_packed(linear)
+    """Q41Linear, else Q80Linear (a head), else PackedLinear; each grid checked once."""
+    if kernel_unavailable() is None:
+        if q41_usable(linear):
+            return Q41Linear(linear, _kernel()[0])
+        if q80_usable(linear):
+            return Q80Linear(linear, _kernel()[0])
+    return PackedLinear(linear)
