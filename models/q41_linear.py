@@ -44,6 +44,7 @@ _copies: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, torch.nn.Modul
 _head_checks: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, bool]]" = weakref.WeakKeyDictionary()
 
 DISABLE_ENV = "SPECDISTILL_NO_Q41"
+NO_AMX_ENV = "SPECDISTILL_NO_AMX"
 GROUP = 32
 GRID_TOLERANCE = 1e-6  # a matrix within this of its grid (relative to its largest weight) is Q4_1 up to rounding
 MAX_ROWS = 64  # decode-time calls (trees, chains, single rows); longer calls are prefill, left to oneDNN
@@ -127,6 +128,162 @@ void q80_gemm(const float *x, int R, int K, const int8_t *codes, const float *d,
         }
     }
 }
+
+// ---- The AMX form (Intel AMX-BF16): a tree's rows at a fraction of the FMA form's cost. ----
+// y[r, n] = sum_g d[n, g] * sum_j x[r, 32g + j] q[n, 32g + j] + m[n, g] * sum_j x[r, 32g + j]. x is split
+// exactly into three bf16 parts (x = x1 + x2 + x3: 8 + 8 + 8 significant bits), q (0..15) is exact in bf16, so
+// each tile product x_p . q is exact per term and summed in fp32 by the tile unit; the group's dot product
+// (x1.q + x2.q + x3.q), times d, plus m times the group's sum of x, is accumulated per (row, output) in fp32,
+// group after group. A row's numbers depend on that row only: alike whatever the number of rows.
+// packed: [N/16][G][8][32] bytes, byte i of pair row p = B-tile row 2p's element i (low nibble) and row 2p+1's
+// (high nibble), B row kk holding (q[n, 2kk], q[n, 2kk + 1]) for the block's 16 outputs n (the tile unit's pairs).
+// d, m: [N/16][G][16]. N % 32 == 0 (two blocks of 16 outputs share each x tile), K % 32 == 0.
+#define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")))
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <sys/syscall.h>
+
+int amx_request(void) {  // the process asks Linux for the tile data state: arch_prctl(ARCH_REQ_XCOMP_PERM, 18)
+    return (int)syscall(SYS_arch_prctl, 0x1023, 18);
+}
+
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tile_config;
+#define X1 0  // tiles (the intrinsics take literal numbers): x's three parts, the weights of two blocks, products
+#define X2 1
+#define X3 2
+#define B0 3
+#define C0 4
+#define C1 5
+#define B1 7
+
+AMX_TARGET static void configure_tiles(int rows) {  // x parts and products: `rows` rows; weights: 16 pairs
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    int tiles[7] = {X1, X2, X3, B0, C0, C1, B1};
+    for (int t = 0; t < 7; t++) {
+        c.colsb[tiles[t]] = 64;
+        c.rows[tiles[t]] = (tiles[t] == B0 || tiles[t] == B1) ? 16 : rows;
+    }
+    _tile_loadconfig(&c);
+}
+
+AMX_TARGET static void split_rows(const float *x, int R, int K, uint16_t *parts, float *sums) {
+    // parts [3][R][K] bf16 with x = x1 + x2 + x3 exactly; sums [R][K/32]: each group's sum of x (fixed order)
+    size_t plane = (size_t)R * K;
+    for (int r = 0; r < R; r++) {
+        for (int k = 0; k < K; k += 16) {
+            size_t i = (size_t)r * K + k;
+            __m512 v = _mm512_loadu_ps(x + i);
+            __m256bh p1 = _mm512_cvtneps_pbh(v);
+            __m512 rest = _mm512_sub_ps(v, _mm512_cvtpbh_ps(p1));
+            __m256bh p2 = _mm512_cvtneps_pbh(rest);
+            __m256bh p3 = _mm512_cvtneps_pbh(_mm512_sub_ps(rest, _mm512_cvtpbh_ps(p2)));
+            _mm256_storeu_si256((__m256i *)(parts + i), (__m256i)p1);
+            _mm256_storeu_si256((__m256i *)(parts + plane + i), (__m256i)p2);
+            _mm256_storeu_si256((__m256i *)(parts + 2 * plane + i), (__m256i)p3);
+        }
+        for (int g = 0; g < K / 32; g++) {
+            const float *group = x + (size_t)r * K + 32 * g;
+            sums[r * (K / 32) + g] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(group),
+                                                                        _mm512_loadu_ps(group + 16)));
+        }
+    }
+}
+
+AMX_TARGET static inline void decode_codes(const uint8_t *p, uint16_t *tile, __m512i bf16_of, __m512i low) {
+    // one block's group: 256 bytes of nibbles -> the B tile, 16 rows x 32 bf16 (the codes 0..15 looked up)
+    for (int pr = 0; pr < 8; pr++) {
+        __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p + 32 * pr)));
+        _mm512_store_si512(tile + 64 * pr, _mm512_permutexvar_epi16(_mm512_and_si512(w, low), bf16_of));
+        _mm512_store_si512(tile + 64 * pr + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), bf16_of));
+    }
+}
+
+AMX_TARGET static void q41_amx_rows(const uint16_t *parts, size_t plane, const float *sums, int rows, int K,
+                                    const uint8_t *packed, const float *d, const float *m, int N, float *y) {
+    // up to 16 rows (parts and sums already at the first of them), inside a parallel region: blocks of 32 outputs
+    // shared out; per group: decode the next group's codes while the tile unit multiplies this one's, and scale
+    // the previous group's products (two buffers each, so no step waits on the one before)
+    int G = K / 32;
+    uint16_t bf16_table[32] = {0};
+    for (int i = 0; i < 16; i++) {
+        float f = (float)i;
+        uint32_t bits;
+        memcpy(&bits, &f, 4);
+        bf16_table[i] = (uint16_t)(bits >> 16);
+    }
+    __m512i bf16_of = _mm512_loadu_si512(bf16_table), low = _mm512_set1_epi16(15);
+    uint16_t tiles[2][2][16 * 32] __attribute__((aligned(64)));
+    float products[2][2][16 * 16] __attribute__((aligned(64)));
+    configure_tiles(rows);
+    #pragma omp for schedule(static)
+    for (int nb = 0; nb < N / 16; nb += 2) {
+        __m512 acc[16][2];
+        for (int r = 0; r < 16; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        const uint8_t *codes[2] = {packed + (size_t)nb * G * 256, packed + (size_t)(nb + 1) * G * 256};
+        for (int b = 0; b < 2; b++) decode_codes(codes[b], tiles[0][b], bf16_of, low);
+        for (int g = 0; g <= G; g++) {
+            int s = g & 1;
+            if (g < G) {
+                _tile_zero(C0);
+                _tile_zero(C1);
+                _tile_loadd(B0, tiles[s][0], 64);
+                _tile_loadd(B1, tiles[s][1], 64);
+                _tile_loadd(X1, parts + 32 * g, K * 2);
+                _tile_loadd(X2, parts + plane + 32 * g, K * 2);
+                _tile_loadd(X3, parts + 2 * plane + 32 * g, K * 2);
+                _tile_dpbf16ps(C0, X1, B0);
+                _tile_dpbf16ps(C1, X1, B1);
+                _tile_dpbf16ps(C0, X2, B0);
+                _tile_dpbf16ps(C1, X2, B1);
+                _tile_dpbf16ps(C0, X3, B0);
+                _tile_dpbf16ps(C1, X3, B1);
+                _tile_stored(C0, products[s][0], 64);
+                _tile_stored(C1, products[s][1], 64);
+                if (g + 1 < G)
+                    for (int b = 0; b < 2; b++) decode_codes(codes[b] + 256 * (g + 1), tiles[s ^ 1][b], bf16_of, low);
+            }
+            if (g > 0) {
+                int e = g - 1;
+                for (int b = 0; b < 2; b++) {
+                    size_t i = ((size_t)(nb + b) * G + e) * 16;
+                    __m512 step = _mm512_loadu_ps(d + i), minimum = _mm512_loadu_ps(m + i);
+                    for (int r = 0; r < rows; r++) {
+                        __m512 dot = _mm512_load_ps(products[s ^ 1][b] + 16 * r);
+                        acc[r][b] = _mm512_fmadd_ps(dot, step, acc[r][b]);
+                        acc[r][b] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(sums[r * G + e]), acc[r][b]);
+                    }
+                }
+            }
+        }
+        for (int r = 0; r < rows; r++)
+            for (int b = 0; b < 2; b++) _mm512_storeu_ps(y + (size_t)r * N + (nb + b) * 16, acc[r][b]);
+    }
+    _tile_release();
+}
+
+AMX_TARGET int q41_amx(const float *x, int R, int K, const uint8_t *packed, const float *d, const float *m, int N,
+                       float *y, int threads) {
+    // 0, or -1 when the scratch for x's parts cannot be allocated (nothing written to y)
+    size_t plane = (size_t)R * K;
+    uint16_t *parts = aligned_alloc(64, ((3 * plane * 2 + 63) / 64) * 64);
+    float *sums = malloc(sizeof(float) * (size_t)R * (K / 32));
+    if (parts == NULL || sums == NULL) {
+        free(parts);
+        free(sums);
+        return -1;
+    }
+    split_rows(x, R, K, parts, sums);
+    #pragma omp parallel num_threads(threads)
+    for (int r0 = 0; r0 < R; r0 += 16)
+        q41_amx_rows(parts + (size_t)r0 * K, plane, sums + (size_t)r0 * (K / 32), R - r0 < 16 ? R - r0 : 16, K,
+                     packed, d, m, N, y + (size_t)r0 * N);
+    free(parts);
+    free(sums);
+    return 0;
+}
 """
 
 # -ffp-contract=off: the weights are rebuilt as q * d, rounded, + m, rounded, as they were dequantized; a fused
@@ -135,13 +292,17 @@ GCC_FLAGS = ("-O3", "-mavx512f", "-mfma", "-ffp-contract=off", "-fopenmp", "-sha
 
 
 class Q41Weight:
-    """One [N, K] matrix as Q4_1: packed [N, K/2] uint8 codes, step d and minimum m [N, K/32] fp32."""
+    """One [N, K] matrix as Q4_1 in one of the kernel's forms: packed uint8 codes two a byte, step d and minimum
+    m fp32. "fma" (AVX-512): packed [N, K/2], d and m [N, K/32]. "amx" (AMX-BF16 tiles): packed [N/16, K/32, 8,
+    32] in the tile unit's pair order, d and m [N/16, K/32, 16] (see KERNEL_SOURCE)."""
 
-    def __init__(self, packed: torch.Tensor, step: torch.Tensor, minimum: torch.Tensor):
-        self.packed, self.step, self.minimum = packed, step, minimum
+    def __init__(self, packed: torch.Tensor, step: torch.Tensor, minimum: torch.Tensor, form: str = "fma"):
+        self.packed, self.step, self.minimum, self.form = packed, step, minimum, form
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.form == "amx":
+            return self.packed.shape[0] * 16, self.packed.shape[1] * GROUP
         return self.packed.shape[0], self.packed.shape[1] * 2
 
 
@@ -163,32 +324,57 @@ def grid_deviation(weight: torch.Tensor) -> float:
     return float((rebuilt - weight).abs().max() / weight.abs().max().clamp(min=1e-30))
 
 
-OUTPUT_BLOCK = 2  # the kernel's NB: outputs computed together
+OUTPUT_BLOCK = 2  # the FMA form's NB: outputs computed together
+AMX_OUTPUT_BLOCK = 32  # the AMX form's: two tiles of 16 outputs
 
 
 def shape_supported(weight: torch.Tensor) -> bool:
-    """[N, K] with K whole groups and N whole output blocks of the kernel."""
+    """[N, K] with K whole groups and N whole output blocks of the kernel's FMA form (every form's minimum)."""
     return weight.dim() == 2 and weight.shape[1] % GROUP == 0 and weight.shape[0] % OUTPUT_BLOCK == 0
 
 
-def pack_q41(weight: torch.Tensor) -> Q41Weight:
-    """[N, K] fp32 -> Q41Weight; byte j of group g holds code j (low nibble) and code j + 16 (high nibble)."""
-    if not shape_supported(weight):
-        raise ValueError(f"pack_q41: K must be a multiple of {GROUP} and N of {OUTPUT_BLOCK}, "
+def preferred_form(weight: torch.Tensor) -> str:
+    """"amx" where this process may use the AMX form (`amx_unavailable`) and N is whole blocks of it, else "fma"."""
+    return "amx" if weight.shape[0] % AMX_OUTPUT_BLOCK == 0 and amx_unavailable() is None else "fma"
+
+
+def pack_q41(weight: torch.Tensor, form: str | None = None) -> Q41Weight:
+    """[N, K] fp32 -> Q41Weight in `form` (default: `preferred_form`). FMA form: byte j of group g holds code j
+    (low nibble) and code j + 16 (high nibble); AMX form: the tile unit's order (KERNEL_SOURCE)."""
+    form = form or preferred_form(weight)
+    block = AMX_OUTPUT_BLOCK if form == "amx" else OUTPUT_BLOCK
+    if form not in ("fma", "amx"):
+        raise ValueError(f"pack_q41: form must be 'fma' or 'amx', got {form!r}")
+    if not shape_supported(weight) or weight.shape[0] % block:
+        raise ValueError(f"pack_q41: K must be a multiple of {GROUP} and N of {block} ({form} form), "
                          f"got {list(weight.shape)}")
     n, k = weight.shape
     codes, step, low = grid_codes(weight.detach().float())
     codes = codes.to(torch.uint8)  # [N, G, 32]
-    packed = (codes[..., :16] | (codes[..., 16:] << 4)).reshape(n, k // 2).contiguous()
-    return Q41Weight(packed, step.contiguous(), low.contiguous())
+    if form == "fma":
+        packed = (codes[..., :16] | (codes[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+        return Q41Weight(packed, step.contiguous(), low.contiguous())
+    groups = k // GROUP
+    pairs = codes.reshape(n // 16, 16, groups, 8, 2, 2)  # [block, n, g, p, row 2p or 2p + 1, pair element]
+    pairs = pairs.permute(0, 2, 3, 4, 1, 5).reshape(n // 16, groups, 8, 2, 32)  # [block, g, p, row parity, 32]
+    packed = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).contiguous()  # [N/16, G, 8, 32]
+    by_block = lambda t: t.reshape(n // 16, 16, groups).permute(0, 2, 1).contiguous()  # noqa: E731 [N/16, G, 16]
+    return Q41Weight(packed, by_block(step), by_block(low), form="amx")
 
 
 def unpack_q41(w: Q41Weight) -> torch.Tensor:
     """Q41Weight -> the [N, K] fp32 matrix it stands for (the packing's inverse, for checks)."""
     n, k = w.shape
-    bytes_ = w.packed.reshape(n, k // GROUP, 16)
-    codes = torch.cat([bytes_ & 15, bytes_ >> 4], dim=-1).float()  # [N, G, 32]
-    return (codes * w.step[..., None] + w.minimum[..., None]).reshape(n, k)
+    if w.form == "amx":
+        rows = torch.stack([w.packed & 15, w.packed >> 4], dim=3)  # [N/16, G, 8, 2, 32]
+        codes = rows.reshape(n // 16, k // GROUP, 8, 2, 16, 2).permute(0, 4, 1, 2, 3, 5)  # [blk, n, g, p, par, 2]
+        codes = codes.reshape(n, k // GROUP, GROUP).float()
+        step, minimum = (t.permute(0, 2, 1).reshape(n, k // GROUP) for t in (w.step, w.minimum))
+    else:
+        bytes_ = w.packed.reshape(n, k // GROUP, 16)
+        codes = torch.cat([bytes_ & 15, bytes_ >> 4], dim=-1).float()  # [N, G, 32]
+        step, minimum = w.step, w.minimum
+    return (codes * step[..., None] + minimum[..., None]).reshape(n, k)
 
 
 class Q80Weight:
@@ -265,6 +451,9 @@ def build_kernel(directory: Path) -> ctypes.CDLL:
     lib.q41_gemm.restype = None
     lib.q80_gemm.argtypes = [pointer, ctypes.c_int, ctypes.c_int, pointer, pointer, ctypes.c_int, pointer, ctypes.c_int]
     lib.q80_gemm.restype = None
+    lib.q41_amx.argtypes = lib.q41_gemm.argtypes
+    lib.q41_amx.restype = ctypes.c_int
+    lib.amx_request.argtypes, lib.amx_request.restype = [], ctypes.c_int
     return lib
 
 
@@ -289,6 +478,28 @@ def kernel_unavailable() -> str | None:
     return _kernel()[1]
 
 
+AMX_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16", "avx512bw")
+
+
+@functools.lru_cache(maxsize=1)
+def _amx_granted() -> str | None:
+    """Asks Linux once for this process's tile state; None when granted, else why not."""
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    missing = [f for f in AMX_FLAGS if f not in flags]
+    if missing:
+        return f"this CPU has no {', '.join(missing)}"
+    if _kernel()[0].amx_request() != 0:
+        return "Linux refused the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+    return None
+
+
+def amx_unavailable() -> str | None:
+    """None when the kernel's AMX form may run in this process, else why not ($SPECDISTILL_NO_AMX switches it off
+    for comparisons; the FMA form then computes every matrix)."""
+    return kernel_unavailable() or (f"${NO_AMX_ENV} is set" if os.environ.get(NO_AMX_ENV, "") not in ("", "0")
+                                    else _amx_granted())
+
+
 def q41_linear(lib: ctypes.CDLL, x: torch.Tensor, w: Q41Weight) -> torch.Tensor:
     """x [R, K] fp32 (1 <= R <= MAX_ROWS) -> [R, N], as F.linear(x, unpack_q41(w)) up to the summation order."""
     n, k = w.shape
@@ -301,6 +512,11 @@ def q41_gemm(lib: ctypes.CDLL, x: torch.Tensor, w: Q41Weight) -> torch.Tensor:
     """q41_linear without its checks, for callers that have made them: x contiguous fp32 [1..MAX_ROWS, K]."""
     n, k = w.shape
     y = torch.empty(x.shape[0], n)
+    if w.form == "amx":
+        if lib.q41_amx(x.data_ptr(), x.shape[0], k, w.packed.data_ptr(), w.step.data_ptr(), w.minimum.data_ptr(), n,
+                       y.data_ptr(), torch.get_num_threads()) != 0:
+            raise MemoryError(f"q41_amx: no memory for the bf16 parts of x {list(x.shape)}")
+        return y
     lib.q41_gemm(x.data_ptr(), x.shape[0], k, w.packed.data_ptr(), w.step.data_ptr(), w.minimum.data_ptr(), n,
                  y.data_ptr(), torch.get_num_threads())
     return y
