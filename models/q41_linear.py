@@ -138,6 +138,8 @@ void q80_gemm(const float *x, int R, int K, const int8_t *codes, const float *d,
 // packed: [N/16][G][8][32] bytes, byte i of pair row p = B-tile row 2p's element i (low nibble) and row 2p+1's
 // (high nibble), B row kk holding (q[n, 2kk], q[n, 2kk + 1]) for the block's 16 outputs n (the tile unit's pairs).
 // d, m: [N/16][G][16]. N % 32 == 0 (two blocks of 16 outputs share each x tile), K % 32 == 0.
+// The Q8_0 form (the head) is the same with q in -127..127 (exact in bf16 too) and no m: codes [N/16][G][16][32]
+// int8, each B-tile row as it is stored.
 #define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")))
 #include <stdlib.h>
 #include <string.h>
@@ -201,12 +203,21 @@ AMX_TARGET static inline void decode_codes(const uint8_t *p, uint16_t *tile, __m
     }
 }
 
-AMX_TARGET static void q41_amx_rows(const uint16_t *parts, size_t plane, const float *sums, int rows, int K,
-                                    const uint8_t *packed, const float *d, const float *m, int N, float *y) {
+AMX_TARGET static inline void decode_int8_codes(const uint8_t *p, uint16_t *tile) {
+    // one block's group: 512 int8 codes, already in B-tile order -> 16 rows x 32 bf16 (int8 -> fp32 -> bf16, exact)
+    for (int row = 0; row < 16; row++) {
+        __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 32 * row))));
+        __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 32 * row + 16))));
+        _mm512_store_si512(tile + 32 * row, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
+}
+
+AMX_TARGET static void amx_rows(const uint16_t *parts, size_t plane, const float *sums, int rows, int K,
+                                const uint8_t *packed, const float *d, const float *m, int N, float *y) {
     // up to 16 rows (parts and sums already at the first of them), inside a parallel region: blocks of 32 outputs
     // shared out; per group: decode the next group's codes while the tile unit multiplies this one's, and scale
-    // the previous group's products (two buffers each, so no step waits on the one before)
-    int G = K / 32;
+    // the previous group's products (two buffers each, so no step waits on the one before). m == NULL: Q8_0 codes
+    int G = K / 32, tile_bytes = m ? 256 : 512;
     uint16_t bf16_table[32] = {0};
     for (int i = 0; i < 16; i++) {
         float f = (float)i;
@@ -222,8 +233,11 @@ AMX_TARGET static void q41_amx_rows(const uint16_t *parts, size_t plane, const f
     for (int nb = 0; nb < N / 16; nb += 2) {
         __m512 acc[16][2];
         for (int r = 0; r < 16; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-        const uint8_t *codes[2] = {packed + (size_t)nb * G * 256, packed + (size_t)(nb + 1) * G * 256};
-        for (int b = 0; b < 2; b++) decode_codes(codes[b], tiles[0][b], bf16_of, low);
+        const uint8_t *codes[2] = {packed + (size_t)nb * G * tile_bytes, packed + (size_t)(nb + 1) * G * tile_bytes};
+        for (int b = 0; b < 2; b++) {
+            if (m) decode_codes(codes[b], tiles[0][b], bf16_of, low);
+            else decode_int8_codes(codes[b], tiles[0][b]);
+        }
         for (int g = 0; g <= G; g++) {
             int s = g & 1;
             if (g < G) {
@@ -242,18 +256,23 @@ AMX_TARGET static void q41_amx_rows(const uint16_t *parts, size_t plane, const f
                 _tile_dpbf16ps(C1, X3, B1);
                 _tile_stored(C0, products[s][0], 64);
                 _tile_stored(C1, products[s][1], 64);
-                if (g + 1 < G)
-                    for (int b = 0; b < 2; b++) decode_codes(codes[b] + 256 * (g + 1), tiles[s ^ 1][b], bf16_of, low);
+                for (int b = 0; b < 2 && g + 1 < G; b++) {
+                    const uint8_t *next = codes[b] + (size_t)tile_bytes * (g + 1);
+                    if (m) decode_codes(next, tiles[s ^ 1][b], bf16_of, low);
+                    else decode_int8_codes(next, tiles[s ^ 1][b]);
+                }
             }
             if (g > 0) {
                 int e = g - 1;
                 for (int b = 0; b < 2; b++) {
                     size_t i = ((size_t)(nb + b) * G + e) * 16;
-                    __m512 step = _mm512_loadu_ps(d + i), minimum = _mm512_loadu_ps(m + i);
-                    for (int r = 0; r < rows; r++) {
-                        __m512 dot = _mm512_load_ps(products[s ^ 1][b] + 16 * r);
-                        acc[r][b] = _mm512_fmadd_ps(dot, step, acc[r][b]);
-                        acc[r][b] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(sums[r * G + e]), acc[r][b]);
+                    __m512 step = _mm512_loadu_ps(d + i);
+                    for (int r = 0; r < rows; r++)
+                        acc[r][b] = _mm512_fmadd_ps(_mm512_load_ps(products[s ^ 1][b] + 16 * r), step, acc[r][b]);
+                    if (m) {
+                        __m512 minimum = _mm512_loadu_ps(m + i);
+                        for (int r = 0; r < rows; r++)
+                            acc[r][b] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(sums[r * G + e]), acc[r][b]);
                     }
                 }
             }
@@ -264,8 +283,8 @@ AMX_TARGET static void q41_amx_rows(const uint16_t *parts, size_t plane, const f
     _tile_release();
 }
 
-AMX_TARGET int q41_amx(const float *x, int R, int K, const uint8_t *packed, const float *d, const float *m, int N,
-                       float *y, int threads) {
+AMX_TARGET static int amx_gemm(const float *x, int R, int K, const uint8_t *packed, const float *d, const float *m,
+                               int N, float *y, int threads) {
     // 0, or -1 when the scratch for x's parts cannot be allocated (nothing written to y)
     size_t plane = (size_t)R * K;
     uint16_t *parts = aligned_alloc(64, ((3 * plane * 2 + 63) / 64) * 64);
@@ -278,11 +297,20 @@ AMX_TARGET int q41_amx(const float *x, int R, int K, const uint8_t *packed, cons
     split_rows(x, R, K, parts, sums);
     #pragma omp parallel num_threads(threads)
     for (int r0 = 0; r0 < R; r0 += 16)
-        q41_amx_rows(parts + (size_t)r0 * K, plane, sums + (size_t)r0 * (K / 32), R - r0 < 16 ? R - r0 : 16, K,
-                     packed, d, m, N, y + (size_t)r0 * N);
+        amx_rows(parts + (size_t)r0 * K, plane, sums + (size_t)r0 * (K / 32), R - r0 < 16 ? R - r0 : 16, K,
+                 packed, d, m, N, y + (size_t)r0 * N);
     free(parts);
     free(sums);
     return 0;
+}
+
+int q41_amx(const float *x, int R, int K, const uint8_t *packed, const float *d, const float *m, int N, float *y,
+            int threads) {
+    return amx_gemm(x, R, K, packed, d, m, N, y, threads);
+}
+
+int q80_amx(const float *x, int R, int K, const int8_t *codes, const float *d, int N, float *y, int threads) {
+    return amx_gemm(x, R, K, (const uint8_t *)codes, d, NULL, N, y, threads);
 }
 """
 
@@ -338,16 +366,33 @@ def preferred_form(weight: torch.Tensor) -> str:
     return "amx" if weight.shape[0] % AMX_OUTPUT_BLOCK == 0 and amx_unavailable() is None else "fma"
 
 
+def _check_form(caller: str, weight: torch.Tensor, form: str) -> None:
+    if form not in ("fma", "amx"):
+        raise ValueError(f"{caller}: form must be 'fma' or 'amx', got {form!r}")
+    if form == "amx" and (why := amx_unavailable()) is not None:  # also asks Linux for the tiles, once
+        raise RuntimeError(f"{caller}: the AMX form cannot run here: {why}")
+    block = AMX_OUTPUT_BLOCK if form == "amx" else OUTPUT_BLOCK
+    if not shape_supported(weight) or weight.shape[0] % block:
+        raise ValueError(f"{caller}: K must be a multiple of {GROUP} and N of {block} ({form} form), "
+                         f"got {list(weight.shape)}")
+
+
+def _by_block(per_group: torch.Tensor) -> torch.Tensor:
+    """[N, G] -> [N/16, G, 16]: a group's steps (or minima) for a block of 16 outputs side by side."""
+    n, groups = per_group.shape
+    return per_group.reshape(n // 16, 16, groups).permute(0, 2, 1).contiguous()
+
+
+def _from_blocks(blocked: torch.Tensor) -> torch.Tensor:
+    """_by_block's inverse: [N/16, G, 16] -> [N, G]."""
+    return blocked.permute(0, 2, 1).reshape(-1, blocked.shape[1])
+
+
 def pack_q41(weight: torch.Tensor, form: str | None = None) -> Q41Weight:
     """[N, K] fp32 -> Q41Weight in `form` (default: `preferred_form`). FMA form: byte j of group g holds code j
     (low nibble) and code j + 16 (high nibble); AMX form: the tile unit's order (KERNEL_SOURCE)."""
     form = form or preferred_form(weight)
-    block = AMX_OUTPUT_BLOCK if form == "amx" else OUTPUT_BLOCK
-    if form not in ("fma", "amx"):
-        raise ValueError(f"pack_q41: form must be 'fma' or 'amx', got {form!r}")
-    if not shape_supported(weight) or weight.shape[0] % block:
-        raise ValueError(f"pack_q41: K must be a multiple of {GROUP} and N of {block} ({form} form), "
-                         f"got {list(weight.shape)}")
+    _check_form("pack_q41", weight, form)
     n, k = weight.shape
     codes, step, low = grid_codes(weight.detach().float())
     codes = codes.to(torch.uint8)  # [N, G, 32]
@@ -358,8 +403,7 @@ def pack_q41(weight: torch.Tensor, form: str | None = None) -> Q41Weight:
     pairs = codes.reshape(n // 16, 16, groups, 8, 2, 2)  # [block, n, g, p, row 2p or 2p + 1, pair element]
     pairs = pairs.permute(0, 2, 3, 4, 1, 5).reshape(n // 16, groups, 8, 2, 32)  # [block, g, p, row parity, 32]
     packed = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).contiguous()  # [N/16, G, 8, 32]
-    by_block = lambda t: t.reshape(n // 16, 16, groups).permute(0, 2, 1).contiguous()  # noqa: E731 [N/16, G, 16]
-    return Q41Weight(packed, by_block(step), by_block(low), form="amx")
+    return Q41Weight(packed, _by_block(step), _by_block(low), form="amx")
 
 
 def unpack_q41(w: Q41Weight) -> torch.Tensor:
@@ -369,7 +413,7 @@ def unpack_q41(w: Q41Weight) -> torch.Tensor:
         rows = torch.stack([w.packed & 15, w.packed >> 4], dim=3)  # [N/16, G, 8, 2, 32]
         codes = rows.reshape(n // 16, k // GROUP, 8, 2, 16, 2).permute(0, 4, 1, 2, 3, 5)  # [blk, n, g, p, par, 2]
         codes = codes.reshape(n, k // GROUP, GROUP).float()
-        step, minimum = (t.permute(0, 2, 1).reshape(n, k // GROUP) for t in (w.step, w.minimum))
+        step, minimum = _from_blocks(w.step), _from_blocks(w.minimum)
     else:
         bytes_ = w.packed.reshape(n, k // GROUP, 16)
         codes = torch.cat([bytes_ & 15, bytes_ >> 4], dim=-1).float()  # [N, G, 32]
@@ -378,13 +422,16 @@ def unpack_q41(w: Q41Weight) -> torch.Tensor:
 
 
 class Q80Weight:
-    """One [N, K] matrix as Q8_0: int8 codes [N, K] and step d [N, K/32] fp32 (w = q * d)."""
+    """One [N, K] matrix as Q8_0 (w = q * d) in one of the kernel's forms. "fma": int8 codes [N, K], step d
+    [N, K/32] fp32. "amx": codes [N/16, K/32, 16, 32] in the tile unit's pair order, d [N/16, K/32, 16]."""
 
-    def __init__(self, codes: torch.Tensor, step: torch.Tensor):
-        self.codes, self.step = codes, step
+    def __init__(self, codes: torch.Tensor, step: torch.Tensor, form: str = "fma"):
+        self.codes, self.step, self.form = codes, step, form
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.form == "amx":
+            return self.codes.shape[0] * 16, self.codes.shape[1] * GROUP
         return tuple(self.codes.shape)
 
 
@@ -405,19 +452,28 @@ def q80_deviation(weight: torch.Tensor) -> float:
     return float((rebuilt - weight).abs().max() / weight.abs().max().clamp(min=1e-30))
 
 
-def pack_q80(weight: torch.Tensor) -> Q80Weight:
-    """[N, K] fp32 -> Q80Weight (int8 codes, one step per group of 32)."""
-    if not shape_supported(weight):
-        raise ValueError(f"pack_q80: K must be a multiple of {GROUP} and N of {OUTPUT_BLOCK}, "
-                         f"got {list(weight.shape)}")
+def pack_q80(weight: torch.Tensor, form: str | None = None) -> Q80Weight:
+    """[N, K] fp32 -> Q80Weight (int8 codes, one step per group of 32) in `form` (default: `preferred_form`)."""
+    form = form or preferred_form(weight)
+    _check_form("pack_q80", weight, form)
     codes, step = q80_codes(weight.detach().float())
-    return Q80Weight(codes.to(torch.int8).reshape(weight.shape).contiguous(), step.contiguous())
+    codes = codes.to(torch.int8)  # [N, G, 32]
+    if form == "fma":
+        return Q80Weight(codes.reshape(weight.shape).contiguous(), step.contiguous())
+    n, groups = weight.shape[0], weight.shape[1] // GROUP
+    pairs = codes.reshape(n // 16, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)  # [block, g, row kk, n, pair element]
+    return Q80Weight(pairs.reshape(n // 16, groups, 16, 32).contiguous(), _by_block(step), form="amx")
 
 
 def unpack_q80(w: Q80Weight) -> torch.Tensor:
     """Q80Weight -> the [N, K] fp32 matrix it stands for."""
     n, k = w.shape
-    return (w.codes.reshape(n, k // GROUP, GROUP).float() * w.step[..., None]).reshape(n, k)
+    if w.form == "amx":
+        codes = w.codes.reshape(n // 16, k // GROUP, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(n, k // GROUP, GROUP)
+        step = _from_blocks(w.step)
+    else:
+        codes, step = w.codes.reshape(n, k // GROUP, GROUP), w.step
+    return (codes.float() * step[..., None]).reshape(n, k)
 
 
 def avx512_available() -> bool:
@@ -451,8 +507,8 @@ def build_kernel(directory: Path) -> ctypes.CDLL:
     lib.q41_gemm.restype = None
     lib.q80_gemm.argtypes = [pointer, ctypes.c_int, ctypes.c_int, pointer, pointer, ctypes.c_int, pointer, ctypes.c_int]
     lib.q80_gemm.restype = None
-    lib.q41_amx.argtypes = lib.q41_gemm.argtypes
-    lib.q41_amx.restype = ctypes.c_int
+    lib.q41_amx.argtypes, lib.q41_amx.restype = lib.q41_gemm.argtypes, ctypes.c_int
+    lib.q80_amx.argtypes, lib.q80_amx.restype = lib.q80_gemm.argtypes, ctypes.c_int
     lib.amx_request.argtypes, lib.amx_request.restype = [], ctypes.c_int
     return lib
 
@@ -558,6 +614,11 @@ def q80_gemm(lib: ctypes.CDLL, x: torch.Tensor, w: Q80Weight) -> torch.Tensor:
     """x contiguous fp32 [1..MAX_ROWS, K] -> [R, N] over a Q80Weight (the caller has checked x)."""
     n, k = w.shape
     y = torch.empty(x.shape[0], n)
+    if w.form == "amx":
+        if lib.q80_amx(x.data_ptr(), x.shape[0], k, w.codes.data_ptr(), w.step.data_ptr(), n, y.data_ptr(),
+                       torch.get_num_threads()) != 0:
+            raise MemoryError(f"q80_amx: no memory for the bf16 parts of x {list(x.shape)}")
+        return y
     lib.q80_gemm(x.data_ptr(), x.shape[0], k, w.codes.data_ptr(), w.step.data_ptr(), n, y.data_ptr(),
                  torch.get_num_threads())
     return y
