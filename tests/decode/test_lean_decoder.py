@@ -22,8 +22,8 @@ from decode.runner import ExtraRows, ModelRunner
 from models.packed_linear import (PackedLinear, PackedLinearFP16, float16_weights_supported, inference_weights,
                                   packed_for_inference, set_inference_weights)
 from models.q41_linear import DISABLE_ENV as NO_Q41_ENV
-from models.q41_linear import (Q41Linear, Q80Linear, kernel_unavailable, pack_q41, pack_q80, q41_for_inference,
-                               unpack_q41, unpack_q80)
+from models.q41_linear import (Q41Linear, Q80Linear, amx_unavailable, kernel_unavailable, pack_q41, pack_q80,
+                               q41_for_inference, unpack_q41, unpack_q80)
 from models.target import PRECISIONS, cpu_has_native_bf16, resolve_precision
 from tests.conftest import make_tiny_llama
 
@@ -157,6 +157,8 @@ def test_the_q41_kernel_computes_what_onednn_does_and_speculation_stays_plain_de
     on, off = q41_runner(model, True), q41_runner(model, False)
     kinds = {type(m) for layer in on.lean.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)}
     assert kinds == {Q41Linear}
+    forms = {m.codes.form for layer in on.lean.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)}
+    assert forms == ({"fma"} if amx_unavailable() else {"amx"})  # every matrix here is whole blocks of 32 outputs
     assert not any(isinstance(layer.qkv, Q41Linear) for layer in off.lean.layers)
     with torch.inference_mode():
         for a, b in zip(forwards(on), forwards(off)):

@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.q41_linear import (MAX_ROWS, Q41Linear, Q41Weight, Q80Linear, avx512_available, build_kernel,
-                               grid_deviation, head_for_inference, pack_q41, pack_q80, q41_linear, q41_or_packed,
-                               q41_usable, q80_deviation, q80_gemm, q80_usable, unpack_q41, unpack_q80)
+from models.q41_linear import (MAX_ROWS, NO_AMX_ENV, Q41Linear, Q41Weight, Q80Linear, amx_unavailable,
+                               avx512_available, build_kernel, grid_deviation, head_for_inference, pack_q41, pack_q80,
+                               preferred_form, q41_linear, q41_or_packed, q41_usable, q80_deviation, q80_gemm,
+                               q80_usable, unpack_q41, unpack_q80)
 from models.packed_linear import PackedLinear
 
 
@@ -50,6 +51,8 @@ def test_shapes_the_kernel_cannot_take_are_errors():
         pack_q41(torch.randn(4, 80))  # K not whole groups of 32
     with pytest.raises(ValueError, match="N of 2"):
         pack_q41(torch.randn(3, 64))  # N not whole blocks of the kernel's 2 outputs
+    with pytest.raises(ValueError, match="form must be"):
+        pack_q41(torch.randn(4, 64), "avx2")
 
 
 needs_kernel = pytest.mark.skipif(shutil.which("gcc") is None or not avx512_available(),
@@ -143,3 +146,71 @@ def test_the_head_goes_to_the_q80_kernel_only_when_it_is_exactly_q80():
         x = torch.randn(1, rows, 128)
         with torch.no_grad():
             torch.testing.assert_close(fast(x), head(x), rtol=1e-5, atol=1e-5)
+
+
+needs_amx = pytest.mark.skipif(amx_unavailable() is not None, reason=f"the AMX form: {amx_unavailable()}")
+FORMS = ["fma", pytest.param("amx", marks=needs_amx)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("form", FORMS)
+def test_each_q41_form_computes_f_linear_rows_alike_and_reads_the_weights_exactly(tmp_path, form):
+    lib = build_kernel(tmp_path)
+    w = q41_matrix(64, 576, seed=11)
+    q = pack_q41(w, form)
+    assert q.form == form and q.shape == (64, 576)
+    assert torch.equal(unpack_q41(q), unpack_q41(pack_q41(w, "fma")))  # the same weights in either order
+    x = torch.randn(40, 576)  # past the AMX form's tiles of 16 rows
+    y = q41_linear(lib, x, q)
+    reference = F.linear(x, unpack_q41(q))
+    assert float((y - reference).abs().max() / reference.abs().max()) < 1e-5
+    for rows in (1, 5, 16, 17, 33):  # a row is computed alike whatever the row count
+        assert torch.equal(q41_linear(lib, x[:rows], q), y[:rows])
+    columns = torch.tensor([0, 17, 31, 32, 100, 575])  # one-hot rows: the packing's weights bit for bit
+    assert torch.equal(q41_linear(lib, F.one_hot(columns, 576).float(), q), unpack_q41(q)[:, columns].T)
+
+
+@needs_kernel
+@pytest.mark.parametrize("form", FORMS)
+def test_each_q80_form_computes_f_linear_rows_alike_and_reads_the_weights_exactly(tmp_path, form):
+    lib = build_kernel(tmp_path)
+    w = q80_matrix(96, 576, seed=12)
+    q = pack_q80(w, form)
+    assert q.form == form and q.shape == (96, 576) and torch.equal(unpack_q80(q), w)
+    x = torch.randn(21, 576)
+    y = q80_gemm(lib, x, q)
+    reference = F.linear(x, w)
+    assert float((y - reference).abs().max() / reference.abs().max()) < 1e-5
+    for rows in (1, 5, 16, 17):
+        assert torch.equal(q80_gemm(lib, x[:rows].contiguous(), q), y[:rows])
+    columns = torch.tensor([0, 15, 16, 31, 300])
+    assert torch.equal(q80_gemm(lib, F.one_hot(columns, 576).float(), q), w[:, columns].T)
+
+
+@needs_kernel
+@needs_amx
+def test_the_amx_form_reads_its_tile_order_and_fails_when_the_order_is_wrong(tmp_path):
+    lib = build_kernel(tmp_path)
+    w = q41_matrix(64, 256, seed=13)
+    q = pack_q41(w, "amx")
+    x = torch.randn(3, 256)
+    reference = F.linear(x, unpack_q41(q))
+    rows_swapped = Q41Weight(((q.packed & 15) << 4) | (q.packed >> 4), q.step, q.minimum, form="amx")
+    assert float((q41_linear(lib, x, rows_swapped) - reference).abs().max() / reference.abs().max()) > 1e-2
+    head = q80_matrix(64, 256, seed=14)
+    h = pack_q80(head, "amx")
+    pairs_swapped = type(h)(h.codes.reshape(*h.codes.shape[:-1], 16, 2).flip(-1).reshape(h.codes.shape), h.step, "amx")
+    assert float((q80_gemm(lib, x, pairs_swapped) - F.linear(x, head)).abs().max()) > 1e-2
+
+
+@needs_amx
+def test_the_amx_form_takes_whole_blocks_of_32_outputs_and_can_be_switched_off(monkeypatch):
+    assert preferred_form(torch.zeros(64, 64)) == "amx"
+    assert preferred_form(torch.zeros(48, 64)) == "fma"  # 48 outputs: not whole blocks of 32
+    with pytest.raises(ValueError, match="N of 32"):
+        pack_q41(q41_matrix(48, 64), "amx")
+    monkeypatch.setenv(NO_AMX_ENV, "1")
+    assert amx_unavailable() == f"${NO_AMX_ENV} is set"
+    assert preferred_form(torch.zeros(64, 64)) == "fma" and pack_q41(q41_matrix(64, 64)).form == "fma"
+    with pytest.raises(RuntimeError, match="cannot run here"):
+        pack_q80(q80_matrix(64, 64), "amx")
