@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -87,8 +88,9 @@ def built_decoder(decoder: torch.nn.Module, weights: str) -> "LeanDecoder":
         reason = kernel_unavailable()
         if reason is None and on_q41 < len(linears):
             reason = "the others are not on a 4-bit grid of 32"
-        log.info("fp32 layer GEMMs: the Q4_1 kernel for %d of %d matrices%s", on_q41, len(linears),
-                 f" ({reason})" if reason else "")
+        forms = Counter(m.codes.form for m in linears if isinstance(m, Q41Linear))
+        log.info("fp32 layer GEMMs: the Q4_1 kernel for %d of %d matrices%s%s", on_q41, len(linears),
+                 f" ({reason})" if reason else "", "".join(f", {n} in its {form} form" for form, n in forms.items()))
     return lean
 
 

@@ -17,6 +17,14 @@ The head: the default target's tied embedding is Q8_0 in the GGUF (int8 codes, o
 32, so every weight is q * d exactly). `head_for_inference` gives it a `Q80Linear` on the library's second
 function, `q80_gemm` (the same blocking and row-alike order): 113 MB of fp32 become 28 MB of codes, the head of a
 one-row forward about 1.9x faster (BENCHMARKS.md, stop 46).
+
+Two forms of each: "fma" (AVX-512 FMAs over weights rebuilt exactly) and, where the CPU has AMX-BF16 and Linux
+grants this process the tile state (`amx_unavailable`), "amx": x split exactly into three bf16 parts, the codes
+exact in bf16, each group's products summed in fp32 by the tile unit, then scaled by d (and m times the group's
+sum of x) in fp32. A tree's 14 rows of layer GEMMs cost half the FMA form's, the head's a third, one row no more
+(BENCHMARKS.md, "The kernels on AMX tiles"). A matrix is packed in one form (AMX where N is whole blocks of 32
+outputs and its steps and minima are fp16 values, as a GGUF stores them) and every call over it uses that form,
+so rows stay alike; $SPECDISTILL_NO_AMX keeps the FMA form everywhere.
 """
 
 from __future__ import annotations
@@ -137,7 +145,8 @@ void q80_gemm(const float *x, int R, int K, const int8_t *codes, const float *d,
 // group after group. A row's numbers depend on that row only: alike whatever the number of rows.
 // packed: [N/16][G][8][32] bytes, byte i of pair row p = B-tile row 2p's element i (low nibble) and row 2p+1's
 // (high nibble), B row kk holding (q[n, 2kk], q[n, 2kk + 1]) for the block's 16 outputs n (the tile unit's pairs).
-// d, m: [N/16][G][16]. N % 32 == 0 (two blocks of 16 outputs share each x tile), K % 32 == 0.
+// d, m: [N/16][G][16] fp16 (a GGUF's own values, half fp32's bytes). N % 32 == 0 (two blocks of 16 outputs share
+// each x tile), K % 32 == 0.
 // The Q8_0 form (the head) is the same with q in -127..127 (exact in bf16 too) and no m: codes [N/16][G][16][32]
 // int8, each B-tile row as it is stored.
 #define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")))
@@ -213,7 +222,7 @@ AMX_TARGET static inline void decode_int8_codes(const uint8_t *p, uint16_t *tile
 }
 
 AMX_TARGET static void amx_rows(const uint16_t *parts, size_t plane, const float *sums, int rows, int K,
-                                const uint8_t *packed, const float *d, const float *m, int N, float *y) {
+                                const uint8_t *packed, const uint16_t *d, const uint16_t *m, int N, float *y) {
     // up to 16 rows (parts and sums already at the first of them), inside a parallel region: blocks of 32 outputs
     // shared out; per group: decode the next group's codes while the tile unit multiplies this one's, and scale
     // the previous group's products (two buffers each, so no step waits on the one before). m == NULL: Q8_0 codes
@@ -266,11 +275,11 @@ AMX_TARGET static void amx_rows(const uint16_t *parts, size_t plane, const float
                 int e = g - 1;
                 for (int b = 0; b < 2; b++) {
                     size_t i = ((size_t)(nb + b) * G + e) * 16;
-                    __m512 step = _mm512_loadu_ps(d + i);
+                    __m512 step = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + i)));
                     for (int r = 0; r < rows; r++)
                         acc[r][b] = _mm512_fmadd_ps(_mm512_load_ps(products[s ^ 1][b] + 16 * r), step, acc[r][b]);
                     if (m) {
-                        __m512 minimum = _mm512_loadu_ps(m + i);
+                        __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + i)));
                         for (int r = 0; r < rows; r++)
                             acc[r][b] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(sums[r * G + e]), acc[r][b]);
                     }
@@ -283,8 +292,8 @@ AMX_TARGET static void amx_rows(const uint16_t *parts, size_t plane, const float
     _tile_release();
 }
 
-AMX_TARGET static int amx_gemm(const float *x, int R, int K, const uint8_t *packed, const float *d, const float *m,
-                               int N, float *y, int threads) {
+AMX_TARGET static int amx_gemm(const float *x, int R, int K, const uint8_t *packed, const uint16_t *d,
+                               const uint16_t *m, int N, float *y, int threads) {
     // 0, or -1 when the scratch for x's parts cannot be allocated (nothing written to y)
     size_t plane = (size_t)R * K;
     uint16_t *parts = aligned_alloc(64, ((3 * plane * 2 + 63) / 64) * 64);
@@ -304,12 +313,12 @@ AMX_TARGET static int amx_gemm(const float *x, int R, int K, const uint8_t *pack
     return 0;
 }
 
-int q41_amx(const float *x, int R, int K, const uint8_t *packed, const float *d, const float *m, int N, float *y,
-            int threads) {
+int q41_amx(const float *x, int R, int K, const uint8_t *packed, const uint16_t *d, const uint16_t *m, int N,
+            float *y, int threads) {
     return amx_gemm(x, R, K, packed, d, m, N, y, threads);
 }
 
-int q80_amx(const float *x, int R, int K, const int8_t *codes, const float *d, int N, float *y, int threads) {
+int q80_amx(const float *x, int R, int K, const int8_t *codes, const uint16_t *d, int N, float *y, int threads) {
     return amx_gemm(x, R, K, (const uint8_t *)codes, d, NULL, N, y, threads);
 }
 """
@@ -321,8 +330,8 @@ GCC_FLAGS = ("-O3", "-mavx512f", "-mfma", "-ffp-contract=off", "-fopenmp", "-sha
 
 class Q41Weight:
     """One [N, K] matrix as Q4_1 in one of the kernel's forms: packed uint8 codes two a byte, step d and minimum
-    m fp32. "fma" (AVX-512): packed [N, K/2], d and m [N, K/32]. "amx" (AMX-BF16 tiles): packed [N/16, K/32, 8,
-    32] in the tile unit's pair order, d and m [N/16, K/32, 16] (see KERNEL_SOURCE)."""
+    m. "fma" (AVX-512): packed [N, K/2], d and m [N, K/32] fp32. "amx" (AMX-BF16 tiles): packed [N/16, K/32, 8,
+    32] in the tile unit's pair order, d and m [N/16, K/32, 16] fp16 (see KERNEL_SOURCE)."""
 
     def __init__(self, packed: torch.Tensor, step: torch.Tensor, minimum: torch.Tensor, form: str = "fma"):
         self.packed, self.step, self.minimum, self.form = packed, step, minimum, form
@@ -361,12 +370,22 @@ def shape_supported(weight: torch.Tensor) -> bool:
     return weight.dim() == 2 and weight.shape[1] % GROUP == 0 and weight.shape[0] % OUTPUT_BLOCK == 0
 
 
-def preferred_form(weight: torch.Tensor) -> str:
-    """"amx" where this process may use the AMX form (`amx_unavailable`) and N is whole blocks of it, else "fma"."""
-    return "amx" if weight.shape[0] % AMX_OUTPUT_BLOCK == 0 and amx_unavailable() is None else "fma"
+def scales_are_fp16(codes: torch.Tensor, step: torch.Tensor, low: torch.Tensor | None = None) -> bool:
+    """Whether the weights come out the same with the steps (and minima) rounded to fp16, as the AMX form stores
+    them: a GGUF stores them as fp16, so every matrix of the default target does (codes [N, G, 32], step and low
+    [N, G])."""
+    def rebuilt(d, m):
+        return codes * d[..., None] + (0 if m is None else m[..., None])
+    half = (lambda t: None if t is None else t.half().float())  # noqa: E731
+    return torch.equal(rebuilt(half(step), half(low)), rebuilt(step, low))
 
 
-def _check_form(caller: str, weight: torch.Tensor, form: str) -> None:
+def _choose_form(caller: str, weight: torch.Tensor, form: str | None, fp16_scales: Callable[[], bool]) -> str:
+    """form, or where None: "amx" where this process may use the AMX form (`amx_unavailable`), N is whole blocks
+    of 32 outputs and the scales are fp16 values, else "fma". An error names what keeps an asked form out."""
+    if form is None:
+        usable = weight.shape[0] % AMX_OUTPUT_BLOCK == 0 and amx_unavailable() is None
+        form = "amx" if usable and fp16_scales() else "fma"
     if form not in ("fma", "amx"):
         raise ValueError(f"{caller}: form must be 'fma' or 'amx', got {form!r}")
     if form == "amx" and (why := amx_unavailable()) is not None:  # also asks Linux for the tiles, once
@@ -375,6 +394,10 @@ def _check_form(caller: str, weight: torch.Tensor, form: str) -> None:
     if not shape_supported(weight) or weight.shape[0] % block:
         raise ValueError(f"{caller}: K must be a multiple of {GROUP} and N of {block} ({form} form), "
                          f"got {list(weight.shape)}")
+    if form == "amx" and not fp16_scales():
+        raise ValueError(f"{caller}: the AMX form stores steps and minima as fp16, and this matrix's are not fp16 "
+                         f"values")
+    return form
 
 
 def _by_block(per_group: torch.Tensor) -> torch.Tensor:
@@ -389,12 +412,14 @@ def _from_blocks(blocked: torch.Tensor) -> torch.Tensor:
 
 
 def pack_q41(weight: torch.Tensor, form: str | None = None) -> Q41Weight:
-    """[N, K] fp32 -> Q41Weight in `form` (default: `preferred_form`). FMA form: byte j of group g holds code j
-    (low nibble) and code j + 16 (high nibble); AMX form: the tile unit's order (KERNEL_SOURCE)."""
-    form = form or preferred_form(weight)
-    _check_form("pack_q41", weight, form)
+    """[N, K] fp32 -> Q41Weight in `form` (default: AMX where it may run, see `_choose_form`). FMA form: byte j of
+    group g holds code j (low nibble) and code j + 16 (high nibble); AMX form: the tile unit's order, fp16 steps
+    and minima (KERNEL_SOURCE)."""
+    if not shape_supported(weight):
+        _choose_form("pack_q41", weight, "fma", lambda: False)  # the shape's error
     n, k = weight.shape
     codes, step, low = grid_codes(weight.detach().float())
+    form = _choose_form("pack_q41", weight, form, lambda: scales_are_fp16(codes, step, low))
     codes = codes.to(torch.uint8)  # [N, G, 32]
     if form == "fma":
         packed = (codes[..., :16] | (codes[..., 16:] << 4)).reshape(n, k // 2).contiguous()
@@ -403,7 +428,7 @@ def pack_q41(weight: torch.Tensor, form: str | None = None) -> Q41Weight:
     pairs = codes.reshape(n // 16, 16, groups, 8, 2, 2)  # [block, n, g, p, row 2p or 2p + 1, pair element]
     pairs = pairs.permute(0, 2, 3, 4, 1, 5).reshape(n // 16, groups, 8, 2, 32)  # [block, g, p, row parity, 32]
     packed = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).contiguous()  # [N/16, G, 8, 32]
-    return Q41Weight(packed, _by_block(step), _by_block(low), form="amx")
+    return Q41Weight(packed, _by_block(step).half(), _by_block(low).half(), form="amx")
 
 
 def unpack_q41(w: Q41Weight) -> torch.Tensor:
@@ -413,7 +438,7 @@ def unpack_q41(w: Q41Weight) -> torch.Tensor:
         rows = torch.stack([w.packed & 15, w.packed >> 4], dim=3)  # [N/16, G, 8, 2, 32]
         codes = rows.reshape(n // 16, k // GROUP, 8, 2, 16, 2).permute(0, 4, 1, 2, 3, 5)  # [blk, n, g, p, par, 2]
         codes = codes.reshape(n, k // GROUP, GROUP).float()
-        step, minimum = _from_blocks(w.step), _from_blocks(w.minimum)
+        step, minimum = _from_blocks(w.step).float(), _from_blocks(w.minimum).float()
     else:
         bytes_ = w.packed.reshape(n, k // GROUP, 16)
         codes = torch.cat([bytes_ & 15, bytes_ >> 4], dim=-1).float()  # [N, G, 32]
@@ -423,7 +448,7 @@ def unpack_q41(w: Q41Weight) -> torch.Tensor:
 
 class Q80Weight:
     """One [N, K] matrix as Q8_0 (w = q * d) in one of the kernel's forms. "fma": int8 codes [N, K], step d
-    [N, K/32] fp32. "amx": codes [N/16, K/32, 16, 32] in the tile unit's pair order, d [N/16, K/32, 16]."""
+    [N, K/32] fp32. "amx": codes [N/16, K/32, 16, 32] in the tile unit's pair order, d [N/16, K/32, 16] fp16."""
 
     def __init__(self, codes: torch.Tensor, step: torch.Tensor, form: str = "fma"):
         self.codes, self.step, self.form = codes, step, form
@@ -453,16 +478,18 @@ def q80_deviation(weight: torch.Tensor) -> float:
 
 
 def pack_q80(weight: torch.Tensor, form: str | None = None) -> Q80Weight:
-    """[N, K] fp32 -> Q80Weight (int8 codes, one step per group of 32) in `form` (default: `preferred_form`)."""
-    form = form or preferred_form(weight)
-    _check_form("pack_q80", weight, form)
+    """[N, K] fp32 -> Q80Weight (int8 codes, one step per group of 32) in `form` (default: AMX where it may run,
+    see `_choose_form`; its steps fp16)."""
+    if not shape_supported(weight):
+        _choose_form("pack_q80", weight, "fma", lambda: False)  # the shape's error
     codes, step = q80_codes(weight.detach().float())
+    form = _choose_form("pack_q80", weight, form, lambda: scales_are_fp16(codes, step))
     codes = codes.to(torch.int8)  # [N, G, 32]
     if form == "fma":
         return Q80Weight(codes.reshape(weight.shape).contiguous(), step.contiguous())
     n, groups = weight.shape[0], weight.shape[1] // GROUP
     pairs = codes.reshape(n // 16, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)  # [block, g, row kk, n, pair element]
-    return Q80Weight(pairs.reshape(n // 16, groups, 16, 32).contiguous(), _by_block(step), form="amx")
+    return Q80Weight(pairs.reshape(n // 16, groups, 16, 32).contiguous(), _by_block(step).half(), form="amx")
 
 
 def unpack_q80(w: Q80Weight) -> torch.Tensor:
@@ -470,7 +497,7 @@ def unpack_q80(w: Q80Weight) -> torch.Tensor:
     n, k = w.shape
     if w.form == "amx":
         codes = w.codes.reshape(n // 16, k // GROUP, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(n, k // GROUP, GROUP)
-        step = _from_blocks(w.step)
+        step = _from_blocks(w.step).float()
     else:
         codes, step = w.codes.reshape(n, k // GROUP, GROUP), w.step
     return (codes.float() * step[..., None]).reshape(n, k)
@@ -647,8 +674,10 @@ def head_for_inference(head: torch.nn.Module) -> torch.nn.Module:
         return packed_for_inference(head)
 
     def build():
-        log.info("fp32 head: the Q8_0 kernel (%d x %d)", head.out_features, head.in_features)
-        return Q80Linear(head, _kernel()[0])
+        fast = Q80Linear(head, _kernel()[0])
+        log.info("fp32 head: the Q8_0 kernel (%d x %d, its %s form)", head.out_features, head.in_features,
+                 fast.codes.form)
+        return fast
     return cached_copy(_copies, head, ("q80", weights_signature(head)), build)
 
 

@@ -22,8 +22,8 @@ from decode.runner import ExtraRows, ModelRunner
 from models.packed_linear import (PackedLinear, PackedLinearFP16, float16_weights_supported, inference_weights,
                                   packed_for_inference, set_inference_weights)
 from models.q41_linear import DISABLE_ENV as NO_Q41_ENV
-from models.q41_linear import (Q41Linear, Q80Linear, amx_unavailable, kernel_unavailable, pack_q41, pack_q80,
-                               q41_for_inference, unpack_q41, unpack_q80)
+from models.q41_linear import (Q41Linear, Q80Linear, amx_unavailable, grid_codes, kernel_unavailable, q41_for_inference,
+                               q80_codes)
 from models.target import PRECISIONS, cpu_has_native_bf16, resolve_precision
 from tests.conftest import make_tiny_llama
 
@@ -123,8 +123,14 @@ def q41_llama(seed: int) -> torch.nn.Module:
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and "lm_head" not in name:
-                module.weight.copy_(unpack_q41(pack_q41(module.weight)))
+                module.weight.copy_(q41_with_fp16_scales(module.weight))
     return model
+
+
+def q41_with_fp16_scales(weight: torch.Tensor) -> torch.Tensor:
+    """The nearest Q4_1 matrix whose steps and minima are fp16 values, as a GGUF stores them."""
+    codes, step, low = grid_codes(weight)
+    return (codes * step.half().float()[..., None] + low.half().float()[..., None]).reshape(weight.shape)
 
 
 def q41_runner(model, on: bool) -> ModelRunner:
@@ -192,8 +198,10 @@ def test_a_q80_head_runs_on_its_kernel_and_greedy_output_does_not_change():
     model = q41_llama(seed=10)
     head = model.get_output_embeddings()
     with torch.no_grad():
-        head.weight.copy_(unpack_q80(pack_q80(head.weight)))  # the default target's tied head is exactly Q8_0
-    assert isinstance(q41_runner(model, True).head, Q80Linear)
+        codes, step = q80_codes(head.weight)  # the default target's tied head is exactly Q8_0, its steps fp16
+        head.weight.copy_((codes * step.half().float()[..., None]).reshape(head.weight.shape))
+    fast = q41_runner(model, True).head
+    assert isinstance(fast, Q80Linear) and fast.codes.form == ("fma" if amx_unavailable() else "amx")
     assert not isinstance(q41_runner(model, False).head, Q80Linear)
     assert_greedy_output_is_the_same_without_the_kernels_and_with_speculation(model)
 

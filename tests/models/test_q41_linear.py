@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from models.q41_linear import (MAX_ROWS, NO_AMX_ENV, Q41Linear, Q41Weight, Q80Linear, amx_unavailable,
                                avx512_available, build_kernel, grid_deviation, head_for_inference, pack_q41, pack_q80,
-                               preferred_form, q41_linear, q41_or_packed, q41_usable, q80_deviation, q80_gemm,
+                               q41_linear, q41_or_packed, q41_usable, q80_deviation, q80_gemm,
                                q80_usable, unpack_q41, unpack_q80)
 from models.packed_linear import PackedLinear
 
@@ -20,8 +20,8 @@ def q41_matrix(n: int, k: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
     codes[..., 0], codes[..., 1] = 0, 15  # the group's min and max are the grid's ends, as Q4_1 writes them
-    step = torch.rand(n, k // 32, 1, generator=g) * 0.01 + 1e-3
-    low = torch.randn(n, k // 32, 1, generator=g) * 0.05
+    step = (torch.rand(n, k // 32, 1, generator=g) * 0.01 + 1e-3).half().float()  # a GGUF stores d and m in fp16
+    low = (torch.randn(n, k // 32, 1, generator=g) * 0.05).half().float()
     return (codes * step + low).reshape(n, k)
 
 
@@ -204,13 +204,20 @@ def test_the_amx_form_reads_its_tile_order_and_fails_when_the_order_is_wrong(tmp
 
 
 @needs_amx
-def test_the_amx_form_takes_whole_blocks_of_32_outputs_and_can_be_switched_off(monkeypatch):
-    assert preferred_form(torch.zeros(64, 64)) == "amx"
-    assert preferred_form(torch.zeros(48, 64)) == "fma"  # 48 outputs: not whole blocks of 32
+def test_the_amx_form_takes_whole_blocks_of_32_outputs_and_fp16_scales_and_can_be_switched_off(monkeypatch):
+    assert pack_q41(q41_matrix(64, 64)).form == "amx" and pack_q80(q80_matrix(64, 64)).form == "amx"
+    assert pack_q41(q41_matrix(48, 64)).form == "fma"  # 48 outputs: not whole blocks of 32
     with pytest.raises(ValueError, match="N of 32"):
         pack_q41(q41_matrix(48, 64), "amx")
+    g = torch.Generator().manual_seed(15)
+    codes = torch.randint(0, 16, (64, 2, 32), generator=g).float()
+    codes[..., 0], codes[..., 1] = 0, 15
+    fp32_steps = (codes * (torch.rand(64, 2, 1, generator=g) * 0.01 + 1e-3)).reshape(64, 64)  # steps not fp16
+    assert pack_q41(fp32_steps).form == "fma"
+    with pytest.raises(ValueError, match="not fp16 values"):
+        pack_q41(fp32_steps, "amx")
     monkeypatch.setenv(NO_AMX_ENV, "1")
     assert amx_unavailable() == f"${NO_AMX_ENV} is set"
-    assert preferred_form(torch.zeros(64, 64)) == "fma" and pack_q41(q41_matrix(64, 64)).form == "fma"
+    assert pack_q41(q41_matrix(64, 64)).form == "fma"
     with pytest.raises(RuntimeError, match="cannot run here"):
         pack_q80(q80_matrix(64, 64), "amx")
