@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from models.packed_linear import cached_copy, gemm_padding, packed_class, packing_supported, weights_signature
-from models.q41_linear import Q41Linear, kernel_unavailable, q41_or_packed
+from models.q41_linear import Q41Linear, kernel_library, kernel_unavailable, q41_or_packed, rms_norm_rows, rope_qk
 
 log = logging.getLogger("specdistill.lean")
 
@@ -118,8 +118,9 @@ def fused_linear(linears: list[torch.nn.Linear], packed_class) -> torch.nn.Modul
 class LeanLayer:
     """One LlamaDecoderLayer's computation on packed weights."""
 
-    def __init__(self, layer: torch.nn.Module, packed_class):
+    def __init__(self, layer: torch.nn.Module, packed_class, native=None):
         attn, mlp = layer.self_attn, layer.mlp
+        self.native = native  # the kernel library's RMSNorm and RoPE (`row_ops_library`), or None: torch's
         self.q_size = attn.q_proj.out_features
         self.kv_size = attn.k_proj.out_features
         self.head_dim = attn.head_dim
@@ -138,12 +139,17 @@ class LeanLayer:
         slots [N]: the cache positions to write (a fixed-shape step, decode.step_graphs); None: after the
         committed prefix."""
         n = x.shape[1]
-        h = F.rms_norm(x, x.shape[-1:], *self.norm_in)
-        q, k, v = self.qkv(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(1, n, -1, self.head_dim).transpose(1, 2)  # [1, H, N, hd]
-        k = k.view(1, n, -1, self.head_dim).transpose(1, 2)  # [1, Hkv, N, hd]
-        v = v.view(1, n, -1, self.head_dim).transpose(1, 2)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        qkv = self.qkv(self.rms_norm(x, self.norm_in))  # [1, N, (H + 2 Hkv) hd]
+        v = qkv[..., self.q_size + self.kv_size:].view(1, n, -1, self.head_dim).transpose(1, 2)  # [1, Hkv, N, hd]
+        if self.native is not None:
+            q, k = rope_qk(self.native, qkv.view(n, -1), self.q_size // self.head_dim, self.kv_size // self.head_dim,
+                           self.head_dim, cos[0, 0].contiguous(), sin[0, 0].contiguous())
+            q, k = q[None], k[None]  # [1, H, N, hd], [1, Hkv, N, hd]
+        else:
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(1, n, -1, self.head_dim).transpose(1, 2)  # [1, H, N, hd]
+            k = k.view(1, n, -1, self.head_dim).transpose(1, 2)  # [1, Hkv, N, hd]
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         # [1, Hkv, T, hd]
         keys, values = cache_layer.update(k, v) if slots is None else cache_layer.write(k, v, slots)
         heads, kv_heads = q.shape[1], k.shape[1]
@@ -151,9 +157,28 @@ class LeanLayer:
         out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=self.scaling)
         out = out.reshape(1, heads, n, self.head_dim).transpose(1, 2).reshape(1, n, -1)  # [1, N, H*hd]
         x = x + self.o(out)
-        h = F.rms_norm(x, x.shape[-1:], *self.norm_post)
-        gate, up = self.gate_up(h).split([self.intermediate, self.intermediate], dim=-1)
+        gate, up = self.gate_up(self.rms_norm(x, self.norm_post)).split([self.intermediate, self.intermediate], dim=-1)
         return x + self.down(F.silu(gate) * up)
+
+    def rms_norm(self, x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+        return rms_norm_rows_or_torch(self.native, x, norm)
+
+
+def rms_norm_rows_or_torch(native, x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+    """F.rms_norm over the last dimension with norm = (weight, eps): in one kernel call where `native` is the
+    kernel library (a few ulps from torch's order), else torch's."""
+    if native is None:
+        return F.rms_norm(x, x.shape[-1:], *norm)
+    return rms_norm_rows(native, x.contiguous(), *norm)
+
+
+def row_ops_library(decoder: torch.nn.Module, hidden: int, head_dim: int):
+    """The kernel library for the lean forward's RMSNorm and RoPE where they apply (fp32 on the CPU, the kernel
+    available, hidden a multiple of 16 and head_dim of 32), else None (torch's operations)."""
+    param = next(decoder.parameters())
+    if param.device.type != "cpu" or param.dtype != torch.float32 or hidden % 16 or head_dim % 32:
+        return None
+    return kernel_library()
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -169,9 +194,10 @@ class LeanDecoder:
     def __init__(self, decoder: torch.nn.Module, packed_class):
         self.embed_tokens = decoder.embed_tokens
         self.rotary_emb = decoder.rotary_emb
-        self.layers = [LeanLayer(layer, packed_class) for layer in decoder.layers]
-        self.norm = (decoder.norm.weight, decoder.norm.variance_epsilon)
         config = decoder.config
+        self.native = row_ops_library(decoder, config.hidden_size, decoder.layers[0].self_attn.head_dim)
+        self.layers = [LeanLayer(layer, packed_class, self.native) for layer in decoder.layers]
+        self.norm = (decoder.norm.weight, decoder.norm.variance_epsilon)
         self.groups = config.num_attention_heads // (getattr(config, "num_key_value_heads", None)
                                                      or config.num_attention_heads)
 
@@ -190,4 +216,4 @@ class LeanDecoder:
             if index in wanted:
                 features[index] = x
             x = layer(x, cos, sin, cache.layers[index], grouped, slots)
-        return F.rms_norm(x, x.shape[-1:], *self.norm), [features[i] for i in feature_layers]
+        return rms_norm_rows_or_torch(self.native, x, self.norm), [features[i] for i in feature_layers]

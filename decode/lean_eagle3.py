@@ -20,12 +20,14 @@ drafter's.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import torch.nn.functional as F
 
-from decode.lean_decoder import fused_linear
+from decode.lean_decoder import fused_linear, rms_norm_rows_or_torch, row_ops_library
+from models.q41_linear import rope_qk
 from models.eagle3 import DraftCache, Eagle3Drafter
 from models.packed_linear import packed_class, packing_supported
 
@@ -62,6 +64,8 @@ class LeanEagle3:
         self.inv_freq = layer.inv_freq  # [hd / 2]
         self.dtype = drafter.norm.weight.dtype
         self.cos = self.sin = torch.empty(0, self.head_dim, dtype=self.dtype)  # [P, hd]: positions 0..P-1
+        # RMSNorm and RoPE in one kernel call each where the library runs (decode.lean_decoder.row_ops_library)
+        self.native = row_ops_library(drafter, drafter.norm.weight.shape[0], self.head_dim)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """[..., 3 x D_target] -> g [..., D]."""
@@ -69,7 +73,7 @@ class LeanEagle3:
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """[..., D] -> draft logits [..., M]."""
-        return self.lm_head(F.rms_norm(out, out.shape[-1:], *self.norm_out))
+        return self.lm_head(rms_norm_rows_or_torch(self.native, out, self.norm_out))
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [n] -> cos, sin [n, hd], from a table grown (doubled) as positions need it."""
@@ -87,18 +91,24 @@ class LeanEagle3:
         Appends the rows' keys and values to `cache`; returns the outputs [n, D]."""
         n, d = states.shape
         h, hkv, hd = self.heads, self.kv_heads, self.head_dim
-        x = torch.cat([F.rms_norm(embeds, (d,), *self.norm_embed), F.rms_norm(states, (d,), *self.norm_state)], dim=-1)
-        qkv = self.qkv(x).view(n, h + 2 * hkv, hd).transpose(0, 1)  # [H + 2 Hkv, n, hd]: q heads, k heads, v heads
+        norm = functools.partial(rms_norm_rows_or_torch, self.native)
+        x = torch.cat([norm(embeds, self.norm_embed), norm(states, self.norm_state)], dim=-1)
+        fused = self.qkv(x)  # [n, (H + 2 Hkv) hd]: q heads, k heads, v heads
+        qkv = fused.view(n, h + 2 * hkv, hd).transpose(0, 1)  # [H + 2 Hkv, n, hd]
         cos, sin = self.rotary(positions)  # [n, hd]
-        qk = qkv[:h + hkv]
-        half = hd // 2
-        qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin  # RoPE, rotate-half
-        keys, values = cache.append(qk[h:], qkv[h + hkv:])  # [Hkv, L + n, hd]
+        if self.native is not None:
+            q, k = rope_qk(self.native, fused, h, hkv, hd, cos.contiguous(), sin.contiguous())
+        else:
+            qk = qkv[:h + hkv]
+            half = hd // 2
+            qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin  # RoPE, rotate-half
+            q, k = qk[:h], qk[h:]
+        keys, values = cache.append(k, qkv[h + hkv:])  # [Hkv, L + n, hd]
         groups = h // hkv
-        folded = qk[:h].reshape(hkv, groups * n, hd)  # row g*n + i: query head hkv*G + g, row i
+        folded = q.reshape(hkv, groups * n, hd)  # row g*n + i: query head hkv*G + g, row i
         mask = visible.repeat(groups, 1) if groups > 1 else visible  # [G n, L + n]
         attended = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask)  # [Hkv, G n, hd]
         attended = attended.reshape(h, n, hd).transpose(0, 1).reshape(n, h * hd)
         hidden = states + self.o(attended)
-        gate, up = self.gate_up(F.rms_norm(hidden, (d,), *self.norm_post)).split(self.intermediate, dim=-1)
+        gate, up = self.gate_up(norm(hidden, self.norm_post)).split(self.intermediate, dim=-1)
         return hidden + self.down(F.silu(gate) * up)

@@ -59,6 +59,7 @@ MAX_ROWS = 64  # decode-time calls (trees, chains, single rows); longer calls ar
 
 KERNEL_SOURCE = r"""
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 // y[R, N] = x[R, K] @ W^T, W[n, 32g + j] = q * d[n, g] + m[n, g]; packed[n, 16g + j] = q_j | q_{j+16} << 4.
 // K % 32 == 0, N % NB == 0. The weights are rebuilt exactly as they were dequantized (q * d rounded, then + m
@@ -133,6 +134,54 @@ void q80_gemm(const float *x, int R, int K, const int8_t *codes, const float *d,
             }
             for (int r = 0; r < rb; r++)
                 for (int a = 0; a < NB; a++) y[(size_t)(r0 + r) * N + n0 + a] = _mm512_reduce_add_ps(acc[r][a]);
+        }
+    }
+}
+
+// ---- Row-wise operations of the engine's lean forward (decode.lean_decoder): one call each instead of the 5-8
+// tensor operations (and their dispatch) that RMSNorm and the rotary embedding take in torch. Each row alone. ----
+// y[r] = (x[r] * (1 / sqrt(mean(x[r]^2) + eps))) * w, as transformers' LlamaRMSNorm orders it. D % 16 == 0.
+void rms_norm_rows(const float *x, int R, int D, const float *w, float eps, float *y) {
+    for (int r = 0; r < R; r++) {
+        const float *row = x + (size_t)r * D;
+        __m512 squares = _mm512_setzero_ps();
+        for (int k = 0; k < D; k += 16) {
+            __m512 v = _mm512_loadu_ps(row + k);
+            squares = _mm512_fmadd_ps(v, v, squares);
+        }
+        __m512 scale = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)D + eps));
+        for (int k = 0; k < D; k += 16)
+            _mm512_storeu_ps(y + (size_t)r * D + k,
+                             _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(row + k), scale), _mm512_loadu_ps(w + k)));
+    }
+}
+
+// The rotary embedding of q and k straight from the fused projection's rows: qkv [N][(H + Hkv + Hkv) hd] (q heads,
+// k heads, v heads), cos and sin [N][hd] -> q [H][N][hd], k [Hkv][N][hd], each x * cos + rotate_half(x) * sin with
+// rotate_half(x) = (-x2, x1): the same products and sum, each rounded, as transformers' apply_rotary_pos_emb.
+// hd % 32 == 0.
+static inline __m512 negated(__m512 x, __m512i sign) {  // -x (its sign bit flipped)
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), sign));
+}
+
+void rope_qk(const float *qkv, int N, int H, int Hkv, int hd, const float *cos, const float *sin, float *q,
+             float *k) {
+    int half = hd / 2, width = (H + 2 * Hkv) * hd;
+    __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    for (int n = 0; n < N; n++) {
+        const float *c = cos + (size_t)n * hd, *s = sin + (size_t)n * hd;
+        for (int h = 0; h < H + Hkv; h++) {
+            const float *x = qkv + (size_t)n * width + (size_t)h * hd;
+            float *out = h < H ? q + ((size_t)h * N + n) * hd : k + ((size_t)(h - H) * N + n) * hd;
+            for (int i = 0; i < half; i += 16) {
+                __m512 x1 = _mm512_loadu_ps(x + i), x2 = _mm512_loadu_ps(x + half + i);
+                __m512 first = _mm512_add_ps(_mm512_mul_ps(x1, _mm512_loadu_ps(c + i)),
+                                             _mm512_mul_ps(negated(x2, sign), _mm512_loadu_ps(s + i)));
+                __m512 second = _mm512_add_ps(_mm512_mul_ps(x2, _mm512_loadu_ps(c + half + i)),
+                                              _mm512_mul_ps(x1, _mm512_loadu_ps(s + half + i)));
+                _mm512_storeu_ps(out + i, first);
+                _mm512_storeu_ps(out + half + i, second);
+            }
         }
     }
 }
@@ -537,6 +586,10 @@ def build_kernel(directory: Path) -> ctypes.CDLL:
     lib.q41_amx.argtypes, lib.q41_amx.restype = lib.q41_gemm.argtypes, ctypes.c_int
     lib.q80_amx.argtypes, lib.q80_amx.restype = lib.q80_gemm.argtypes, ctypes.c_int
     lib.amx_request.argtypes, lib.amx_request.restype = [], ctypes.c_int
+    lib.rms_norm_rows.argtypes = [pointer, ctypes.c_int, ctypes.c_int, pointer, ctypes.c_float, pointer]
+    lib.rope_qk.argtypes = [pointer, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, pointer, pointer, pointer,
+                            pointer]
+    lib.rms_norm_rows.restype = lib.rope_qk.restype = None
     return lib
 
 
@@ -552,6 +605,11 @@ def _kernel() -> tuple[ctypes.CDLL | None, str | None]:
         return build_kernel(kernel_directory()), None
     except (RuntimeError, OSError) as error:
         return None, str(error)
+
+
+def kernel_library() -> ctypes.CDLL | None:
+    """The library (GEMM forms, RMSNorm, RoPE) where the engine may use it, else None (see kernel_unavailable)."""
+    return _kernel()[0] if kernel_unavailable() is None else None
 
 
 def kernel_unavailable() -> str | None:
@@ -603,6 +661,25 @@ def q41_gemm(lib: ctypes.CDLL, x: torch.Tensor, w: Q41Weight) -> torch.Tensor:
     lib.q41_gemm(x.data_ptr(), x.shape[0], k, w.packed.data_ptr(), w.step.data_ptr(), w.minimum.data_ptr(), n,
                  y.data_ptr(), torch.get_num_threads())
     return y
+
+
+def rms_norm_rows(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """F.rms_norm(x, (D,), weight, eps) for contiguous fp32 x [..., D] (D % 16 == 0), in one call; the sum of
+    squares in another order than torch's (a few ulps)."""
+    y = torch.empty_like(x)
+    lib.rms_norm_rows(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], weight.data_ptr(), eps, y.data_ptr())
+    return y
+
+
+def rope_qk(lib: ctypes.CDLL, qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor,
+            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """qkv contiguous fp32 [N, (heads + 2 kv_heads) head_dim], cos and sin contiguous [N, head_dim] (head_dim %
+    32 == 0) -> the rotated q [heads, N, head_dim] and k [kv_heads, N, head_dim], as transformers computes them."""
+    n = qkv.shape[0]
+    q, k = torch.empty(heads, n, head_dim), torch.empty(kv_heads, n, head_dim)
+    lib.rope_qk(qkv.data_ptr(), n, heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
+                k.data_ptr())
+    return q, k
 
 
 class KernelLinear(torch.nn.Module):

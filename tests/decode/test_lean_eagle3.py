@@ -9,14 +9,16 @@ from decode.lean_eagle3 import DISABLE_ENV, LeanEagle3, lean_eagle3
 from decode.proposers.eagle3 import Eagle3Proposer
 from models.eagle3 import DraftCache
 from models.packed_linear import float16_weights_supported, packed_for_inference
+from models.q41_linear import kernel_unavailable
 from tests.conftest import make_tiny_llama
 from tests.decode.test_eagle3_decode import tiny_eagle
 
 
-def drafter_with_gqa():
+def drafter_with_gqa(hidden: int = 32):
     """A tiny drafter (4 query heads over 2 key/value heads, as the tiny target) with every weight and norm
-    moved off its start, so a swapped or skipped norm would show."""
-    target = make_tiny_llama(seed=0, layers=3)
+    moved off its start, so a swapped or skipped norm would show. hidden 128: head_dim 32, where the kernel
+    library's RMSNorm and RoPE take the rows (decode.lean_decoder.row_ops_library)."""
+    target = make_tiny_llama(seed=0, layers=3, hidden_size=hidden)
     drafter = tiny_eagle(target, layers=(0, 1, 2))
     assert drafter.config["num_attention_heads"] // drafter.config["num_key_value_heads"] == 2
     with torch.no_grad():
@@ -46,11 +48,13 @@ def run_rows(net, drafter, calls, start_position):
     return outs
 
 
+@pytest.mark.parametrize("hidden", [32, 128])
 @pytest.mark.parametrize("start_position", [0, 1500])  # 1500: past the rotary table's first size
-def test_lean_rows_logits_and_fuse_equal_the_drafters(start_position):
-    _, drafter = drafter_with_gqa()
+def test_lean_rows_logits_and_fuse_equal_the_drafters(start_position, hidden):
+    _, drafter = drafter_with_gqa(hidden)
     lean = lean_eagle3(drafter, "float32")
     assert isinstance(lean, LeanEagle3)
+    assert (lean.native is not None) == (hidden == 128 and kernel_unavailable() is None)
     calls = [(5, True), (3, False), (2, False)]
     with torch.no_grad():
         for got, want in zip(run_rows(lean, drafter, calls, start_position), run_rows(drafter, drafter, calls,

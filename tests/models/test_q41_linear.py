@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from models.q41_linear import (MAX_ROWS, NO_AMX_ENV, Q41Linear, Q41Weight, Q80Linear, amx_unavailable,
                                avx512_available, build_kernel, grid_deviation, head_for_inference, pack_q41, pack_q80,
                                q41_linear, q41_or_packed, q41_usable, q80_deviation, q80_gemm,
-                               q80_usable, unpack_q41, unpack_q80)
+                               q80_usable, rms_norm_rows, rope_qk, unpack_q41, unpack_q80)
 from models.packed_linear import PackedLinear
 
 
@@ -221,3 +221,18 @@ def test_the_amx_form_takes_whole_blocks_of_32_outputs_and_fp16_scales_and_can_b
     assert pack_q41(q41_matrix(64, 64)).form == "fma"
     with pytest.raises(RuntimeError, match="cannot run here"):
         pack_q80(q80_matrix(64, 64), "amx")
+
+
+@needs_kernel
+def test_the_row_operations_compute_rms_norm_and_transformers_rotary_embedding(tmp_path):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    lib = build_kernel(tmp_path)
+    x, w = torch.randn(2, 5, 576), torch.randn(576)
+    torch.testing.assert_close(rms_norm_rows(lib, x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5))
+    assert not torch.allclose(rms_norm_rows(lib, x, w, 1.0), F.rms_norm(x, (576,), w, 1e-5), atol=1e-3)  # eps read
+    qkv, cos, sin = torch.randn(5, (9 + 2 * 3) * 64), torch.randn(5, 64), torch.randn(5, 64)
+    q, k = rope_qk(lib, qkv, 9, 3, 64, cos, sin)  # 9 query heads, 3 key/value heads of 64
+    heads = qkv[:, :576].view(1, 5, 9, 64).transpose(1, 2)
+    kv_heads = qkv[:, 576:768].view(1, 5, 3, 64).transpose(1, 2)
+    q_ref, k_ref = apply_rotary_pos_emb(heads, kv_heads, cos[None], sin[None])
+    assert torch.equal(q, q_ref[0]) and torch.equal(k, k_ref[0])  # the same products and sums, bit for bit
