@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from models.packed_linear import cached_copy, gemm_padding, packed_class, packing_supported, weights_signature
-from models.q41_linear import Q41Linear, kernel_library, kernel_unavailable, q41_or_packed, rms_norm_rows, rope_qk
+from models.q41_linear import (Q41Linear, amx_unavailable, kernel_library, kernel_unavailable, q41_or_packed,
+                               rms_norm_rows, rope_qk)
 
 log = logging.getLogger("specdistill.lean")
 
@@ -74,7 +75,7 @@ def lean_decoder(model: torch.nn.Module, weights: str) -> "LeanDecoder | None":
         return None
     decoder = model.get_decoder()
     # the norms' weights are read in place; their identity joins the linears' signature
-    key = (weights, gemm_padding(), kernel_unavailable(), weights_signature(decoder),
+    key = (weights, gemm_padding(), kernel_unavailable(), amx_unavailable(), weights_signature(decoder),
            tuple(p.data_ptr() for p in decoder.parameters()))
     return cached_copy(_cache, decoder, key, lambda: built_decoder(decoder, weights))
 

@@ -755,7 +755,7 @@ def head_for_inference(head: torch.nn.Module) -> torch.nn.Module:
         log.info("fp32 head: the Q8_0 kernel (%d x %d, its %s form)", head.out_features, head.in_features,
                  fast.codes.form)
         return fast
-    return cached_copy(_copies, head, ("q80", weights_signature(head)), build)
+    return cached_copy(_copies, head, ("q80", amx_unavailable(), weights_signature(head)), build)
 
 
 def q41_usable(linear: torch.nn.Linear) -> bool:
@@ -781,7 +781,7 @@ def q41_for_inference(module: torch.nn.Module) -> torch.nn.Module:
     change."""
     if kernel_unavailable() is not None or not packing_supported(module):
         return packed_for_inference(module)
-    return cached_copy(_copies, module, ("q41", weights_signature(module)),
+    return cached_copy(_copies, module, ("q41", amx_unavailable(), weights_signature(module)),
                        lambda: clone_with_packed_linears(module, _on_a_kernel_or_packed))
 
 
