@@ -152,39 +152,27 @@ needs_amx = pytest.mark.skipif(amx_unavailable() is not None, reason=f"the AMX f
 FORMS = ["fma", pytest.param("amx", marks=needs_amx)]
 
 
+KINDS = {"q41": (q41_matrix, pack_q41, unpack_q41, q41_linear), "q80": (q80_matrix, pack_q80, unpack_q80, q80_gemm)}
+
+
 @needs_kernel
 @pytest.mark.parametrize("form", FORMS)
-def test_each_q41_form_computes_f_linear_rows_alike_and_reads_the_weights_exactly(tmp_path, form):
+@pytest.mark.parametrize("kind", ["q41", "q80"])
+def test_each_form_computes_f_linear_rows_alike_and_reads_the_weights_exactly(tmp_path, kind, form):
+    matrix, pack, unpack, gemm = KINDS[kind]
     lib = build_kernel(tmp_path)
-    w = q41_matrix(64, 576, seed=11)
-    q = pack_q41(w, form)
-    assert q.form == form and q.shape == (64, 576)
-    assert torch.equal(unpack_q41(q), unpack_q41(pack_q41(w, "fma")))  # the same weights in either order
+    w = matrix(96, 576, seed=11)
+    q = pack(w, form)
+    assert q.form == form and q.shape == (96, 576)
+    assert torch.equal(unpack(q), unpack(pack(w, "fma")))  # the same weights in either order
     x = torch.randn(40, 576)  # past the AMX form's tiles of 16 rows
-    y = q41_linear(lib, x, q)
-    reference = F.linear(x, unpack_q41(q))
+    y = gemm(lib, x, q)
+    reference = F.linear(x, unpack(q))
     assert float((y - reference).abs().max() / reference.abs().max()) < 1e-5
     for rows in (1, 5, 16, 17, 33):  # a row is computed alike whatever the row count
-        assert torch.equal(q41_linear(lib, x[:rows], q), y[:rows])
-    columns = torch.tensor([0, 17, 31, 32, 100, 575])  # one-hot rows: the packing's weights bit for bit
-    assert torch.equal(q41_linear(lib, F.one_hot(columns, 576).float(), q), unpack_q41(q)[:, columns].T)
-
-
-@needs_kernel
-@pytest.mark.parametrize("form", FORMS)
-def test_each_q80_form_computes_f_linear_rows_alike_and_reads_the_weights_exactly(tmp_path, form):
-    lib = build_kernel(tmp_path)
-    w = q80_matrix(96, 576, seed=12)
-    q = pack_q80(w, form)
-    assert q.form == form and q.shape == (96, 576) and torch.equal(unpack_q80(q), w)
-    x = torch.randn(21, 576)
-    y = q80_gemm(lib, x, q)
-    reference = F.linear(x, w)
-    assert float((y - reference).abs().max() / reference.abs().max()) < 1e-5
-    for rows in (1, 5, 16, 17):
-        assert torch.equal(q80_gemm(lib, x[:rows].contiguous(), q), y[:rows])
-    columns = torch.tensor([0, 15, 16, 31, 300])
-    assert torch.equal(q80_gemm(lib, F.one_hot(columns, 576).float(), q), w[:, columns].T)
+        assert torch.equal(gemm(lib, x[:rows].contiguous(), q), y[:rows])
+    columns = torch.tensor([0, 15, 16, 31, 32, 100, 575])  # one-hot rows: the packing's weights bit for bit
+    assert torch.equal(gemm(lib, F.one_hot(columns, 576).float(), q), unpack(q)[:, columns].T)
 
 
 @needs_kernel
