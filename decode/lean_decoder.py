@@ -8,16 +8,19 @@ with about 30 operations each: q, k and v in one packed GEMM, gate and up in one
 rotary embedding for the forward's positions computed once for all layers, grouped-query attention
 over the unrepeated key/value cache (the query heads of a group folded into rows, as decode.attention
 does), and the inputs of the layers EAGLE-3 reads captured as they pass. BENCHMARKS.md, "The engine's
-own speed", has the measured gain (`scripts/bench_engine.py`).
+own speed", has the measured gain (`scripts/bench_engine.py`). On the CPU in fp32 the RMSNorms and the rotary
+embedding are one call each into the kernel library (models.q41_linear: `rms_norm_rows`, and `rope_qk`, which reads
+q and k from the fused projection's rows and writes them rotated in the attention's layout, bit for bit
+transformers' RoPE): 1.15x a forward at 1-16 rows (BENCHMARKS.md, stop 47).
 
 It reads the model's own parameters (the fused projections are packed copies on the CPU and plain
-concatenated linears on CUDA, rebuilt when the weights change, like models.packed_linear's), uses the model's own rotary module (so RoPE scaling variants stay
-the model's) and the engine's SpecCache. It runs only where it computes exactly what transformers'
-Llama forward does, up to float rounding: `lean_supported` checks the architecture and the
-configuration (model type, projections, activation, no sliding window, packing available on the CPU)
-and anything else runs transformers' decoder as before. The tests compare the two forwards' outputs and
-greedy decodes. On CUDA it is also the computation decode.step_graphs records as CUDA graphs (its cache
-writes then go to explicit slots, `slots`).
+concatenated linears on CUDA, rebuilt when the weights change, like models.packed_linear's), uses the model's
+own rotary module (so RoPE scaling variants stay the model's) and the engine's SpecCache. It runs only where it
+computes exactly what transformers' Llama forward does, up to float rounding: `lean_supported` checks the
+architecture and the configuration (model type, projections, activation, no sliding window, packing available on
+the CPU) and anything else runs transformers' decoder as before. The tests compare the two forwards' outputs and
+greedy decodes. On CUDA it is also the computation decode.step_graphs records as CUDA graphs (its cache writes then
+go to explicit slots, `slots`).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ training code's layer) with fewer operations: q, k and v in one packed GEMM, gat
 cos/sin looked up in a table grown as positions need it (the same float operations as `Eagle3Layer.project`, so
 the same values), q and k rotated together, and grouped-query attention over the unrepeated cache (a group's
 query heads folded into rows, as the target's lean forward does). Weights are packed copies
-(models.packed_linear: fp16 under `drafting_weights`' float16); the drafter's own parameters are untouched.
+(models.packed_linear: fp16 under `drafting_weights`' float16); the drafter's own parameters are untouched. Its
+RMSNorms and RoPE are the target's lean forward's one-call kernels where they run (decode.lean_decoder).
 Measured in BENCHMARKS.md, "Lean EAGLE-3 drafting rows".
 
 Used by the proposer's dynamic (depth by depth) path wherever the drafter packs on the CPU; the fixed-shape
@@ -27,9 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from decode.lean_decoder import fused_linear, rms_norm_rows_or_torch, row_ops_library
-from models.q41_linear import rope_qk
 from models.eagle3 import DraftCache, Eagle3Drafter
 from models.packed_linear import packed_class, packing_supported
+from models.q41_linear import rope_qk
 
 __all__ = ["DISABLE_ENV", "LeanEagle3", "lean_eagle3"]
 
