@@ -30,19 +30,24 @@ import torch.nn.functional as F
 from decode.lean_decoder import fused_linear, rms_norm_rows_or_torch, row_ops_library
 from models.eagle3 import DraftCache, Eagle3Drafter
 from models.packed_linear import packed_class, packing_supported
-from models.q41_linear import rope_qk
+from models.q41_linear import q80_inference_copy, rope_qk
 
-__all__ = ["DISABLE_ENV", "LeanEagle3", "lean_eagle3"]
+__all__ = ["DISABLE_ENV", "LeanEagle3", "lean_eagle3", "lean_eagle3_runs"]
 
 DISABLE_ENV = "SPECDISTILL_NO_LEAN_DRAFTER"  # switch for side-by-side measurements and as an escape hatch
 
 
 def lean_eagle3(drafter: Eagle3Drafter, weights: str) -> "LeanEagle3 | None":
-    """The lean rows of `drafter` with linear weights in `weights` format, or None where it does not pack
-    (not fp32 on the CPU) or the environment switches it off."""
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0") or not packing_supported(drafter):
+    """The lean rows of `drafter` with linear weights in `weights` format ("q8_0": rounded to Q8_0 on the kernel
+    library, models.q41_linear.q80_inference_copy), or None where it does not pack (not fp32 on the CPU) or the
+    environment switches it off."""
+    if not lean_eagle3_runs(drafter):
         return None
-    return LeanEagle3(drafter, packed_class(weights))
+    return LeanEagle3(drafter, q80_inference_copy if weights == "q8_0" else packed_class(weights))
+
+
+def lean_eagle3_runs(drafter: Eagle3Drafter) -> bool:
+    return os.environ.get(DISABLE_ENV, "") in ("", "0") and packing_supported(drafter)
 
 
 class LeanEagle3:

@@ -758,6 +758,37 @@ def head_for_inference(head: torch.nn.Module) -> torch.nn.Module:
     return cached_copy(_copies, head, ("q80", amx_unavailable(), weights_signature(head)), build)
 
 
+def q80_rounded(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] fp32 -> the nearest Q8_0 matrix whose steps are fp16 values (the AMX form's), each group's step
+    rounded up to an fp16 value so its largest weight's code is exactly 127 (`pack_q80` then reads the same step
+    back). For drafters: their weights are not on any grid, and drafting in Q8_0 changes only which tokens are
+    proposed, never the output (the target verifies)."""
+    n, k = weight.shape
+    groups = weight.detach().float().reshape(n, k // GROUP, GROUP)
+    largest = groups.abs().amax(-1)  # [N, G]
+    step = (largest / 127).half()
+    step = torch.where(step.float() * 127 < largest, torch.nextafter(step, torch.full_like(step, float("inf"))), step)
+    step = step.float()[..., None]
+    codes = torch.where(step > 0, torch.round(groups / step.clamp(min=torch.finfo(torch.float32).tiny)), 0.0)
+    return (codes.clamp(-127, 127) * step).reshape(n, k)
+
+
+def q80_inference_copy(linear: torch.nn.Linear) -> torch.nn.Module:
+    """A bias-free fp32 CPU nn.Linear's weights rounded to Q8_0 (`q80_rounded`), on the Q8_0 kernel (its AMX form
+    where it runs); prefill-sized calls through oneDNN over the same rounded weights. The linear is untouched.
+    ValueError naming what is missing where the kernel or the shape does not allow it."""
+    if (why := kernel_unavailable()) is not None:
+        raise ValueError(f"Q8_0 drafting weights need the kernel library: {why}")
+    if linear.bias is not None or not shape_supported(linear.weight):
+        raise ValueError(f"Q8_0 drafting weights: a bias-free matrix with K a multiple of {GROUP} and N of "
+                         f"{OUTPUT_BLOCK}, got {list(linear.weight.shape)} (bias: {linear.bias is not None})")
+    rounded = torch.nn.Linear(linear.in_features, linear.out_features, bias=False)
+    with torch.no_grad():
+        rounded.weight.copy_(q80_rounded(linear.weight))
+    rounded.requires_grad_(False)
+    return Q80Linear(rounded, _kernel()[0])
+
+
 def q41_usable(linear: torch.nn.Linear) -> bool:
     """A bias-free fp32 CPU matrix of a shape the kernel takes, on its Q4_1 grid up to float rounding (the
     default target's layers: exactly)."""

@@ -40,13 +40,15 @@ import numpy as np
 import torch
 
 from decode.draft_steps import ContextStep, DraftTreeStep, candidate_depths, draft_graphs_supported
-from decode.lean_eagle3 import lean_eagle3
+from decode.lean_eagle3 import DISABLE_ENV as LEAN_DISABLE_ENV
+from decode.lean_eagle3 import lean_eagle3, lean_eagle3_runs
 from decode.proposers.base import CATCH_UP_SPLIT, Proposer, register_proposer
 from decode.runner import synchronized_clock
 from decode.sampling import SamplingConfig, logits_to_probs, sample
 from decode.tree import TokenTree
 from models.eagle3 import DraftCache, Eagle3Drafter  # importing models.eagle3 registers the drafter kind "eagle3"
 from models.packed_linear import drafting_weights, packed_for_inference, packing_supported
+from models.q41_linear import amx_unavailable, kernel_unavailable
 
 __all__ = ["DEFAULT_MIN_PROB", "DEFAULT_TREE", "Eagle3Proposer", "select_tree"]
 
@@ -81,8 +83,8 @@ class Eagle3Proposer(Proposer):
                  topk: int | None = None, tree_nodes: int | None = None,
                  eos_token_ids: set[int] = frozenset(), weights: str = "float32", fixed_steps: bool | None = None,
                  min_prob: float | None = None):
-        """weights: the format of the drafter's packed linear weights on the CPU (models.packed_linear,
-        `drafting_weights`: float16 wherever FBGEMM runs it). fixed_steps: a tree's depths as fixed-shape
+        """weights: the format of the drafter's packed linear weights on the CPU (`eagle3_drafting_weights`:
+        q8_0 on the kernel library's AMX form, else float16 wherever FBGEMM runs it). fixed_steps: a tree's depths as fixed-shape
         steps (decode.draft_steps), replayed as CUDA graphs where they are supported; None = on CUDA only.
         min_prob: the path-probability floor of greedy trees (module docstring), in [0, 1); 0 = none,
         None = DEFAULT_MIN_PROB for the device."""
@@ -113,6 +115,9 @@ class Eagle3Proposer(Proposer):
         # rows (decode.lean_eagle3) depth by depth, the drafter's own modules in fixed-shape steps
         weights = weights if packing_supported(drafter) else "float32"
         lean = None if self.fixed_steps else lean_eagle3(drafter, weights)
+        if lean is None and weights == "q8_0":
+            raise ValueError("eagle3: drafter weights q8_0 run on the lean drafting rows only (fp32 on the CPU, "
+                             f"not fixed-shape steps, ${LEAN_DISABLE_ENV} unset)")
         self.net = lean if lean is not None else packed_for_inference(drafter, weights)
         self.step: DraftTreeStep | None = None  # kept across requests while the cache is (its graphs too)
         self.context_step: ContextStep | None = None
@@ -309,8 +314,25 @@ def build_eagle3_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: 
                           topk=kw.get("eagle3_topk") or options.get("topk"),
                           tree_nodes=kw.get("eagle3_tree_nodes") or options.get("tree_nodes"),
                           eos_token_ids=eos_token_ids,
-                          weights=drafting_weights(drafter.model, kw.get("drafter_weights")),
+                          weights=eagle3_drafting_weights(drafter.model, kw.get("drafter_weights"),
+                                                          kw.get("eagle3_fixed_steps")),
                           fixed_steps=kw.get("eagle3_fixed_steps"), min_prob=min_prob)
+
+
+def eagle3_drafting_weights(drafter: Eagle3Drafter, choice: str | None, fixed_steps: bool | None) -> str:
+    """models.packed_linear.drafting_weights, plus "q8_0": the drafter's matrices rounded to Q8_0 on the kernel
+    library's AMX form, which "auto" picks where that form runs and the lean drafting rows do (on the 2-core AMX
+    host EAGLE-3 alone drafted 2-5% more tokens a second than on fp16 copies, tau unchanged: BENCHMARKS.md, stop
+    47). Asked for where it cannot run: a ValueError that says why."""
+    lean = lean_eagle3_runs(drafter) and not fixed_steps
+    if choice == "q8_0":
+        if not lean or kernel_unavailable() is not None:
+            raise ValueError("drafter weights q8_0 need the lean drafting rows (fp32 on the CPU, not fixed-shape "
+                             f"steps) and the kernel library ({kernel_unavailable() or 'available'})")
+        return "q8_0"
+    if (choice or "auto") == "auto" and lean and amx_unavailable() is None:
+        return "q8_0"
+    return drafting_weights(drafter, choice)
 
 
 register_proposer("eagle3", build_eagle3_proposer)

@@ -7,9 +7,12 @@ import torch
 
 from decode.engine import SpeculativeEngine
 from decode.proposers import PromptLookupProposer, WithPromptLookup
-from decode.proposers.eagle3 import DEFAULT_MIN_PROB, Candidate, Eagle3Proposer, build_eagle3_proposer
+from decode.proposers.eagle3 import (DEFAULT_MIN_PROB, Candidate, Eagle3Proposer, build_eagle3_proposer,
+                                     eagle3_drafting_weights)
 from decode.sampling import SamplingConfig
 from models.eagle3 import Eagle3Drafter
+from models.packed_linear import drafting_weights
+from models.q41_linear import Q80Linear, amx_unavailable, kernel_unavailable, unpack_q80
 from scripts.eagle3_calibration import candidate_scores, root_paths
 from tests.conftest import make_tiny_llama
 from tests.decode.test_engine import PROMPT, target_greedy
@@ -215,3 +218,25 @@ def test_sampling_keeps_the_targets_distribution_and_a_wrong_rule_fails(monkeypa
     monkeypatch.setattr(sampling_mod, "residual", lambda p, token, q: p)
     wrong = sampled_tokens(engine, prompt, n)
     assert min(chi2_pvalue([o[1] for o in wrong], exp2), chi2_pvalue([o[2] for o in wrong], exp3)) < 1e-6
+
+
+needs_library = pytest.mark.skipif(kernel_unavailable() is not None, reason=f"the kernel: {kernel_unavailable()}")
+
+
+@needs_library
+def test_q8_0_drafting_weights_stay_lossless_and_auto_picks_them_where_amx_runs():
+    target = make_tiny_llama(seed=0, layers=4, peak=4.0, hidden_size=128)  # head_dim 32: every matrix on the kernel
+    drafter = tiny_eagle(target, layers=(1, 2, 3))
+    ref = target_greedy(target, PROMPT, 40)
+    proposer = Eagle3Proposer(drafter, target.get_input_embeddings(), depth=5, topk=3, tree_nodes=9, weights="q8_0")
+    assert isinstance(proposer.net.qkv, Q80Linear) and isinstance(proposer.net.lm_head, Q80Linear)
+    assert proposer.net.qkv.codes.form == ("amx" if amx_unavailable() is None else "fma")
+    for adaptive in (False, True):
+        assert SpeculativeEngine(target, proposer, adaptive=adaptive).generate(PROMPT, 40).tokens == ref
+    auto = "q8_0" if amx_unavailable() is None else drafting_weights(drafter, "auto")
+    assert eagle3_drafting_weights(drafter, "auto", None) == auto
+    assert eagle3_drafting_weights(drafter, "float32", None) == "float32"
+    with pytest.raises(ValueError, match="lean drafting rows"):
+        eagle3_drafting_weights(drafter, "q8_0", True)  # fixed-shape steps keep the drafter's own modules
+    with pytest.raises(ValueError, match="only EAGLE-3"):
+        drafting_weights(target, "q8_0")

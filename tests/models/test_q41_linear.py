@@ -10,8 +10,9 @@ import torch.nn.functional as F
 
 from models.q41_linear import (MAX_ROWS, NO_AMX_ENV, Q41Linear, Q41Weight, Q80Linear, amx_unavailable,
                                avx512_available, build_kernel, grid_deviation, head_for_inference, pack_q41, pack_q80,
-                               q41_linear, q41_or_packed, q41_usable, q80_deviation, q80_gemm,
-                               q80_usable, rms_norm_rows, rope_qk, unpack_q41, unpack_q80)
+                               q41_linear, q41_or_packed, q41_usable, q80_codes, q80_deviation, q80_gemm,
+                               q80_inference_copy, q80_rounded, q80_usable, rms_norm_rows, rope_qk, scales_are_fp16,
+                               unpack_q41, unpack_q80)
 from models.packed_linear import PackedLinear
 
 
@@ -224,3 +225,26 @@ def test_the_row_operations_compute_rms_norm_and_transformers_rotary_embedding(t
     kv_heads = qkv[:, 576:768].view(1, 5, 3, 64).transpose(1, 2)
     q_ref, k_ref = apply_rotary_pos_emb(heads, kv_heads, cos[None], sin[None])
     assert torch.equal(q, q_ref[0]) and torch.equal(k, k_ref[0])  # the same products and sums, bit for bit
+
+
+def test_a_drafters_weights_round_to_q8_0_with_fp16_steps_and_a_largest_code_of_127():
+    w = torch.randn(64, 96) * torch.logspace(-3, 1, 96)  # groups of very different scales
+    w[5, 32:64] = 0  # a group of zeros stays zeros
+    rounded = q80_rounded(w)
+    codes, step = q80_codes(rounded)  # read back as pack_q80 reads it
+    assert torch.equal((codes * step[..., None]).reshape(w.shape), rounded) and scales_are_fp16(codes, step)
+    nonzero = step > 0
+    assert torch.all(codes.abs().amax(-1)[nonzero] == 127) and not nonzero[5, 1]
+    assert torch.all((rounded - w).abs().reshape(64, 3, 32) <= step[..., None] / 2 * (1 + 1e-6))
+
+
+@needs_kernel
+def test_q8_0_drafting_copies_compute_f_linear_over_the_rounded_weights():
+    linear = torch.nn.Linear(96, 64, bias=False)
+    copy_ = q80_inference_copy(linear)
+    assert isinstance(copy_, Q80Linear) and copy_.codes.form == ("fma" if amx_unavailable() else "amx")
+    x = torch.randn(1, 5, 96)
+    with torch.no_grad():
+        torch.testing.assert_close(copy_(x), F.linear(x, q80_rounded(linear.weight)), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="bias-free"):
+        q80_inference_copy(torch.nn.Linear(96, 64))
