@@ -146,8 +146,8 @@ class LeanLayer:
         qkv = self.qkv(self.rms_norm(x, self.norm_in))  # [1, N, (H + 2 Hkv) hd]
         v = qkv[..., self.q_size + self.kv_size:].view(1, n, -1, self.head_dim).transpose(1, 2)  # [1, Hkv, N, hd]
         if self.native is not None:
-            q, k = rope_qk(self.native, qkv.view(n, -1), self.q_size // self.head_dim, self.kv_size // self.head_dim,
-                           self.head_dim, cos[0, 0].contiguous(), sin[0, 0].contiguous())
+            q, k = rope_qk(self.native, qkv, self.q_size // self.head_dim, self.kv_size // self.head_dim,
+                           self.head_dim, cos, sin)  # cos, sin [1, 1, N, hd]
             q, k = q[None], k[None]  # [1, H, N, hd], [1, Hkv, N, hd]
         else:
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -103,7 +103,7 @@ class LeanEagle3:
         qkv = fused.view(n, h + 2 * hkv, hd).transpose(0, 1)  # [H + 2 Hkv, n, hd]
         cos, sin = self.rotary(positions)  # [n, hd]
         if self.native is not None:
-            q, k = rope_qk(self.native, fused, h, hkv, hd, cos.contiguous(), sin.contiguous())
+            q, k = rope_qk(self.native, fused, h, hkv, hd, cos, sin)
         else:
             qk = qkv[:h + hkv]
             half = hd // 2

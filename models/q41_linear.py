@@ -429,6 +429,13 @@ def scales_are_fp16(codes: torch.Tensor, step: torch.Tensor, low: torch.Tensor |
     return torch.equal(rebuilt(half(step), half(low)), rebuilt(step, low))
 
 
+def _check_shape(caller: str, weight: torch.Tensor, form: str) -> None:
+    block = AMX_OUTPUT_BLOCK if form == "amx" else OUTPUT_BLOCK
+    if not shape_supported(weight) or weight.shape[0] % block:
+        raise ValueError(f"{caller}: K must be a multiple of {GROUP} and N of {block} ({form} form), "
+                         f"got {list(weight.shape)}")
+
+
 def _choose_form(caller: str, weight: torch.Tensor, form: str | None, fp16_scales: Callable[[], bool]) -> str:
     """form, or where None: "amx" where this process may use the AMX form (`amx_unavailable`), N is whole blocks
     of 32 outputs and the scales are fp16 values, else "fma". An error names what keeps an asked form out."""
@@ -439,10 +446,7 @@ def _choose_form(caller: str, weight: torch.Tensor, form: str | None, fp16_scale
         raise ValueError(f"{caller}: form must be 'fma' or 'amx', got {form!r}")
     if form == "amx" and (why := amx_unavailable()) is not None:  # also asks Linux for the tiles, once
         raise RuntimeError(f"{caller}: the AMX form cannot run here: {why}")
-    block = AMX_OUTPUT_BLOCK if form == "amx" else OUTPUT_BLOCK
-    if not shape_supported(weight) or weight.shape[0] % block:
-        raise ValueError(f"{caller}: K must be a multiple of {GROUP} and N of {block} ({form} form), "
-                         f"got {list(weight.shape)}")
+    _check_shape(caller, weight, form)
     if form == "amx" and not fp16_scales():
         raise ValueError(f"{caller}: the AMX form stores steps and minima as fp16, and this matrix's are not fp16 "
                          f"values")
@@ -464,8 +468,7 @@ def pack_q41(weight: torch.Tensor, form: str | None = None) -> Q41Weight:
     """[N, K] fp32 -> Q41Weight in `form` (default: AMX where it may run, see `_choose_form`). FMA form: byte j of
     group g holds code j (low nibble) and code j + 16 (high nibble); AMX form: the tile unit's order, fp16 steps
     and minima (KERNEL_SOURCE)."""
-    if not shape_supported(weight):
-        _choose_form("pack_q41", weight, "fma", lambda: False)  # the shape's error
+    _check_shape("pack_q41", weight, "fma")  # every form's minimum, before the grid is read
     n, k = weight.shape
     codes, step, low = grid_codes(weight.detach().float())
     form = _choose_form("pack_q41", weight, form, lambda: scales_are_fp16(codes, step, low))
@@ -529,8 +532,7 @@ def q80_deviation(weight: torch.Tensor) -> float:
 def pack_q80(weight: torch.Tensor, form: str | None = None) -> Q80Weight:
     """[N, K] fp32 -> Q80Weight (int8 codes, one step per group of 32) in `form` (default: AMX where it may run,
     see `_choose_form`; its steps fp16)."""
-    if not shape_supported(weight):
-        _choose_form("pack_q80", weight, "fma", lambda: False)  # the shape's error
+    _check_shape("pack_q80", weight, "fma")
     codes, step = q80_codes(weight.detach().float())
     form = _choose_form("pack_q80", weight, form, lambda: scales_are_fp16(codes, step))
     codes = codes.to(torch.int8)  # [N, G, 32]
@@ -673,9 +675,11 @@ def rms_norm_rows(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: 
 
 def rope_qk(lib: ctypes.CDLL, qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor,
             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """qkv contiguous fp32 [N, (heads + 2 kv_heads) head_dim], cos and sin contiguous [N, head_dim] (head_dim %
-    32 == 0) -> the rotated q [heads, N, head_dim] and k [kv_heads, N, head_dim], as transformers computes them."""
-    n = qkv.shape[0]
+    """qkv fp32 [..., N, (heads + 2 kv_heads) head_dim], cos and sin [..., N, head_dim] (head_dim % 32 == 0;
+    leading dimensions of 1) -> the rotated q [heads, N, head_dim] and k [kv_heads, N,
+    head_dim], as transformers computes them."""
+    n = qkv.numel() // ((heads + 2 * kv_heads) * head_dim)
+    qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()  # no copies where they are (the engine's)
     q, k = torch.empty(heads, n, head_dim), torch.empty(kv_heads, n, head_dim)
     lib.rope_qk(qkv.data_ptr(), n, heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
                 k.data_ptr())
