@@ -123,6 +123,8 @@ class SpeculativeEngine:
         adapt = self.controller is not None and sampling.greedy
         controller = self.controller_for(*self.regime(seq)) if adapt else None
         depth = controller.choose(remaining - 1) if adapt else remaining - 1
+        if adapt:  # a proposer that sizes its trees by what verification costs here
+            self.proposer.price_verification(controller.predicted_verify_cost if controller.verify_cost else None)
         t0 = time.perf_counter()
         tree = self.draft(seq, depth, sampling, generator)
         t1 = time.perf_counter()

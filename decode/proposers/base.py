@@ -35,6 +35,12 @@ class Proposer(ABC):
         """Seconds of the last propose() spent catching up on tokens emitted while it did not draft."""
         return 0.0
 
+    def price_verification(self, seconds: Callable[[int], float] | None) -> None:
+        """The engine's measured price of verifying a tree, before each adaptive greedy step: seconds(n) is the
+        expected time of the target's forward over a tree of n nodes (root included) on this machine (the
+        step's controller, decode.adaptive), None while nothing is measured. A proposer whose trees come with
+        calibrated node probabilities (EAGLE-3) sizes them by it; the others draft their fixed sizes."""
+
     @abstractmethod
     def propose(
         self, seq: list[int], max_depth: int, sampling: SamplingConfig, generator: torch.Generator | None

@@ -15,7 +15,14 @@ depths make the tree (a child is never more probable than its parent, so the set
 ancestors). The engine's adaptive controller chooses the depth per step from measured costs; the tree
 size follows from it (at most K per depth, at most `tree_nodes`).
 
-Greedy trees have a floor: a node whose path probability is below `min_prob` is neither kept nor
+Greedy trees are priced: where the engine measures its costs (decode.adaptive; `price_verification`), a tree keeps
+the k most probable candidates for the k that maximises the step's expected tokens a second, (1 + the sum of their
+path probabilities) / (the drafting done + the measured verification of k + 1 rows): `priced_size`. So a machine
+whose verification rows are dear (a 2-core CPU without matrix units: 8 rows cost 2x one row) verifies small trees
+and one whose rows are nearly free (AMX, a GPU) the whole `tree_nodes`, from the same drafter and code, and the
+size follows the drafter's confidence step by step.
+
+Greedy trees also have a floor: a node whose path probability is below `min_prob` is neither kept nor
 expanded, so drafting stops at the first depth whose frontier has no node at or above it (a root-only
 tree is a plain decoding step). A trained drafter's path probability is close to the chance that the
 target accepts the node (stop 39, the GPU-trained drafter on MT-bench: nodes of mean path probability
@@ -34,7 +41,9 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -82,13 +91,16 @@ class Eagle3Proposer(Proposer):
     def __init__(self, drafter: Eagle3Drafter, embed: torch.nn.Module, depth: int | None = None,
                  topk: int | None = None, tree_nodes: int | None = None,
                  eos_token_ids: set[int] = frozenset(), weights: str = "float32", fixed_steps: bool | None = None,
-                 min_prob: float | None = None):
+                 min_prob: float | None = None, priced: bool = True):
         """weights: the format of the drafter's packed linear weights on the CPU (`eagle3_drafting_weights`:
         q8_0 on the kernel library's AMX form, else float16 wherever FBGEMM runs it). fixed_steps: a tree's depths
         as fixed-shape steps (decode.draft_steps), replayed as CUDA graphs where they are supported; None = on CUDA
         only.
         min_prob: the path-probability floor of greedy trees (module docstring), in [0, 1); 0 = none,
-        None = DEFAULT_MIN_PROB for the device."""
+        None = DEFAULT_MIN_PROB for the device.
+        priced: greedy trees keep the number of nodes that maximises the step's expected tokens per second under
+        the engine's measured verification costs (`price_verification`; module docstring); False: always
+        `tree_nodes` (above the floor)."""
         device = drafter.fc.weight.device
         device_kind = "cuda" if device.type == "cuda" else "cpu"
         default = DEFAULT_TREE[device_kind]
@@ -102,6 +114,9 @@ class Eagle3Proposer(Proposer):
         if not 0.0 <= self.min_prob < 1.0:
             raise ValueError(f"eagle3: min_prob (the tree's path-probability floor) must be in [0, 1), got {min_prob}")
         self.min_score = math.log(self.min_prob) if self.min_prob > 0 else float("-inf")  # on log path probabilities
+        self.priced = priced
+        self.verify_seconds: Callable[[int], float] | None = None  # from the engine (price_verification)
+        self.started = 0.0  # perf_counter() when the step's propose() began: its drafting time so far
         self.drafter = drafter
         self.embed = embed
         self.feature_layers = drafter.target_layers
@@ -144,6 +159,9 @@ class Eagle3Proposer(Proposer):
     def last_catch_up_s(self) -> float:
         return self.catch_up_s
 
+    def price_verification(self, seconds: Callable[[int], float] | None) -> None:
+        self.verify_seconds = seconds if self.priced else None
+
     def observe_prefill(self, features: torch.Tensor) -> None:
         """features [n, 3D]: the prompt's positions."""
         self.pending.append(features)
@@ -156,6 +174,7 @@ class Eagle3Proposer(Proposer):
     def propose(self, seq: list[int], max_depth: int, sampling: SamplingConfig, generator) -> TokenTree:
         if self.cache is None:
             raise RuntimeError("Eagle3Proposer.propose before begin(): the engine must start the request")
+        self.started = time.perf_counter()
         out = self.feed_context(seq)  # [D]: the last context row's output, whose head drafts depth 1
         depth = min(max_depth, self.max_depth)
         if sampling.greedy:
@@ -227,7 +246,7 @@ class Eagle3Proposer(Proposer):
         if self.step is not None:
             tokens, parents, scores = self.step.run(out, depth, base)
             return select_tree(root, tokens, parents, scores, candidate_depths(self.topk, depth), self.tree_nodes,
-                               self.min_score)
+                               self.min_score, self.step_seconds())
         self.candidates: list[Candidate] = []
         logq = torch.log_softmax(self.net.logits(out[None]).float(), dim=-1)  # [1, M]
         frontier = self.add_children([-1], *self.top_children(logq), [0.0], 1)
@@ -247,7 +266,15 @@ class Eagle3Proposer(Proposer):
             frontier = best
         c = self.candidates
         return select_tree(root, [x.token for x in c], [x.parent for x in c], [x.score for x in c],
-                           [x.depth for x in c], self.tree_nodes, self.min_score)
+                           [x.depth for x in c], self.tree_nodes, self.min_score, self.step_seconds())
+
+    def step_seconds(self) -> Callable[[int], float] | None:
+        """n -> the expected seconds of this step with a tree of n nodes: the drafting done so far (synchronized:
+        the candidates are on the host) plus the engine's price of verifying n nodes; None when unpriced."""
+        if self.verify_seconds is None:
+            return None
+        drafted, verify = time.perf_counter() - self.started, self.verify_seconds
+        return lambda n: drafted + verify(n)
 
     def top_children(self, logq: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
         """logq [P, M] -> each parent's top-K (log-probs, target ids), in one device-to-host copy each."""
@@ -284,28 +311,51 @@ class Eagle3Proposer(Proposer):
 
 
 def select_tree(root: int, tokens: list[int], parents: list[int], scores: list[float], depths: list[int],
-                tree_nodes: int, min_score: float = float("-inf")) -> TokenTree:
+                tree_nodes: int, min_score: float = float("-inf"),
+                step_seconds: Callable[[int], float] | None = None) -> TokenTree:
     """The `tree_nodes` most probable candidates whose log path probability is at least `min_score` (ties:
     shallower first; -inf never), parents before children. A child is never more probable than its parent,
-    so the set is closed under ancestors."""
+    so the set is closed under ancestors, and so is every prefix of it in that order. With `step_seconds`
+    (n -> seconds of the step with a tree of n nodes, root included), the prefix that maximises the expected
+    tokens a second (`priced_size`)."""
     order = np.lexsort((np.asarray(depths), -np.asarray(scores, dtype=np.float64)))
-    chosen: set[int] = set()
+    kept: list[int] = []  # by descending score
     for i in order.tolist():
-        if len(chosen) >= tree_nodes or scores[i] == float("-inf") or scores[i] < min_score:  # sorted: none after
+        if len(kept) >= tree_nodes or scores[i] == float("-inf") or scores[i] < min_score:  # sorted: none after
             break
-        if parents[i] < 0 or parents[i] in chosen:
-            chosen.add(i)
+        if parents[i] < 0 or parents[i] in kept:  # at most tree_nodes to search
+            kept.append(i)
+    if step_seconds is not None:
+        kept = kept[:priced_size([math.exp(scores[i]) for i in kept], step_seconds)]
+    chosen = set(kept)
     tree, node_of = TokenTree.root(root), {-1: 0}
     for i in sorted(chosen, key=lambda i: (depths[i], -scores[i])):
         node_of[i] = tree.add(tokens[i], node_of[parents[i]], None, dedupe=False)
     return tree
 
 
+def priced_size(probs: list[float], step_seconds: Callable[[int], float]) -> int:
+    """How many of the nodes (in this order; each one's parent before it) a tree keeps: the k in [0, len(probs)]
+    that maximises (1 + probs[0] + ... + probs[k - 1]) / step_seconds(k + 1), the step's expected tokens a second.
+    A node's path probability under a trained drafter is the chance the target accepts it (the drafter is
+    calibrated: module docstring), and a greedy step emits one token more than it accepts, so the numerator is
+    the step's expected tokens; step_seconds prices the drafting done and the verification of k nodes and the
+    root. Ties: the smaller tree."""
+    best, best_rate, expected = 0, 1.0 / step_seconds(1), 1.0
+    for k, p in enumerate(probs, start=1):
+        expected += p
+        rate = expected / step_seconds(k + 1)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
+
+
 def build_eagle3_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: set[int] = frozenset(),
                           **kw) -> Eagle3Proposer:
     """A loaded eagle3 drafter's proposer: its tree's depth, top-K, size and probability floor from kw
     (eagle3_depth, eagle3_topk, eagle3_tree_nodes, eagle3_min_prob), else from its manifest's
-    extra.decoding, else DEFAULT_TREE / DEFAULT_MIN_PROB for the device."""
+    extra.decoding, else DEFAULT_TREE / DEFAULT_MIN_PROB for the device; eagle3_priced=False keeps every tree at
+    its full size (for side-by-side measurements)."""
     options = (drafter.manifest.get("extra") or {}).get("decoding") or {}
     min_prob = kw.get("eagle3_min_prob")  # 0 is a value (no floor), not "unset"
     if min_prob is None:
@@ -317,7 +367,8 @@ def build_eagle3_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: 
                           eos_token_ids=eos_token_ids,
                           weights=eagle3_drafting_weights(drafter.model, kw.get("drafter_weights"),
                                                           kw.get("eagle3_fixed_steps")),
-                          fixed_steps=kw.get("eagle3_fixed_steps"), min_prob=min_prob)
+                          fixed_steps=kw.get("eagle3_fixed_steps"), min_prob=min_prob,
+                          priced=kw.get("eagle3_priced", True))
 
 
 def eagle3_drafting_weights(drafter: Eagle3Drafter, choice: str | None, fixed_steps: bool | None) -> str:

@@ -72,6 +72,7 @@ class WithPromptLookup(Proposer):
         self.self_drafting = bool(getattr(inner, "self_drafting", False))
         self.feature_layers = getattr(inner, "feature_layers", None)  # EAGLE-3 reads these target layers
         self.max_depth = max(inner.max_depth, lookup.max_depth)
+        self.verify_seconds = None  # the engine's price of verification (price_verification)
 
     def begin(self, prompt_ids: list[int], capacity: int) -> None:
         self.last_match = (None, (0, []))
@@ -79,6 +80,9 @@ class WithPromptLookup(Proposer):
 
     def last_catch_up_s(self) -> float:
         return self.inner.last_catch_up_s()
+
+    def price_verification(self, seconds) -> None:
+        self.verify_seconds = seconds
 
     def observe_prefill(self, hidden: torch.Tensor) -> None:
         self.inner.observe_prefill(hidden)
@@ -112,8 +116,11 @@ class WithPromptLookup(Proposer):
             tree = TokenTree.root(seq[-1])
             tree.add_chain(drafts, None, source=LOOKUP_SOURCE)
             return tree
+        chain = drafts[:self.weak_chain]
+        price, extra = self.verify_seconds, len(chain)  # the inner tree is priced with the chain's rows beside it
+        self.inner.price_verification(None if price is None else (lambda n: price(n + extra)))
         tree = self.inner.propose(seq, min(max_depth, self.inner.max_depth), sampling, generator)
-        tree.add_chain(drafts[:self.weak_chain], None, source=LOOKUP_SOURCE)  # shares the inner tree's nodes
+        tree.add_chain(chain, None, source=LOOKUP_SOURCE)  # shares the inner tree's nodes
         return tree
 
 

@@ -7,8 +7,9 @@ import torch
 
 from decode.engine import SpeculativeEngine
 from decode.proposers import PromptLookupProposer, WithPromptLookup
+from decode.adaptive import DraftLengthController
 from decode.proposers.eagle3 import (DEFAULT_MIN_PROB, Candidate, Eagle3Proposer, build_eagle3_proposer,
-                                     eagle3_drafting_weights)
+                                     eagle3_drafting_weights, priced_size)
 from decode.sampling import SamplingConfig
 from models.eagle3 import Eagle3Drafter
 from models.packed_linear import drafting_weights
@@ -100,6 +101,67 @@ def test_the_floor_keeps_exactly_the_nodes_at_or_above_it():
     engine = SpeculativeEngine(target, proposer, adaptive=False)
     assert engine.generate(PROMPT, 24).tokens == target_greedy(target, PROMPT, 24)
     assert checked and all(n < m for n, m in checked)
+
+
+def test_priced_size_maximises_expected_tokens_a_second():
+    probs = [0.9, 0.5, 0.1]
+    # rows at 0.2 of a step each: 1 / 1, 1.9 / 1.2, 2.4 / 1.4 (best), 2.5 / 1.6
+    assert priced_size(probs, lambda n: 1 + 0.2 * (n - 1)) == 2
+    assert priced_size(probs, lambda n: 1.0) == 3  # free rows: every node earns something
+    assert priced_size(probs, lambda n: float(n)) == 0  # a row as dear as a step: no node pays
+    assert priced_size([], lambda n: 1.0) == 0
+    sizes = [priced_size(probs, lambda n, c=c: 1 + c * (n - 1)) for c in (0.0, 0.05, 0.2, 0.5, 1.0, 2.0)]
+    assert sizes == sorted(sizes, reverse=True)  # dearer rows never keep a larger tree
+
+
+def priced_trees(monkeypatch, row_cost: float) -> tuple[list[int], list[int]]:
+    """Greedy tokens and tree sizes with verification priced at 1 + row_cost per extra row (the engine's
+    controller's prediction replaced; its depth choice is unchanged)."""
+    target = make_tiny_llama(seed=0, layers=2, peak=4.0)
+    proposer = Eagle3Proposer(tiny_eagle(target), target.get_input_embeddings(), depth=4, topk=3, tree_nodes=9,
+                              min_prob=0)
+    monkeypatch.setattr(DraftLengthController, "predicted_verify_cost", lambda self, n: 1.0 + row_cost * (n - 1))
+    monkeypatch.setattr(DraftLengthController, "choose", lambda self, limit: min(limit, self.max_depth))
+    sizes, original = [], proposer.draft_tree
+    proposer.draft_tree = lambda *a: sizes.append(len(tree := original(*a))) or tree
+    tokens = SpeculativeEngine(target, proposer).generate(PROMPT, 30).tokens
+    return tokens, sizes
+
+
+def test_priced_trees_follow_the_price_of_a_row_and_stay_lossless(monkeypatch):
+    ref = target_greedy(make_tiny_llama(seed=0, layers=2, peak=4.0), PROMPT, 30)
+    free_tokens, free = priced_trees(monkeypatch, 0.0)
+    dear_tokens, dear = priced_trees(monkeypatch, 10.0)
+    mid_tokens, mid = priced_trees(monkeypatch, 0.3)
+    assert free_tokens == dear_tokens == mid_tokens == ref
+    assert set(free) == {10} and set(dear[1:]) == {1}  # every node kept / none pays (the first step is unpriced)
+    assert sum(dear) <= sum(mid) <= sum(free)
+
+
+def test_priced_false_keeps_the_full_tree():
+    target = make_tiny_llama(seed=0, layers=2)
+    proposer = Eagle3Proposer(tiny_eagle(target), target.get_input_embeddings(), priced=False)
+    proposer.price_verification(lambda n: float(n))
+    assert proposer.verify_seconds is None
+
+
+def test_with_prompt_lookup_prices_the_inner_tree_beside_its_chain():
+    """The inner proposer's price of n nodes is the engine's price of n + the chain's rows."""
+    target = make_tiny_llama(seed=0, layers=2, peak=4.0)
+    inner = Eagle3Proposer(tiny_eagle(target), target.get_input_embeddings(), depth=3, topk=2, tree_nodes=6)
+    lookup = PromptLookupProposer(num_tokens=4)
+    wrapped = WithPromptLookup(inner, lookup, lookup_first=0)
+    seen = []
+    original = inner.price_verification
+    inner.price_verification = lambda seconds: seen.append(seconds) or original(seconds)
+    wrapped.price_verification(lambda n: 100.0 * n)
+    seq = PROMPT + PROMPT[:3]  # PROMPT's first tokens again: the lookup matches and drafts a chain
+    chain = lookup.match(seq, lookup.num_tokens)[1][:3]  # as deep as the step drafts
+    assert len(chain) == 3
+    inner.begin(seq, 64)
+    inner.observe_prefill(torch.zeros(len(seq), inner.drafter.fc.in_features))
+    wrapped.propose(seq, 3, SamplingConfig(), None)
+    assert seen[-1](1) == 100.0 * (1 + 3)
 
 
 @pytest.mark.parametrize("min_prob", [-0.1, 1.0, 2.0])
