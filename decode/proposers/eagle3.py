@@ -57,7 +57,7 @@ from decode.sampling import SamplingConfig, logits_to_probs, sample
 from decode.tree import TokenTree
 from models.eagle3 import DraftCache, Eagle3Drafter  # importing models.eagle3 registers the drafter kind "eagle3"
 from models.packed_linear import drafting_weights, packed_for_inference, packing_supported
-from models.q41_linear import amx_unavailable, kernel_unavailable
+from models.q41_linear import kernel_unavailable
 
 __all__ = ["DEFAULT_MIN_PROB", "DEFAULT_TREE", "Eagle3Proposer", "select_tree"]
 
@@ -93,7 +93,7 @@ class Eagle3Proposer(Proposer):
                  eos_token_ids: set[int] = frozenset(), weights: str = "float32", fixed_steps: bool | None = None,
                  min_prob: float | None = None, priced: bool = True):
         """weights: the format of the drafter's packed linear weights on the CPU (`eagle3_drafting_weights`:
-        q8_0 on the kernel library's AMX form, else float16 wherever FBGEMM runs it). fixed_steps: a tree's depths
+        q8_0 wherever the kernel library runs, else float16 wherever FBGEMM runs it). fixed_steps: a tree's depths
         as fixed-shape steps (decode.draft_steps), replayed as CUDA graphs where they are supported; None = on CUDA
         only.
         min_prob: the path-probability floor of greedy trees (module docstring), in [0, 1); 0 = none,
@@ -373,16 +373,18 @@ def build_eagle3_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: 
 
 def eagle3_drafting_weights(drafter: Eagle3Drafter, choice: str | None, fixed_steps: bool | None) -> str:
     """models.packed_linear.drafting_weights, plus "q8_0": the drafter's matrices rounded to Q8_0 on the kernel
-    library's AMX form, which "auto" picks where that form runs and the lean drafting rows do (on the 2-core AMX
-    host EAGLE-3 alone drafted 2-5% more tokens a second than on fp16 copies, tau unchanged: BENCHMARKS.md, stop
-    47). Asked for where it cannot run: a ValueError that says why."""
+    library (its AMX form where the CPU has one), which "auto" picks wherever the library and the lean drafting rows
+    run: a drafting step streams about half the bytes of fp16 copies (on the 2-core AMX host EAGLE-3 alone drafted
+    2-5% more tokens a second, stop 47; on a 2-core Zen 4 with the FMA form, alone 1.025x against 1.010x and with
+    prompt lookup 1.313x against 1.300x side by side, stop 48: BENCHMARKS.md). Asked for where it cannot run: a
+    ValueError that says why."""
     lean = lean_eagle3_runs(drafter) and not fixed_steps
     if choice == "q8_0":
         if not lean or kernel_unavailable() is not None:
             raise ValueError("drafter weights q8_0 need the lean drafting rows (fp32 on the CPU, not fixed-shape "
                              f"steps) and the kernel library ({kernel_unavailable() or 'available'})")
         return "q8_0"
-    if (choice or "auto") == "auto" and lean and amx_unavailable() is None:
+    if (choice or "auto") == "auto" and lean and kernel_unavailable() is None:
         return "q8_0"
     return drafting_weights(drafter, choice)
 

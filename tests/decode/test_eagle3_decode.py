@@ -286,7 +286,7 @@ needs_library = pytest.mark.skipif(kernel_unavailable() is not None, reason=f"th
 
 
 @needs_library
-def test_q8_0_drafting_weights_stay_lossless_and_auto_picks_them_where_amx_runs():
+def test_q8_0_drafting_weights_stay_lossless_and_auto_picks_them_where_the_kernel_runs():
     target = make_tiny_llama(seed=0, layers=4, peak=4.0, hidden_size=128)  # head_dim 32: every matrix on the kernel
     drafter = tiny_eagle(target, layers=(1, 2, 3))
     ref = target_greedy(target, PROMPT, 40)
@@ -295,7 +295,7 @@ def test_q8_0_drafting_weights_stay_lossless_and_auto_picks_them_where_amx_runs(
     assert proposer.net.qkv.codes.form == ("amx" if amx_unavailable() is None else "fma")
     for adaptive in (False, True):
         assert SpeculativeEngine(target, proposer, adaptive=adaptive).generate(PROMPT, 40).tokens == ref
-    auto = "q8_0" if amx_unavailable() is None else drafting_weights(drafter, "auto")
+    auto = "q8_0" if kernel_unavailable() is None else drafting_weights(drafter, "auto")
     assert eagle3_drafting_weights(drafter, "auto", None) == auto
     assert eagle3_drafting_weights(drafter, "float32", None) == "float32"
     with pytest.raises(ValueError, match="lean drafting rows"):
