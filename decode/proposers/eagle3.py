@@ -57,7 +57,7 @@ from decode.sampling import SamplingConfig, logits_to_probs, sample
 from decode.tree import TokenTree
 from models.eagle3 import DraftCache, Eagle3Drafter  # importing models.eagle3 registers the drafter kind "eagle3"
 from models.packed_linear import drafting_weights, packed_for_inference, packing_supported
-from models.q41_linear import kernel_unavailable
+from models.q41_linear import kernel_unavailable, shape_supported
 
 __all__ = ["DEFAULT_MIN_PROB", "DEFAULT_TREE", "Eagle3Proposer", "select_tree"]
 
@@ -384,9 +384,15 @@ def eagle3_drafting_weights(drafter: Eagle3Drafter, choice: str | None, fixed_st
             raise ValueError("drafter weights q8_0 need the lean drafting rows (fp32 on the CPU, not fixed-shape "
                              f"steps) and the kernel library ({kernel_unavailable() or 'available'})")
         return "q8_0"
-    if (choice or "auto") == "auto" and lean and kernel_unavailable() is None:
+    if (choice or "auto") == "auto" and lean and kernel_unavailable() is None and q80_shapes(drafter):
         return "q8_0"
     return drafting_weights(drafter, choice)
+
+
+def q80_shapes(drafter: Eagle3Drafter) -> bool:
+    """Every matrix of the drafter in a shape the Q8_0 kernel takes (K whole groups of 32, N whole output blocks):
+    the default target's drafters are; a tiny test model may not be."""
+    return all(shape_supported(m.weight) for m in drafter.modules() if isinstance(m, torch.nn.Linear))
 
 
 register_proposer("eagle3", build_eagle3_proposer)

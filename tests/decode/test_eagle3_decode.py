@@ -298,6 +298,8 @@ def test_q8_0_drafting_weights_stay_lossless_and_auto_picks_them_where_the_kerne
     auto = "q8_0" if kernel_unavailable() is None else drafting_weights(drafter, "auto")
     assert eagle3_drafting_weights(drafter, "auto", None) == auto
     assert eagle3_drafting_weights(drafter, "float32", None) == "float32"
+    odd = tiny_eagle(make_tiny_llama(seed=0, layers=2, hidden_size=48))  # K = 48: not whole groups of 32
+    assert eagle3_drafting_weights(odd, "auto", None) == drafting_weights(odd, "auto")  # auto never fails on a shape
     with pytest.raises(ValueError, match="lean drafting rows"):
         eagle3_drafting_weights(drafter, "q8_0", True)  # fixed-shape steps keep the drafter's own modules
     with pytest.raises(ValueError, match="only EAGLE-3"):

@@ -295,7 +295,7 @@ def test_drafters_draft_in_float16_weights_whatever_the_target_computes_in(targe
     eagle = Eagle3Drafter.for_target(target, torch.arange(64), [0, 1, 1]).float().eval()
     eagle_drafter = Drafter(kind="eagle3", model=eagle, vocab_map=eagle.vocab_map, manifest={}, path=None)
     net = build_proposer(eagle_drafter, target).net
-    auto = Q80Linear if amx_unavailable() is None else PackedLinearFP16  # EAGLE-3: Q8_0 where the AMX form runs
+    auto = Q80Linear if kernel_unavailable() is None else PackedLinearFP16  # EAGLE-3: Q8_0 where the kernels run
     assert isinstance(net.lm_head, auto) and isinstance(net.fc, auto)
     net = build_proposer(eagle_drafter, target, drafter_weights="float16").net
     assert isinstance(net.lm_head, PackedLinearFP16) and isinstance(net.fc, PackedLinearFP16)
