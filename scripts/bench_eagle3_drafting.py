@@ -128,7 +128,7 @@ def main(argv=None) -> None:
     ms = {name: 1000 * statistics.median(t) for name, t in times.items()}
     unit = ms["target forward, 1 row"]
     print(f"context {len(seq)} tokens, drafter weights {args.drafter_weights}, medians of {args.reps}")
-    print(f"| piece | ms | x target forward |\n|---|---|---|")
+    print("| piece | ms | x target forward |\n|---|---|---|")
     for name, value in ms.items():
         print(f"| {name} | {value:.3f} | {value / unit:.3f} |")
     out = Path(args.out)

@@ -319,15 +319,16 @@ def select_tree(root: int, tokens: list[int], parents: list[int], scores: list[f
     (n -> seconds of the step with a tree of n nodes, root included), the prefix that maximises the expected
     tokens a second (`priced_size`)."""
     order = np.lexsort((np.asarray(depths), -np.asarray(scores, dtype=np.float64)))
-    kept: list[int] = []  # by descending score
+    kept, chosen = [], set()  # by descending score, and as a set
     for i in order.tolist():
         if len(kept) >= tree_nodes or scores[i] == float("-inf") or scores[i] < min_score:  # sorted: none after
             break
-        if parents[i] < 0 or parents[i] in kept:  # at most tree_nodes to search
+        if parents[i] < 0 or parents[i] in chosen:
             kept.append(i)
+            chosen.add(i)
     if step_seconds is not None:
         kept = kept[:priced_size([math.exp(scores[i]) for i in kept], step_seconds)]
-    chosen = set(kept)
+        chosen = set(kept)
     tree, node_of = TokenTree.root(root), {-1: 0}
     for i in sorted(chosen, key=lambda i: (depths[i], -scores[i])):
         node_of[i] = tree.add(tokens[i], node_of[parents[i]], None, dedupe=False)

@@ -13,7 +13,7 @@ from decode.proposers.eagle3 import (DEFAULT_MIN_PROB, Candidate, Eagle3Proposer
 from decode.sampling import SamplingConfig
 from models.eagle3 import Eagle3Drafter
 from models.packed_linear import drafting_weights
-from models.q41_linear import Q80Linear, amx_unavailable, kernel_unavailable, unpack_q80
+from models.q41_linear import Q80Linear, amx_unavailable, kernel_unavailable
 from scripts.eagle3_calibration import candidate_scores, root_paths
 from tests.conftest import make_tiny_llama
 from tests.decode.test_engine import PROMPT, target_greedy
