@@ -11,7 +11,10 @@ does), and the inputs of the layers EAGLE-3 reads captured as they pass. BENCHMA
 own speed", has the measured gain (`scripts/bench_engine.py`). On the CPU in fp32 the RMSNorms and the rotary
 embedding are one call each into the kernel library (models.q41_linear: `rms_norm_rows`, and `rope_qk`, which reads
 q and k from the fused projection's rows and writes them rotated in the attention's layout, bit for bit
-transformers' RoPE): 1.15x a forward at 1-16 rows (BENCHMARKS.md, stop 47).
+transformers' RoPE): 1.15x a forward at 1-16 rows (BENCHMARKS.md, stop 47). So is the attention of forwards of
+up to MAX_ROWS rows under the engine's masks (`attend`: each (head, row) alone over the keys it sees, where torch's
+CPU flash attention spent about 60 us a layer on setup for one row; BENCHMARKS.md, stop 49); prefill and other
+masks keep torch's SDPA, and $SPECDISTILL_SDPA_ATTENTION switches the kernel off for comparisons.
 
 It reads the model's own parameters (the fused projections are packed copies on the CPU and plain
 concatenated linears on CUDA, rebuilt when the weights change, like models.packed_linear's), uses the model's
@@ -34,8 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from models.packed_linear import cached_copy, gemm_padding, packed_class, packing_supported, weights_signature
-from models.q41_linear import (Q41Linear, amx_unavailable, kernel_library, kernel_unavailable, q41_or_packed,
-                               rms_norm_rows, rope_qk)
+from models.q41_linear import (MAX_ROWS, Q41Linear, amx_unavailable, attend, kernel_library, kernel_unavailable,
+                               q41_or_packed, rms_norm_rows, rope_qk)
 
 log = logging.getLogger("specdistill.lean")
 
@@ -43,6 +46,7 @@ __all__ = ["LeanDecoder", "lean_decoder", "lean_supported"]
 
 LEAN_MODEL_TYPES = ("llama",)  # decoder layers laid out and computed exactly as LlamaDecoderLayer
 DISABLE_ENV = "SPECDISTILL_NO_LEAN_DECODER"  # switch for side-by-side measurements and as an escape hatch
+SDPA_ENV = "SPECDISTILL_SDPA_ATTENTION"  # torch's SDPA in place of the library's attention (comparisons, escape hatch)
 
 _cache: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, LeanDecoder]]" = weakref.WeakKeyDictionary()
 
@@ -78,7 +82,7 @@ def lean_decoder(model: torch.nn.Module, weights: str) -> "LeanDecoder | None":
         return None
     decoder = model.get_decoder()
     # the norms' weights are read in place; their identity joins the linears' signature
-    key = (weights, gemm_padding(), kernel_unavailable(), amx_unavailable(), weights_signature(decoder),
+    key = (weights, gemm_padding(), kernel_unavailable(), amx_unavailable(), sdpa_asked(), weights_signature(decoder),
            tuple(p.data_ptr() for p in decoder.parameters()))
     return cached_copy(_cache, decoder, key, lambda: built_decoder(decoder, weights))
 
@@ -138,17 +142,19 @@ class LeanLayer:
         self.norm_post = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_layer,
-                 mask: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+                 mask: torch.Tensor | None, slots: torch.Tensor | None = None,
+                 visible: torch.Tensor | None = None) -> torch.Tensor:
         """x [1, N, D], cos/sin [1, 1, N, hd], mask [1, 1, G*N, T] (tiled for the groups) -> [1, N, D].
         slots [N]: the cache positions to write (a fixed-shape step, decode.step_graphs); None: after the
-        committed prefix."""
+        committed prefix. visible [N, T] bool, where the kernel library runs: the same mask as keys each row sees,
+        for its attention kernel (`mask` is then not read)."""
         n = x.shape[1]
         qkv = self.qkv(self.rms_norm(x, self.norm_in))  # [1, N, (H + 2 Hkv) hd]
         v = qkv[..., self.q_size + self.kv_size:].view(1, n, -1, self.head_dim).transpose(1, 2)  # [1, Hkv, N, hd]
         if self.native is not None:
             q, k = rope_qk(self.native, qkv, self.q_size // self.head_dim, self.kv_size // self.head_dim,
-                           self.head_dim, cos, sin)  # cos, sin [1, 1, N, hd]
-            q, k = q[None], k[None]  # [1, H, N, hd], [1, Hkv, N, hd]
+                           self.head_dim, cos, sin)  # q [H, N, hd], k [Hkv, N, hd]
+            k = k[None]
         else:
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(1, n, -1, self.head_dim).transpose(1, 2)  # [1, H, N, hd]
@@ -156,13 +162,21 @@ class LeanLayer:
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         # [1, Hkv, T, hd]
         keys, values = cache_layer.update(k, v) if slots is None else cache_layer.write(k, v, slots)
-        heads, kv_heads = q.shape[1], k.shape[1]
-        folded = q.reshape(1, kv_heads, heads // kv_heads * n, self.head_dim)  # row g*N + i: head hkv*G + g
-        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=self.scaling)
-        out = out.reshape(1, heads, n, self.head_dim).transpose(1, 2).reshape(1, n, -1)  # [1, N, H*hd]
+        if visible is not None:
+            out = attend(self.native, q, keys[0], values[0], visible, self.scaling)[None]  # [1, N, H*hd]
+        else:
+            out = self.sdpa(q if q.dim() == 4 else q[None], keys, values, mask)
         x = x + self.o(out)
         gate, up = self.gate_up(self.rms_norm(x, self.norm_post)).split([self.intermediate, self.intermediate], dim=-1)
         return x + self.down(F.silu(gate) * up)
+
+    def sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [1, H, N, hd], keys/values [1, Hkv, T, hd], mask [1, 1, G*N, T] -> [1, N, H*hd], by torch's SDPA with
+        each group's query heads folded into rows."""
+        heads, kv_heads, n = q.shape[1], keys.shape[1], q.shape[2]
+        folded = q.reshape(1, kv_heads, heads // kv_heads * n, self.head_dim)  # row g*N + i: head hkv*G + g
+        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=self.scaling)
+        return out.reshape(1, heads, n, self.head_dim).transpose(1, 2).reshape(1, n, -1)
 
     def rms_norm(self, x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
         return rms_norm_rows_or_torch(self.native, x, norm)
@@ -185,6 +199,25 @@ def row_ops_library(decoder: torch.nn.Module, hidden: int, head_dim: int):
     return kernel_library()
 
 
+def sdpa_asked() -> bool:
+    """$SPECDISTILL_SDPA_ATTENTION set: the lean forwards attend with torch's SDPA, not the library's kernel."""
+    return os.environ.get(SDPA_ENV, "") not in ("", "0")
+
+
+def kernel_visibility(mask: torch.Tensor) -> torch.Tensor | None:
+    """The keys each row sees, [N, T] bool, for the kernel library's attention (`attend`): from an additive mask
+    [1, 1, N, T] of the engine's kind (decode.tree.attention_bias: 0 where a row sees a key, the dtype's most
+    negative value where not) over at most MAX_ROWS rows, else None (longer forwards, prefill, and any other mask
+    go to torch's SDPA)."""
+    rows = mask[0, 0]
+    if rows.shape[0] > MAX_ROWS or mask.shape[:2] != (1, 1):
+        return None
+    visible = rows == 0
+    if not bool((visible | (rows == torch.finfo(rows.dtype).min)).all()):
+        return None
+    return visible
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE as transformers' apply_rotary_pos_emb: x * cos + rotate_half(x) * sin."""
     half = x.shape[-1] // 2
@@ -201,6 +234,8 @@ class LeanDecoder:
         config = decoder.config
         self.native = row_ops_library(decoder, config.hidden_size, decoder.layers[0].self_attn.head_dim)
         self.layers = [LeanLayer(layer, packed_class, self.native) for layer in decoder.layers]
+        # decode-time attention in the library too (models.q41_linear.attend) where its head size fits
+        self.kernel_attention = self.native is not None and self.layers[0].head_dim <= 256 and not sdpa_asked()
         self.norm = (decoder.norm.weight, decoder.norm.variance_epsilon)
         self.groups = config.num_attention_heads // (getattr(config, "num_key_value_heads", None)
                                                      or config.num_attention_heads)
@@ -214,10 +249,11 @@ class LeanDecoder:
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary_emb(x, position_ids)  # [1, N, hd] each
         cos, sin = cos[:, None], sin[:, None]
-        grouped = mask.repeat(1, 1, self.groups, 1) if self.groups > 1 else mask  # [1, 1, G*N, T]
+        visible = kernel_visibility(mask) if self.kernel_attention else None  # [N, T] bool, or None
+        grouped = None if visible is not None else mask.repeat(1, 1, self.groups, 1) if self.groups > 1 else mask
         wanted, features = set(feature_layers), {}
         for index, layer in enumerate(self.layers):
             if index in wanted:
                 features[index] = x
-            x = layer(x, cos, sin, cache.layers[index], grouped, slots)
+            x = layer(x, cos, sin, cache.layers[index], grouped, slots, visible)
         return rms_norm_rows_or_torch(self.native, x, self.norm), [features[i] for i in feature_layers]

@@ -27,10 +27,10 @@ import os
 import torch
 import torch.nn.functional as F
 
-from decode.lean_decoder import fused_linear, rms_norm_rows_or_torch, row_ops_library
+from decode.lean_decoder import fused_linear, rms_norm_rows_or_torch, row_ops_library, sdpa_asked
 from models.eagle3 import DraftCache, Eagle3Drafter
 from models.packed_linear import packed_class, packing_supported
-from models.q41_linear import q80_inference_copy, rope_qk
+from models.q41_linear import MAX_ROWS, attend, q80_inference_copy, rope_qk
 
 __all__ = ["DISABLE_ENV", "LeanEagle3", "lean_eagle3", "lean_eagle3_runs"]
 
@@ -72,6 +72,8 @@ class LeanEagle3:
         self.cos = self.sin = torch.empty(0, self.head_dim, dtype=self.dtype)  # [P, hd]: positions 0..P-1
         # RMSNorm and RoPE in one kernel call each where the library runs (decode.lean_decoder.row_ops_library)
         self.native = row_ops_library(drafter, drafter.norm.weight.shape[0], self.head_dim)
+        # and its attention, as the target's lean forward (decode.lean_decoder: the same switch)
+        self.kernel_attention = self.native is not None and self.head_dim <= 256 and not sdpa_asked()
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """[..., 3 x D_target] -> g [..., D]."""
@@ -110,11 +112,14 @@ class LeanEagle3:
             qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin  # RoPE, rotate-half
             q, k = qk[:h], qk[h:]
         keys, values = cache.append(k, qkv[h + hkv:])  # [Hkv, L + n, hd]
-        groups = h // hkv
-        folded = q.reshape(hkv, groups * n, hd)  # row g*n + i: query head hkv*G + g, row i
-        mask = visible.repeat(groups, 1) if groups > 1 else visible  # [G n, L + n]
-        attended = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask)  # [Hkv, G n, hd]
-        attended = attended.reshape(h, n, hd).transpose(0, 1).reshape(n, h * hd)
+        if self.kernel_attention and n <= MAX_ROWS:  # longer (a prompt's context rows): SDPA's blocking
+            attended = attend(self.native, q, keys, values, visible, hd ** -0.5)  # [n, H hd]
+        else:
+            groups = h // hkv
+            folded = q.reshape(hkv, groups * n, hd)  # row g*n + i: query head hkv*G + g, row i
+            mask = visible.repeat(groups, 1) if groups > 1 else visible  # [G n, L + n]
+            attended = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask)  # [Hkv, G n, hd]
+            attended = attended.reshape(h, n, hd).transpose(0, 1).reshape(n, h * hd)
         hidden = states + self.o(attended)
         gate, up = self.gate_up(norm(hidden, self.norm_post)).split(self.intermediate, dim=-1)
         return hidden + self.down(F.silu(gate) * up)

@@ -18,6 +18,9 @@ The head: the default target's tied embedding is Q8_0 in the GGUF (int8 codes, o
 function, `q80_gemm` (the same blocking and row-alike order): 113 MB of fp32 become 28 MB of codes, the head of a
 one-row forward about 1.9x faster (BENCHMARKS.md, stop 46).
 
+The library also holds the lean forwards' row operations (`rms_norm_rows`, `rope_qk`) and their decode-time
+attention (`attention_rows`: a few query rows over the cache, grouped-query, each (head, row) computed alone).
+
 Two forms of each: "fma" (AVX-512 FMAs over weights rebuilt exactly) and, where the CPU has AMX-BF16 and Linux
 grants this process the tile state (`amx_unavailable`), "amx": x split exactly into three bf16 parts, the codes
 exact in bf16, each group's products summed in fp32 by the tile unit, then scaled by d (and m times the group's
@@ -60,7 +63,10 @@ MAX_ROWS = 64  # decode-time calls (trees, chains, single rows); longer calls ar
 KERNEL_SOURCE = r"""
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 // y[R, N] = x[R, K] @ W^T, W[n, 32g + j] = q * d[n, g] + m[n, g]; packed[n, 16g + j] = q_j | q_{j+16} << 4.
 // K % 32 == 0, N % NB == 0. The weights are rebuilt exactly as they were dequantized (q * d rounded, then + m
 // rounded), so this is x @ W^T with the fp32 W, in another summation order: per (row, output) one 16-lane
@@ -186,6 +192,125 @@ void rope_qk(const float *qkv, int N, int H, int Hkv, int hd, const float *cos, 
     }
 }
 
+// ---- Decode-time attention (decode.lean_decoder, decode.lean_eagle3): a few query rows over the cache. ----
+// torch's CPU flash attention costs about 75 us a layer for one row over 300 keys on 2 cores (SDPA's setup and
+// blocking, made for long queries), about 2 ms of a 16 ms forward; this is a few microseconds. Each (head, row)
+// alone, keys in order: a row's numbers depend only on its query and what it sees, whatever the number of rows.
+// exp as Cephes' expf (range reduction by ln 2, degree-6 polynomial, about 1 ulp); arguments below -87.3 (the
+// scores far under their maximum) and keys the mask hides contribute exactly 0.
+static inline __m512 exp_nonpositive(__m512 x) {  // x <= 0
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), ln2_hi = _mm512_set1_ps(0.693359375f),
+                 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+    __mmask16 alive = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33654f), _CMP_GE_OQ);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
+    r = _mm512_fnmadd_ps(n, ln2_lo, r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_maskz_mov_ps(alive, _mm512_scalef_ps(p, n));
+}
+
+static inline __m512 sums_of_16(__m512 a[16]) {  // lane j: the sum of a[j]'s 16 lanes (a fixed order)
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++)  // per 128-bit lane: [a0 + a2, b0 + b2, a1 + a3, b1 + b3] of a = a[2i], b = a[2i+1]
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++)  // per 128-bit lane: that lane's sum of a[4i], ..., a[4i + 3]
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 lo = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 hi = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+static inline __attribute__((always_inline)) void attend_row(const float *q, const float *k, const float *v, int T,
+                                                              int hd, const uint8_t *visible, float scale,
+                                                              float *scores, float *out) {
+    // scores [T rounded up to 16]: scratch. out [hd] = sum_t p_t v_t / sum_t p_t over the visible t. Keys in blocks
+    // of 16: their dot products summed lane-wise, then the 16 sums at once (sums_of_16); a block the row cannot see
+    // at all is skipped (a static-shape cache's unused tail).
+    const __m512 hidden = _mm512_set1_ps(-INFINITY), scaling = _mm512_set1_ps(scale);
+    __m512 top = hidden;
+    for (int t0 = 0; t0 < T; t0 += 16) {
+        int count = T - t0 < 16 ? T - t0 : 16;
+        __mmask16 lanes = count == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1);
+        uint8_t flags[16] = {0};
+        memcpy(flags, visible + t0, (size_t)count);  // not past the row's T bytes
+        __mmask16 seen = _mm512_mask_cmpneq_epi32_mask(
+            lanes, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)flags)), _mm512_setzero_si512());
+        if (!seen) {
+            _mm512_storeu_ps(scores + t0, hidden);
+            continue;
+        }
+        __m512 dots[16];
+        for (int j = 0; j < 16; j++) {
+            if (j >= count) {
+                dots[j] = _mm512_setzero_ps();
+                continue;
+            }
+            const float *key = k + (size_t)(t0 + j) * hd;
+            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(key));
+            for (int i = 16; i < hd; i += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(key + i), s);
+            dots[j] = s;
+        }
+        __m512 block = _mm512_mask_blend_ps(seen, hidden, _mm512_mul_ps(sums_of_16(dots), scaling));
+        _mm512_storeu_ps(scores + t0, block);
+        top = _mm512_max_ps(top, block);
+    }
+    __m512 total = _mm512_setzero_ps(), shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    for (int t0 = 0; t0 < T; t0 += 16) {  // hidden keys: exp(-inf) flushed to exactly 0
+        __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + t0), shift));
+        _mm512_storeu_ps(scores + t0, p);
+        total = _mm512_add_ps(total, p);
+    }
+    __m512 acc[16];
+    int chunks = hd / 16;
+    for (int c = 0; c < chunks; c++) acc[c] = _mm512_setzero_ps();
+    for (int t = 0; t < T; t++) {
+        if (scores[t] == 0.0f) continue;  // hidden, or too small to count
+        __m512 p = _mm512_set1_ps(scores[t]);
+        const float *value = v + (size_t)t * hd;
+        for (int c = 0; c < chunks; c++) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(value + 16 * c), acc[c]);
+    }
+    __m512 sum = _mm512_set1_ps(_mm512_reduce_add_ps(total));
+    for (int c = 0; c < chunks; c++) _mm512_storeu_ps(out + 16 * c, _mm512_div_ps(acc[c], sum));
+}
+
+// q [H][N][hd] (contiguous); head j's keys and values: row t at k + j * head_stride + t * hd (j = h / (H / Hkv));
+// visible [N][T] bytes (nonzero: row n attends to key t; every row sees at least one key); out [N][H * hd], the
+// layout the output projection reads. hd % 16 == 0, hd <= 256. 0, or -1 without scratch memory (out unwritten).
+int attention_rows(const float *q, int H, int Hkv, int N, int hd, const float *k, const float *v, long head_stride,
+                   int T, const uint8_t *visible, float scale, float *out, int threads) {
+    int padded = (T + 15) / 16 * 16, group = H / Hkv, units = H * N;
+    if (threads > units) threads = units;
+    if (threads < 1) threads = 1;
+    float *scratch = malloc(sizeof(float) * (size_t)padded * threads);
+    if (scratch == NULL) return -1;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int u = 0; u < units; u++) {  // (head, row) pairs, a key/value head's rows side by side
+        int h = u / N, n = u % N;
+        size_t kv = (size_t)(h / group) * head_stride;
+        const float *row_q = q + (size_t)u * hd, *row_k = k + kv, *row_v = v + kv;
+        const uint8_t *seen = visible + (size_t)n * T;
+        float *scores = scratch + (size_t)omp_get_thread_num() * padded, *row_out = out + (size_t)n * H * hd + h * hd;
+        switch (hd) {  // the common head sizes with their loops unrolled (the accumulators in registers)
+            case 64: attend_row(row_q, row_k, row_v, T, 64, seen, scale, scores, row_out); break;
+            case 128: attend_row(row_q, row_k, row_v, T, 128, seen, scale, scores, row_out); break;
+            case 32: attend_row(row_q, row_k, row_v, T, 32, seen, scale, scores, row_out); break;
+            default: attend_row(row_q, row_k, row_v, T, hd, seen, scale, scores, row_out);
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
 // ---- The AMX form (Intel AMX-BF16): a tree's rows at a fraction of the FMA form's cost. ----
 // y[r, n] = sum_g d[n, g] * sum_j x[r, 32g + j] q[n, 32g + j] + m[n, g] * sum_j x[r, 32g + j]. x is split
 // exactly into three bf16 parts (x = x1 + x2 + x3: 8 + 8 + 8 significant bits), q (0..15) is exact in bf16, so
@@ -199,8 +324,6 @@ void rope_qk(const float *qkv, int N, int H, int Hkv, int hd, const float *cos, 
 // The Q8_0 form (the head) is the same with q in -127..127 (exact in bf16 too) and no m: codes [N/16][G][16][32]
 // int8, each B-tile row as it is stored.
 #define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")))
-#include <stdlib.h>
-#include <string.h>
 #include <unistd.h>
 #include <sys/syscall.h>
 
@@ -592,6 +715,9 @@ def build_kernel(directory: Path) -> ctypes.CDLL:
     lib.rope_qk.argtypes = [pointer, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, pointer, pointer, pointer,
                             pointer]
     lib.rms_norm_rows.restype = lib.rope_qk.restype = None
+    lib.attention_rows.argtypes = [pointer, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, pointer, pointer,
+                                   ctypes.c_long, ctypes.c_int, pointer, ctypes.c_float, pointer, ctypes.c_int]
+    lib.attention_rows.restype = ctypes.c_int
     return lib
 
 
@@ -684,6 +810,38 @@ def rope_qk(lib: ctypes.CDLL, qkv: torch.Tensor, heads: int, kv_heads: int, head
     lib.rope_qk(qkv.data_ptr(), n, heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
                 k.data_ptr())
     return q, k
+
+
+def attention_rows(lib: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """Grouped-query attention of a few rows over a cache, in one call: q fp32 [H, N, hd] (contiguous; hd % 16 == 0,
+    at most 256), keys and values fp32 [Hkv, T, hd] with rows of hd contiguous floats (views of a longer buffer are
+    read in place), visible bool [N, T] (True: row n attends to key t; every row sees one at least) -> [N, H * hd],
+    each (head, row) as softmax(q k^T * scale) v over what it sees, alike whatever N is (see KERNEL_SOURCE)."""
+    heads, n, hd = q.shape
+    kv_heads, t = keys.shape[0], keys.shape[1]
+    if (q.dtype != torch.float32 or not q.is_contiguous() or hd % 16 or hd > 256 or heads % kv_heads
+            or keys.shape != values.shape or keys.shape[2] != hd or keys.stride()[1:] != (hd, 1)
+            or values.stride() != keys.stride() or keys.dtype != torch.float32 or values.dtype != torch.float32
+            or visible.shape != (n, t) or visible.dtype != torch.bool):
+        raise ValueError(f"attention_rows: q {q.dtype} {list(q.shape)}, keys {keys.dtype} {list(keys.shape)} strides "
+                         f"{keys.stride()}, values {list(values.shape)} strides {values.stride()}, visible "
+                         f"{visible.dtype} {list(visible.shape)}: not shapes this kernel reads")
+    return attend(lib, q, keys, values, visible, scale)
+
+
+def attend(lib: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """attention_rows without its checks, for callers whose tensors are of its kind by construction (the lean
+    forwards)."""
+    heads, n, hd = q.shape
+    visible = visible.contiguous()
+    out = torch.empty(n, heads * hd)
+    if lib.attention_rows(q.data_ptr(), heads, keys.shape[0], n, hd, keys.data_ptr(), values.data_ptr(),
+                          keys.stride(0), keys.shape[1], visible.data_ptr(), scale, out.data_ptr(),
+                          torch.get_num_threads()) != 0:
+        raise MemoryError(f"attention_rows: no memory for the scores of {keys.shape[1]} keys")
+    return out
 
 
 class KernelLinear(torch.nn.Module):

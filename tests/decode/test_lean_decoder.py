@@ -15,10 +15,11 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from decode.engine import SpeculativeEngine
-from decode.lean_decoder import DISABLE_ENV, lean_supported
+from decode.lean_decoder import DISABLE_ENV, SDPA_ENV, kernel_visibility, lean_supported
 from decode.proposers.draft_model import DraftModelProposer
 from decode.proposers.prompt_lookup import PromptLookupProposer
 from decode.runner import ExtraRows, ModelRunner
+from decode.tree import attention_bias
 from models.packed_linear import (PackedLinear, PackedLinearFP16, float16_weights_supported, inference_weights,
                                   packed_for_inference, set_inference_weights)
 from models.q41_linear import DISABLE_ENV as NO_Q41_ENV
@@ -155,6 +156,39 @@ def assert_greedy_output_is_the_same_without_the_kernels_and_with_speculation(mo
         os.environ.pop(NO_Q41_ENV)
     proposer = PromptLookupProposer(num_tokens=4)
     assert SpeculativeEngine(model, proposer, eos_token_ids={2}, adaptive=False).generate(prompt, 40).tokens == plain
+
+
+def sdpa_runner(model, static_shapes: bool) -> ModelRunner:
+    os.environ[SDPA_ENV] = "1"
+    try:
+        return runner(model, True, static_shapes)
+    finally:
+        os.environ.pop(SDPA_ENV)
+
+
+@pytest.mark.skipif(kernel_unavailable() is not None, reason=f"the kernel library: {kernel_unavailable()}")
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_the_librarys_attention_computes_what_sdpa_does_and_speculation_stays_plain_decoding(static_shapes):
+    model = make_tiny_llama(hidden_size=128, layers=2, seed=9)  # head_dim 32: the kernel library's rows
+    on, off = runner(model, True, static_shapes), sdpa_runner(model, static_shapes)
+    assert on.lean.kernel_attention and not off.lean.kernel_attention
+    with torch.inference_mode():
+        for a, b in zip(forwards(on), forwards(off)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    prompt = [5, 9, 3, 17, 22, 40, 5, 9, 3]
+    plain = SpeculativeEngine(model, None, eos_token_ids={2}).generate(prompt, 40).tokens
+    assert SpeculativeEngine(model, PromptLookupProposer(num_tokens=4), eos_token_ids={2},
+                             adaptive=False).generate(prompt, 40).tokens == plain
+
+
+def test_only_the_engines_masks_over_few_rows_go_to_the_librarys_attention():
+    ancestors = torch.ones(3, 3, dtype=torch.bool).tril()
+    mask = attention_bias(5, ancestors, 12, torch.float32)  # [1, 1, 3, 12]: 5 committed, 3 rows, 4 stale
+    visible = kernel_visibility(mask)
+    assert torch.equal(visible, mask[0, 0] == 0) and visible[:, :5].all() and not visible[:, 8:].any()
+    assert kernel_visibility(mask * 0.5) is None  # another kind of additive mask: torch's SDPA reads it
+    long = attention_bias(0, torch.ones(65, 65, dtype=torch.bool).tril(), 65, torch.float32)
+    assert kernel_visibility(long) is None  # past MAX_ROWS: a prefill, for SDPA's blocking
 
 
 @pytest.mark.skipif(kernel_unavailable() is not None, reason=f"the Q4_1 kernel: {kernel_unavailable()}")

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from models.q41_linear import (MAX_ROWS, NO_AMX_ENV, Q41Linear, Q41Weight, Q80Linear, amx_unavailable,
-                               avx512_available, build_kernel, grid_deviation, head_for_inference, pack_q41, pack_q80,
+                               attention_rows, avx512_available, build_kernel, grid_deviation, head_for_inference, pack_q41, pack_q80,
                                q41_linear, q41_or_packed, q41_usable, q80_codes, q80_deviation, q80_gemm,
                                q80_inference_copy, q80_rounded, q80_usable, rms_norm_rows, rope_qk, scales_are_fp16,
                                unpack_q41, unpack_q80)
@@ -225,6 +225,72 @@ def test_the_row_operations_compute_rms_norm_and_transformers_rotary_embedding(t
     kv_heads = qkv[:, 576:768].view(1, 5, 3, 64).transpose(1, 2)
     q_ref, k_ref = apply_rotary_pos_emb(heads, kv_heads, cos[None], sin[None])
     assert torch.equal(q, q_ref[0]) and torch.equal(k, k_ref[0])  # the same products and sums, bit for bit
+
+
+def grouped_sdpa(q, keys, values, visible, scale):
+    """torch's attention of q [H, N, hd] over keys/values [Hkv, T, hd], visible [N, T] -> [N, H * hd]."""
+    heads, n, hd = q.shape
+    groups = heads // keys.shape[0]
+    expanded = keys.repeat_interleave(groups, 0), values.repeat_interleave(groups, 0)  # head h reads h // groups
+    out = F.scaled_dot_product_attention(q, *expanded, attn_mask=visible[None].expand(heads, -1, -1), scale=scale)
+    return out.transpose(0, 1).reshape(n, heads * hd)
+
+
+def tree_visibility(rows: int, prefix: int, seed: int) -> torch.Tensor:
+    """[rows, prefix + rows]: the whole prefix but a few random keys, and a random tree (each row sees itself)."""
+    g = torch.Generator().manual_seed(seed)
+    visible = torch.ones(rows, prefix + rows, dtype=torch.bool)
+    visible[:, :prefix] &= torch.rand(rows, prefix, generator=g) < 0.9
+    visible[:, prefix:] = (torch.rand(rows, rows, generator=g) < 0.5).tril() | torch.eye(rows, dtype=torch.bool)
+    return visible
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,prefix,hd", [(1, 300, 64), (3, 7, 64), (14, 40, 32), (MAX_ROWS, 129, 64)])
+def test_the_attention_kernel_computes_grouped_attention_over_what_each_row_sees(tmp_path, rows, prefix, hd):
+    lib = build_kernel(tmp_path)
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randn(9, rows, hd, generator=g)
+    buffer = torch.randn(2, 3, prefix + rows + 20, hd, generator=g)  # a cache with room past the rows
+    keys, values = buffer[0, :, :prefix + rows], buffer[1, :, :prefix + rows]  # views, rows hd apart
+    visible = tree_visibility(rows, prefix, seed=rows)
+    got = attention_rows(lib, q, keys, values, visible, hd ** -0.5)
+    torch.testing.assert_close(got, grouped_sdpa(q, keys, values, visible, hd ** -0.5), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_the_attention_kernel_computes_each_row_alike_and_never_reads_what_a_row_cannot_see(tmp_path):
+    lib = build_kernel(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    rows, prefix, hd = 6, 50, 64
+    q, keys, values = torch.randn(9, rows, hd, generator=g), torch.randn(3, prefix + rows, hd, generator=g), \
+        torch.randn(3, prefix + rows, hd, generator=g)
+    visible = tree_visibility(rows, prefix, seed=4)
+    visible[:, 16:32] = False  # a whole block of 16 keys hidden from every row
+    together = attention_rows(lib, q, keys, values, visible, 0.125)
+    for i in range(rows):  # bit for bit the same alone as beside the other rows
+        alone = attention_rows(lib, q[:, i:i + 1].contiguous(), keys, values, visible[i:i + 1], 0.125)
+        assert torch.equal(alone[0], together[i])
+    poisoned_keys, poisoned_values = keys.clone(), values.clone()
+    hidden = ~visible.any(0)  # keys no row sees: NaN there changes nothing
+    poisoned_keys[:, hidden], poisoned_values[:, hidden] = float("nan"), float("nan")
+    assert hidden.sum() >= 16
+    assert torch.equal(attention_rows(lib, q, poisoned_keys, poisoned_values, visible, 0.125), together)
+    assert not torch.equal(attention_rows(lib, q, keys, values, visible, 0.25), together)  # the scale is read
+
+
+@needs_kernel
+def test_the_attention_kernel_refuses_tensors_it_does_not_read(tmp_path):
+    lib = build_kernel(tmp_path)
+    q, kv, visible = torch.randn(9, 2, 64), torch.randn(3, 10, 64), torch.ones(2, 10, dtype=torch.bool)
+    attention_rows(lib, q, kv, kv, visible, 0.125)
+    for bad in [dict(q=torch.randn(9, 2, 72)), dict(q=torch.randn(2, 9, 64).transpose(0, 1)),
+                dict(keys=torch.randn(3, 64, 10).transpose(1, 2)), dict(keys=torch.randn(4, 10, 64)),
+                dict(visible=torch.ones(2, 10)), dict(visible=torch.ones(2, 9, dtype=torch.bool)),
+                dict(q=torch.randn(9, 2, 64).double())]:
+        args = dict(q=q, keys=kv, values=kv, visible=visible) | bad
+        with pytest.raises(ValueError, match="attention_rows"):
+            attention_rows(lib, args["q"], args["keys"], args["values"], args["visible"], 0.125)
 
 
 def test_a_drafters_weights_round_to_q8_0_with_fp16_steps_and_a_largest_code_of_127():
