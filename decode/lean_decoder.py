@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from models.packed_linear import cached_copy, gemm_padding, packed_class, packing_supported, weights_signature
-from models.q41_linear import (MAX_ROWS, Q41Linear, amx_unavailable, attend, kernel_library, kernel_unavailable,
+from models.q41_linear import (MAX_ROWS, KernelLinear, Q41Linear, amx_unavailable, attend, kernel_library, kernel_unavailable,
                                q41_or_packed, rms_norm_rows, rope_qk)
 
 log = logging.getLogger("specdistill.lean")
@@ -123,6 +123,12 @@ def fused_linear(linears: list[torch.nn.Linear], packed_class) -> torch.nn.Modul
     return packed_class(fused)
 
 
+def direct_call(linear: torch.nn.Module):
+    """What computes `linear` in the lean forward: a kernel matrix's `rows` (models.q41_linear.KernelLinear: the
+    same GEMM without nn.Module's dispatch, about 4 us a call, 120 calls a forward), else the module itself."""
+    return linear.rows if isinstance(linear, KernelLinear) else linear
+
+
 class LeanLayer:
     """One LlamaDecoderLayer's computation on packed weights."""
 
@@ -138,6 +144,9 @@ class LeanLayer:
         self.gate_up = fused_linear([mlp.gate_proj, mlp.up_proj], packed_class)
         self.intermediate = mlp.gate_proj.out_features
         self.down = packed_class(mlp.down_proj)
+        # what __call__ calls: straight into the kernel library where a projection is a kernel matrix (direct_call)
+        self.project_qkv, self.project_o = direct_call(self.qkv), direct_call(self.o)
+        self.project_gate_up, self.project_down = direct_call(self.gate_up), direct_call(self.down)
         self.norm_in = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
         self.norm_post = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
 
@@ -149,7 +158,7 @@ class LeanLayer:
         committed prefix. visible [N, T] bool, where the kernel library runs: the same mask as keys each row sees,
         for its attention kernel (`mask` is then not read)."""
         n = x.shape[1]
-        qkv = self.qkv(self.rms_norm(x, self.norm_in))  # [1, N, (H + 2 Hkv) hd]
+        qkv = self.project_qkv(self.rms_norm(x, self.norm_in))  # [1, N, (H + 2 Hkv) hd]
         v = qkv[..., self.q_size + self.kv_size:].view(1, n, -1, self.head_dim).transpose(1, 2)  # [1, Hkv, N, hd]
         if self.native is not None:
             q, k = rope_qk(self.native, qkv, self.q_size // self.head_dim, self.kv_size // self.head_dim,
@@ -166,9 +175,9 @@ class LeanLayer:
             out = attend(self.native, q, keys[0], values[0], visible, self.scaling)[None]  # [1, N, H*hd]
         else:
             out = self.sdpa(q if q.dim() == 4 else q[None], keys, values, mask)
-        x = x + self.o(out)
-        gate, up = self.gate_up(self.rms_norm(x, self.norm_post)).split([self.intermediate, self.intermediate], dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        x = x + self.project_o(out)
+        gate, up = self.project_gate_up(self.rms_norm(x, self.norm_post)).split([self.intermediate, self.intermediate], dim=-1)
+        return x + self.project_down(F.silu(gate) * up)
 
     def sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [1, H, N, hd], keys/values [1, Hkv, T, hd], mask [1, 1, G*N, T] -> [1, N, H*hd], by torch's SDPA with

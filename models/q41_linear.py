@@ -870,6 +870,14 @@ class KernelLinear(torch.nn.Module):
         y = self.gemm(self.lib, x.reshape(rows, self.in_features).contiguous(), self.codes)  # the checks are above
         return y.view(*x.shape[:-1], self.out_features)
 
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """forward for the lean forwards' hot path, without nn.Module's dispatch and forward's checks: x fp32
+        [1, N, in], no gradient wanted -> [1, N, out]."""
+        n = x.shape[1]
+        if n > MAX_ROWS:
+            return self.prefill(x)
+        return self.gemm(self.lib, x.reshape(n, self.in_features).contiguous(), self.codes).view(1, n, -1)
+
 
 class Q41Linear(KernelLinear):
     """A KernelLinear over Q4_1 (the default target's layer matrices)."""
