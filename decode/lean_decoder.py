@@ -14,7 +14,9 @@ q and k from the fused projection's rows and writes them rotated in the attentio
 transformers' RoPE): 1.15x a forward at 1-16 rows (BENCHMARKS.md, stop 47). So is the attention of forwards of
 up to MAX_ROWS rows under the engine's masks (`attend`: each (head, row) alone over the keys it sees, where torch's
 CPU flash attention spent about 60 us a layer on setup for one row; BENCHMARKS.md, stop 49); prefill and other
-masks keep torch's SDPA, and $SPECDISTILL_SDPA_ATTENTION switches the kernel off for comparisons.
+masks keep torch's SDPA, and $SPECDISTILL_SDPA_ATTENTION switches the kernel off for comparisons. Where every
+projection is on the library's FMA form, a layer's decode-time rows run in two library calls (`FusedLayer`: the same
+functions in the same order as LeanLayer's Python, so the same bits; $SPECDISTILL_UNFUSED_LAYERS runs the Python).
 
 It reads the model's own parameters (the fused projections are packed copies on the CPU and plain
 concatenated linears on CUDA, rebuilt when the weights change, like models.packed_linear's), uses the model's
@@ -37,8 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from models.packed_linear import cached_copy, gemm_padding, packed_class, packing_supported, weights_signature
-from models.q41_linear import (MAX_ROWS, KernelLinear, Q41Linear, amx_unavailable, attend, kernel_library, kernel_unavailable,
-                               q41_or_packed, rms_norm_rows, rope_qk)
+from models.q41_linear import (MAX_ROWS, KernelLinear, Q41Linear, Q41Matrix, amx_unavailable, attend, kernel_library,
+                               kernel_unavailable, q41_or_packed, rms_norm_rows, rope_qk)
 
 log = logging.getLogger("specdistill.lean")
 
@@ -47,6 +49,7 @@ __all__ = ["LeanDecoder", "lean_decoder", "lean_supported"]
 LEAN_MODEL_TYPES = ("llama",)  # decoder layers laid out and computed exactly as LlamaDecoderLayer
 DISABLE_ENV = "SPECDISTILL_NO_LEAN_DECODER"  # switch for side-by-side measurements and as an escape hatch
 SDPA_ENV = "SPECDISTILL_SDPA_ATTENTION"  # torch's SDPA in place of the library's attention (comparisons, escape hatch)
+UNFUSED_ENV = "SPECDISTILL_UNFUSED_LAYERS"  # every layer through LeanLayer's Python, not FusedLayer (the same bits)
 
 _cache: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, LeanDecoder]]" = weakref.WeakKeyDictionary()
 
@@ -82,8 +85,8 @@ def lean_decoder(model: torch.nn.Module, weights: str) -> "LeanDecoder | None":
         return None
     decoder = model.get_decoder()
     # the norms' weights are read in place; their identity joins the linears' signature
-    key = (weights, gemm_padding(), kernel_unavailable(), amx_unavailable(), sdpa_asked(), weights_signature(decoder),
-           tuple(p.data_ptr() for p in decoder.parameters()))
+    key = (weights, gemm_padding(), kernel_unavailable(), amx_unavailable(), sdpa_asked(), unfused_asked(),
+           weights_signature(decoder), tuple(p.data_ptr() for p in decoder.parameters()))
     return cached_copy(_cache, decoder, key, lambda: built_decoder(decoder, weights))
 
 
@@ -123,6 +126,52 @@ def fused_linear(linears: list[torch.nn.Linear], packed_class) -> torch.nn.Modul
     return packed_class(fused)
 
 
+class FusedLayer:
+    """A LeanLayer's forward over at most MAX_ROWS rows after the committed prefix in two calls into the kernel
+    library (models.q41_linear: `layer_rows_attention` up to the MLP's gate and up projections, `layer_rows_down`
+    after torch's SiLU and product) instead of thirty-odd tensor operations: the same functions in the same order,
+    so the same bits (tests compare them), about 1.5 ms less a forward of the default target on 2 cores (BENCHMARKS.md,
+    stop 49). Its keys and values go straight into the cache's rows. Where it runs: every projection on the FMA form
+    (AMX hosts keep LeanLayer's Python: not measured there), the library's attention, no fixed-shape slots."""
+
+    def __init__(self, layer: LeanLayer, work: torch.Tensor):
+        self.lib, self.work = layer.native, work  # work: shared by a decoder's layers, sized by `work_floats`
+        self.matrices = [Q41Matrix.of(m.codes) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        self.keep = [layer.qkv.codes, layer.o.codes, layer.gate_up.codes, layer.down.codes]  # the pointers' owners
+        self.norm_in, self.norm_post = layer.norm_in, layer.norm_post
+        self.heads, self.kv_heads = layer.q_size // layer.head_dim, layer.kv_size // layer.head_dim
+        self.head_dim, self.scaling, self.intermediate = layer.head_dim, layer.scaling, layer.intermediate
+
+    @staticmethod
+    def work_floats(layer: LeanLayer, hidden: int) -> int:
+        """Scratch floats a call needs for MAX_ROWS rows (the library's layout: normed, qkv, q, k, attended)."""
+        width = layer.q_size + 2 * layer.kv_size
+        return MAX_ROWS * (hidden + width + layer.q_size + layer.kv_size + layer.q_size)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_layer,
+                 visible: torch.Tensor) -> torch.Tensor:
+        """As LeanLayer.__call__ with `visible`: x [1, N, D] -> [1, N, D]."""
+        n, d = x.shape[1], x.shape[2]
+        owner = cache_layer.owner
+        start, keys, values = owner.length, cache_layer.keys, cache_layer.values  # [1, Hkv, max_len, hd]
+        if start + n > owner.max_len:
+            raise RuntimeError(f"KV cache overflow: {start + n} positions needed, {owner.max_len} allocated")
+        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+        qkv, o, gate_up, down = self.matrices
+        out, both = torch.empty(1, n, d), torch.empty(n, gate_up.N)
+        lib, threads = self.lib, torch.get_num_threads()
+        if lib.layer_rows_attention(x.data_ptr(), n, d, self.norm_in[0].data_ptr(), self.norm_in[1], qkv, self.heads,
+                                    self.kv_heads, self.head_dim, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
+                                    values.data_ptr(), keys.stride(1), start, visible.shape[1], visible.data_ptr(),
+                                    self.scaling, o, self.norm_post[0].data_ptr(), self.norm_post[1], gate_up,
+                                    out.data_ptr(), both.data_ptr(), self.work.data_ptr(), threads) != 0:
+            raise MemoryError(f"layer_rows_attention: no memory for the scores of {visible.shape[1]} keys")
+        activated = F.silu(both[:, :self.intermediate]) * both[:, self.intermediate:]  # [N, I], as LeanLayer
+        lib.layer_rows_down(out.data_ptr(), n, d, activated.data_ptr(), self.intermediate, down, self.work.data_ptr(),
+                            threads)
+        return out
+
+
 def direct_call(linear: torch.nn.Module):
     """What computes `linear` in the lean forward: a kernel matrix's `rows` (models.q41_linear.KernelLinear: the
     same GEMM without nn.Module's dispatch, about 4 us a call, 120 calls a forward), else the module itself."""
@@ -149,6 +198,12 @@ class LeanLayer:
         self.project_gate_up, self.project_down = direct_call(self.gate_up), direct_call(self.down)
         self.norm_in = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
         self.norm_post = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
+        self.fused: FusedLayer | None = None  # set by LeanDecoder where the layer runs in the library's two calls
+
+    def fusable(self) -> bool:
+        """Whether FusedLayer computes this layer: the library's row operations and FMA-form Q4_1 projections."""
+        return self.native is not None and all(
+            isinstance(m, Q41Linear) and m.codes.form == "fma" for m in (self.qkv, self.o, self.gate_up, self.down))
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_layer,
                  mask: torch.Tensor | None, slots: torch.Tensor | None = None,
@@ -158,6 +213,8 @@ class LeanLayer:
         committed prefix. visible [N, T] bool, where the kernel library runs: the same mask as keys each row sees,
         for its attention kernel (`mask` is then not read)."""
         n = x.shape[1]
+        if self.fused is not None and visible is not None and slots is None and cache_layer.is_initialized:
+            return self.fused(x, cos, sin, cache_layer, visible)  # n <= MAX_ROWS: visible is given only then
         qkv = self.project_qkv(self.rms_norm(x, self.norm_in))  # [1, N, (H + 2 Hkv) hd]
         v = qkv[..., self.q_size + self.kv_size:].view(1, n, -1, self.head_dim).transpose(1, 2)  # [1, Hkv, N, hd]
         if self.native is not None:
@@ -213,6 +270,11 @@ def sdpa_asked() -> bool:
     return os.environ.get(SDPA_ENV, "") not in ("", "0")
 
 
+def unfused_asked() -> bool:
+    """$SPECDISTILL_UNFUSED_LAYERS set: every layer through LeanLayer's Python (comparisons, escape hatch)."""
+    return os.environ.get(UNFUSED_ENV, "") not in ("", "0")
+
+
 def kernel_visibility(mask: torch.Tensor) -> torch.Tensor | None:
     """The keys each row sees, [N, T] bool, for the kernel library's attention (`attend`): from an additive mask
     [1, 1, N, T] of the engine's kind (decode.tree.attention_bias: 0 where a row sees a key, the dtype's most
@@ -245,6 +307,11 @@ class LeanDecoder:
         self.layers = [LeanLayer(layer, packed_class, self.native) for layer in decoder.layers]
         # decode-time attention in the library too (models.q41_linear.attend) where its head size fits
         self.kernel_attention = self.native is not None and self.layers[0].head_dim <= 256 and not sdpa_asked()
+        if self.kernel_attention and not unfused_asked() and all(
+                layer.fusable() for layer in self.layers):  # each layer's rows in two library calls (FusedLayer)
+            work = torch.empty(max(FusedLayer.work_floats(layer, config.hidden_size) for layer in self.layers))
+            for layer in self.layers:
+                layer.fused = FusedLayer(layer, work)
         self.norm = (decoder.norm.weight, decoder.norm.variance_epsilon)
         self.groups = config.num_attention_heads // (getattr(config, "num_key_value_heads", None)
                                                      or config.num_attention_heads)

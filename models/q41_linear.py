@@ -19,7 +19,9 @@ function, `q80_gemm` (the same blocking and row-alike order): 113 MB of fp32 bec
 one-row forward about 1.9x faster (BENCHMARKS.md, stop 46).
 
 The library also holds the lean forwards' row operations (`rms_norm_rows`, `rope_qk`) and their decode-time
-attention (`attention_rows`: a few query rows over the cache, grouped-query, each (head, row) computed alone).
+attention (`attention_rows`: a few query rows over the cache, grouped-query, each (head, row) computed alone), and
+a decoder layer's decode-time rows strung from those functions in two calls (`layer_rows_attention`,
+`layer_rows_down`: decode.lean_decoder.FusedLayer).
 
 Two forms of each: "fma" (AVX-512 FMAs over weights rebuilt exactly) and, where the CPU has AMX-BF16 and Linux
 grants this process the tile state (`amx_unavailable`), "amx": x split exactly into three bf16 parts, the codes
@@ -311,6 +313,50 @@ int attention_rows(const float *q, int H, int Hkv, int N, int hd, const float *k
     }
     free(scratch);
     return 0;
+}
+
+// ---- A decoder layer's decode-time rows in two calls (decode.lean_decoder.FusedLayer): the same functions in the
+// same order as the lean forward's Python (so the same bits), without its thirty-odd tensor operations a layer. ----
+typedef struct {  // a Q4_1 matrix in the FMA form: packed [N][K/2], d and m [N][K/32]
+    const uint8_t *packed;
+    const float *d, *m;
+    int N;
+} q41_matrix;
+
+// y [N][D] = x + o(attention(rope(qkv(rms_norm(x))))); gate_up [N][2I] = gate_up(rms_norm(y)); the rows' keys and
+// values written to the cache at rows start..start+N-1 of each head (head j's row t at keys + j * head_stride +
+// t * hd). work: N * (D + Q + (H + Hkv) * hd + H * hd) floats, Q = (H + 2 Hkv) * hd. 0, or -1 (no memory).
+int layer_rows_attention(const float *x, int N, int D, const float *norm_in, float eps_in, q41_matrix qkv, int H,
+                         int Hkv, int hd, const float *cos, const float *sin, float *keys, float *values,
+                         long head_stride, int start, int T, const uint8_t *visible, float scale, q41_matrix o,
+                         const float *norm_post, float eps_post, q41_matrix gate_up, float *y, float *gate_up_out,
+                         float *work, int threads) {
+    int width = (H + 2 * Hkv) * hd;
+    float *normed = work, *fused = normed + (size_t)N * D, *q = fused + (size_t)N * width;
+    float *k = q + (size_t)H * N * hd, *attended = k + (size_t)Hkv * N * hd;
+    rms_norm_rows(x, N, D, norm_in, eps_in, normed);
+    q41_gemm(normed, N, D, qkv.packed, qkv.d, qkv.m, width, fused, threads);
+    rope_qk(fused, N, H, Hkv, hd, cos, sin, q, k);
+    for (int j = 0; j < Hkv; j++)
+        for (int n = 0; n < N; n++) {
+            size_t row = (size_t)j * head_stride + (size_t)(start + n) * hd;
+            memcpy(keys + row, k + ((size_t)j * N + n) * hd, sizeof(float) * hd);
+            memcpy(values + row, fused + (size_t)n * width + (size_t)(H + Hkv + j) * hd, sizeof(float) * hd);
+        }
+    if (attention_rows(q, H, Hkv, N, hd, keys, values, head_stride, T, visible, scale, attended, threads) != 0)
+        return -1;
+    q41_gemm(attended, N, H * hd, o.packed, o.d, o.m, D, y, threads);  // o(attended), then x + it, as torch adds
+    for (size_t i = 0; i < (size_t)N * D; i++) y[i] = x[i] + y[i];
+    rms_norm_rows(y, N, D, norm_post, eps_post, normed);
+    q41_gemm(normed, N, D, gate_up.packed, gate_up.d, gate_up.m, gate_up.N, gate_up_out, threads);
+    return 0;
+}
+
+// y [N][D] += down(activated [N][I]); work: N * D floats.
+void layer_rows_down(float *y, int N, int D, const float *activated, int I, q41_matrix down, float *work,
+                     int threads) {
+    q41_gemm(activated, N, I, down.packed, down.d, down.m, D, work, threads);
+    for (size_t i = 0; i < (size_t)N * D; i++) y[i] = y[i] + work[i];
 }
 
 // ---- The AMX form (Intel AMX-BF16): a tree's rows at a fraction of the FMA form's cost. ----
@@ -686,6 +732,17 @@ def avx512_available() -> bool:
         return False
 
 
+class Q41Matrix(ctypes.Structure):
+    """The library's q41_matrix: an FMA-form Q41Weight's pointers (the weight must outlive every call)."""
+    _fields_ = [("packed", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("N", ctypes.c_int)]
+
+    @classmethod
+    def of(cls, w: "Q41Weight") -> "Q41Matrix":
+        if w.form != "fma":
+            raise ValueError(f"Q41Matrix: the {w.form} form has no q41_matrix")
+        return cls(w.packed.data_ptr(), w.step.data_ptr(), w.minimum.data_ptr(), w.shape[0])
+
+
 def build_kernel(directory: Path) -> ctypes.CDLL:
     """Compile KERNEL_SOURCE with gcc into directory/libq41.so (atomically: a half-written library is never
     loaded) and load it. RuntimeError naming what is missing or what gcc said."""
@@ -720,6 +777,13 @@ def build_kernel(directory: Path) -> ctypes.CDLL:
     lib.attention_rows.argtypes = [pointer, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, pointer, pointer,
                                    ctypes.c_long, ctypes.c_int, pointer, ctypes.c_float, pointer, ctypes.c_int]
     lib.attention_rows.restype = ctypes.c_int
+    matrix, i, f = Q41Matrix, ctypes.c_int, ctypes.c_float
+    lib.layer_rows_attention.argtypes = [pointer, i, i, pointer, f, matrix, i, i, i, pointer, pointer, pointer, pointer,
+                                         ctypes.c_long, i, i, pointer, f, matrix, pointer, f, matrix, pointer, pointer,
+                                         pointer, i]
+    lib.layer_rows_attention.restype = ctypes.c_int
+    lib.layer_rows_down.argtypes = [pointer, i, i, pointer, i, matrix, pointer, i]
+    lib.layer_rows_down.restype = None
     return lib
 
 

@@ -15,7 +15,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from decode.engine import SpeculativeEngine
-from decode.lean_decoder import DISABLE_ENV, SDPA_ENV, kernel_visibility, lean_supported
+from decode.lean_decoder import DISABLE_ENV, SDPA_ENV, UNFUSED_ENV, FusedLayer, kernel_visibility, lean_supported
 from decode.proposers.draft_model import DraftModelProposer
 from decode.proposers.prompt_lookup import PromptLookupProposer
 from decode.runner import ExtraRows, ModelRunner
@@ -158,6 +158,9 @@ def assert_greedy_output_is_the_same_without_the_kernels_and_with_speculation(mo
     assert SpeculativeEngine(model, proposer, eos_token_ids={2}, adaptive=False).generate(prompt, 40).tokens == plain
 
 
+FUSED_CALL = FusedLayer.__call__
+
+
 def sdpa_runner(model, static_shapes: bool) -> ModelRunner:
     os.environ[SDPA_ENV] = "1"
     try:
@@ -203,6 +206,35 @@ def test_the_q41_kernel_computes_what_onednn_does_and_speculation_stays_plain_de
     with torch.inference_mode():
         for a, b in zip(forwards(on), forwards(off)):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert_greedy_output_is_the_same_without_the_kernels_and_with_speculation(model)
+
+
+@pytest.mark.skipif(kernel_unavailable() is not None, reason=f"the Q4_1 kernel: {kernel_unavailable()}")
+@pytest.mark.skipif(amx_unavailable() is None, reason="the AMX form runs here: its layers keep LeanLayer's Python")
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_fused_layers_compute_the_same_bits_as_the_lean_layers_python(static_shapes, monkeypatch):
+    calls = []
+    monkeypatch.setattr(FusedLayer, "__call__", lambda self, *a: calls.append(1) or FUSED_CALL(self, *a))
+    model = q41_llama(seed=11)
+    fused = runner(model, True, static_shapes)
+    os.environ[UNFUSED_ENV] = "1"
+    try:
+        python = runner(model, True, static_shapes)
+    finally:
+        os.environ.pop(UNFUSED_ENV)
+    assert all(layer.fused is not None for layer in fused.lean.layers)
+    assert all(layer.fused is None for layer in python.lean.layers)
+    with torch.inference_mode():
+        for a, b in zip(forwards(fused, feature_layers=(0, 1)), forwards(python, feature_layers=(0, 1))):
+            assert torch.equal(a, b)  # logits, EAGLE-3's features, prefill, tree and chain alike
+        assert len(calls) >= 2 * len(fused.lean.layers)  # the tree and the chain ran fused (the prefill set up)
+        for run in (fused, python):  # the keys and values written, as the Python path writes them
+            run.start(64)
+            run.forward([5, 9, 3, 17])
+        end = 4
+        for layer_a, layer_b in zip(fused.cache.layers, python.cache.layers):
+            assert torch.equal(layer_a.keys[:, :, :end], layer_b.keys[:, :, :end])
+            assert torch.equal(layer_a.values[:, :, :end], layer_b.values[:, :, :end])
     assert_greedy_output_is_the_same_without_the_kernels_and_with_speculation(model)
 
 
