@@ -73,13 +73,16 @@ class WithPromptLookup(Proposer):
         self.feature_layers = getattr(inner, "feature_layers", None)  # EAGLE-3 reads these target layers
         self.max_depth = max(inner.max_depth, lookup.max_depth)
         self.verify_seconds = None  # the engine's price of verification (price_verification)
+        self.inner_drafted = False  # whether the last propose() called the inner proposer
 
     def begin(self, prompt_ids: list[int], capacity: int) -> None:
         self.last_match = (None, (0, []))
         self.inner.begin(prompt_ids, capacity)
 
     def last_catch_up_s(self) -> float:
-        return self.inner.last_catch_up_s()
+        # the inner proposer's catch-up belongs to this step only if it drafted in it (else it is a stale figure
+        # of an earlier step, which the engine would take off this step's drafting time)
+        return self.inner.last_catch_up_s() if self.inner_drafted else 0.0
 
     def price_verification(self, seconds) -> None:
         self.verify_seconds = seconds
@@ -112,7 +115,8 @@ class WithPromptLookup(Proposer):
     def propose(self, seq, max_depth, sampling, generator):
         found = self.match(seq)
         drafts = found[1][:max_depth]
-        if self.drafts_alone(found):  # the inner proposer drafts nothing this step
+        self.inner_drafted = not self.drafts_alone(found)
+        if not self.inner_drafted:  # the inner proposer drafts nothing this step
             tree = TokenTree.root(seq[-1])
             tree.add_chain(drafts, None, source=LOOKUP_SOURCE)
             return tree

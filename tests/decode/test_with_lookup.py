@@ -64,6 +64,23 @@ def test_a_long_match_is_drafted_alone_and_a_short_one_beside_the_inner_tree():
         WithPromptLookup(inner, PromptLookupProposer(4), lookup_first=-1)
 
 
+class CatchingUp(CountingChain):
+    """An inner proposer whose every step reports 5 s of catching up."""
+
+    def last_catch_up_s(self) -> float:
+        return 5.0
+
+
+def test_a_step_the_lookup_drafts_alone_reports_no_catch_up_of_the_inner_proposers():
+    """The engine takes last_catch_up_s off the step's drafting time: a stale figure of the inner proposer's last
+    step would make a lookup step's drafting cost negative (it did, stop 49)."""
+    wrapped = WithPromptLookup(CatchingUp(), PromptLookupProposer(4, max_ngram=3), lookup_first=2)
+    wrapped.propose([1, 4, 6, 4, 2, 8], 4, SamplingConfig(), None)  # no match: the inner drafts
+    assert wrapped.last_catch_up_s() == 5.0
+    wrapped.propose(REPEATING, 4, SamplingConfig(), None)  # a 2-gram match: the lookup alone
+    assert wrapped.last_catch_up_s() == 0.0
+
+
 def random_medusa(target, **kind):
     heads = MedusaHeads.from_target(target, num_heads=3, num_layers=1, **kind)
     with torch.no_grad():
