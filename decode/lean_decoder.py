@@ -233,7 +233,8 @@ class LeanLayer:
         else:
             out = self.sdpa(q if q.dim() == 4 else q[None], keys, values, mask)
         x = x + self.project_o(out)
-        gate, up = self.project_gate_up(self.rms_norm(x, self.norm_post)).split([self.intermediate, self.intermediate], dim=-1)
+        both = self.project_gate_up(self.rms_norm(x, self.norm_post))  # [1, N, 2I]
+        gate, up = both.split([self.intermediate, self.intermediate], dim=-1)
         return x + self.project_down(F.silu(gate) * up)
 
     def sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
