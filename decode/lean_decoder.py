@@ -136,8 +136,8 @@ class FusedLayer:
 
     def __init__(self, layer: LeanLayer, work: torch.Tensor):
         self.lib, self.work = layer.native, work  # work: shared by a decoder's layers, sized by `work_floats`
+        # pointers into the layer's matrices, which the layer (this FusedLayer's owner) keeps alive
         self.matrices = [Q41Matrix.of(m.codes) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        self.keep = [layer.qkv.codes, layer.o.codes, layer.gate_up.codes, layer.down.codes]  # the pointers' owners
         self.norm_in, self.norm_post = layer.norm_in, layer.norm_post
         self.heads, self.kv_heads = layer.q_size // layer.head_dim, layer.kv_size // layer.head_dim
         self.head_dim, self.scaling, self.intermediate = layer.head_dim, layer.scaling, layer.intermediate
@@ -219,8 +219,8 @@ class LeanLayer:
         v = qkv[..., self.q_size + self.kv_size:].view(1, n, -1, self.head_dim).transpose(1, 2)  # [1, Hkv, N, hd]
         if self.native is not None:
             q, k = rope_qk(self.native, qkv, self.q_size // self.head_dim, self.kv_size // self.head_dim,
-                           self.head_dim, cos, sin)  # q [H, N, hd], k [Hkv, N, hd]
-            k = k[None]
+                           self.head_dim, cos, sin)
+            q, k = q[None], k[None]  # [1, H, N, hd], [1, Hkv, N, hd]
         else:
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(1, n, -1, self.head_dim).transpose(1, 2)  # [1, H, N, hd]
@@ -229,9 +229,9 @@ class LeanLayer:
         # [1, Hkv, T, hd]
         keys, values = cache_layer.update(k, v) if slots is None else cache_layer.write(k, v, slots)
         if visible is not None:
-            out = attend(self.native, q, keys[0], values[0], visible, self.scaling)[None]  # [1, N, H*hd]
+            out = attend(self.native, q[0], keys[0], values[0], visible, self.scaling)[None]  # [1, N, H*hd]
         else:
-            out = self.sdpa(q if q.dim() == 4 else q[None], keys, values, mask)
+            out = self.sdpa(q, keys, values, mask)
         x = x + self.project_o(out)
         both = self.project_gate_up(self.rms_norm(x, self.norm_post))  # [1, N, 2I]
         gate, up = both.split([self.intermediate, self.intermediate], dim=-1)
