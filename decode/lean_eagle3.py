@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from decode.lean_decoder import fused_linear, rms_norm_rows_or_torch, row_ops_library, sdpa_asked
 from models.eagle3 import DraftCache, Eagle3Drafter
 from models.packed_linear import packed_class, packing_supported
-from models.q41_linear import MAX_ROWS, attend, q80_inference_copy, rope_qk
+from models.q41_linear import MAX_ROWS, attend, int8_inference_copy, q80_inference_copy, rope_qk
 
 __all__ = ["DISABLE_ENV", "LeanEagle3", "lean_eagle3", "lean_eagle3_runs"]
 
@@ -39,11 +39,13 @@ DISABLE_ENV = "SPECDISTILL_NO_LEAN_DRAFTER"  # switch for side-by-side measureme
 
 def lean_eagle3(drafter: Eagle3Drafter, weights: str) -> "LeanEagle3 | None":
     """The lean rows of `drafter` with linear weights in `weights` format ("q8_0": rounded to Q8_0 on the kernel
-    library, models.q41_linear.q80_inference_copy), or None where it does not pack (not fp32 on the CPU) or the
+    library, models.q41_linear.q80_inference_copy; "int8": the same weights times rows rounded to int8 on its
+    AVX512-VNNI kernel, int8_inference_copy), or None where it does not pack (not fp32 on the CPU) or the
     environment switches it off."""
     if not lean_eagle3_runs(drafter):
         return None
-    return LeanEagle3(drafter, q80_inference_copy if weights == "q8_0" else packed_class(weights))
+    kernels = {"q8_0": q80_inference_copy, "int8": int8_inference_copy}
+    return LeanEagle3(drafter, kernels.get(weights) or packed_class(weights))
 
 
 def lean_eagle3_runs(drafter: Eagle3Drafter) -> bool:

@@ -209,9 +209,9 @@ def float16_weights_supported() -> bool:
     return bool(torch.allclose(out, torch.full((1, 8), 8.0)))
 
 
-# what a proposer may be asked to draft in; "q8_0": EAGLE-3 drafters only (decode.proposers.eagle3, on the kernel
-# library of models.q41_linear)
-DRAFTING_WEIGHTS = ("auto",) + WEIGHT_FORMATS + ("q8_0",)
+# what a proposer may be asked to draft in; "q8_0" and "int8" (Q8_0 weights, decode-time rows rounded to int8): EAGLE-3
+# drafters only (decode.proposers.eagle3, on the kernel library of models.q41_linear)
+DRAFTING_WEIGHTS = ("auto",) + WEIGHT_FORMATS + ("q8_0", "int8")
 
 
 def drafting_weights(drafter: torch.nn.Module, choice: str | None = "auto") -> str:
@@ -222,8 +222,8 @@ def drafting_weights(drafter: torch.nn.Module, choice: str | None = "auto") -> s
     choice = choice or "auto"
     if choice not in DRAFTING_WEIGHTS:
         raise ValueError(f"drafter weights {choice!r}: choose one of {', '.join(DRAFTING_WEIGHTS)}")
-    if choice == "q8_0":
-        raise ValueError("drafter weights q8_0: only EAGLE-3 drafters draft in Q8_0; use auto, float32 or float16")
+    if choice in ("q8_0", "int8"):
+        raise ValueError(f"drafter weights {choice}: only EAGLE-3 drafters draft in it; use auto, float32 or float16")
     fp16_runs = packing_supported(drafter) and float16_weights_supported()
     if choice == "auto":
         return "float16" if fp16_runs else "float32"

@@ -541,6 +541,89 @@ int q41_amx(const float *x, int R, int K, const uint8_t *packed, const uint16_t 
 int q80_amx(const float *x, int R, int K, const int8_t *codes, const uint16_t *d, int N, float *y, int threads) {
     return amx_gemm(x, R, K, (const uint8_t *)codes, d, NULL, N, y, threads);
 }
+
+// ---- Q8_0 weights times int8 activations on AVX512-VNNI, for drafters only: x is rounded, so this is an
+// approximation of x @ W^T (llama.cpp's Q8_0 x Q8_0 dot), never used for the target. Each row and group of 32 of x
+// becomes int8 codes with step max |x| / 127, offset by 128 to the unsigned bytes vpdpbusd multiplies with the
+// weights' signed codes (64 products a instruction, in place of 16 FMAs after a conversion); the offset's share,
+// 128 times the group's code sum, is precomputed per output and group (`bias`, negated: each group's accumulator
+// starts from it). Layout: codes [N/16][G][8][16][4] (16 outputs side by side, 4 consecutive k each), steps d and
+// bias [N/16][G][16]. Each group's integer dot is exact; the groups are summed in fp32, d_w * d_x first. A row
+// is computed alike whatever R is. N % 32 == 0, K % 32 == 0. ----
+#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
+#define VRB 4
+
+VNNI_TARGET static void quantize_rows(const float *x, int R, int K, uint8_t *xq, float *dx) {
+    int G = K / 32;
+    const __m512i offset = _mm512_set1_epi32(128);
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) {
+            const float *v = x + (size_t)r * K + g * 32;
+            __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+            float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+            float step = top / 127.0f, inverse = top > 0.0f ? 127.0f / top : 0.0f;
+            __m512 scale = _mm512_set1_ps(inverse);
+            __m512i qa = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(a, scale)), offset);  // nearest, even
+            __m512i qb = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(b, scale)), offset);
+            _mm_storeu_si128((__m128i *)(xq + (size_t)r * K + g * 32), _mm512_cvtepi32_epi8(qa));
+            _mm_storeu_si128((__m128i *)(xq + (size_t)r * K + g * 32 + 16), _mm512_cvtepi32_epi8(qb));
+            dx[(size_t)r * G + g] = step;
+        }
+}
+
+VNNI_TARGET int q8_int8_gemm(const float *x, int R, int K, const int8_t *codes, const float *d, const int32_t *bias,
+                             int N, float *y, int threads) {
+    int G = K / 32, blocks = N / 16;
+    uint8_t *xq = malloc((size_t)R * K);
+    float *dx = malloc(sizeof(float) * (size_t)R * G);
+    if (xq == NULL || dx == NULL) {
+        free(xq);
+        free(dx);
+        return -1;
+    }
+    quantize_rows(x, R, K, xq, dx);
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int b0 = 0; b0 < blocks; b0 += 2) {  // two blocks of 16 outputs
+        for (int r0 = 0; r0 < R; r0 += VRB) {
+            int rb = R - r0 < VRB ? R - r0 : VRB;
+            __m512 out[VRB][2];
+            for (int r = 0; r < VRB; r++) out[r][0] = out[r][1] = _mm512_setzero_ps();
+            for (int g = 0; g < G; g++) {
+                size_t at[2] = {(size_t)b0 * G + g, (size_t)(b0 + 1) * G + g};
+                __m512i acc[VRB][2];
+                for (int a = 0; a < 2; a++) {
+                    __m512i start = _mm512_loadu_si512(bias + 16 * at[a]);
+                    for (int r = 0; r < VRB; r++) acc[r][a] = start;
+                }
+                for (int t = 0; t < 8; t++) {
+                    __m512i w0 = _mm512_loadu_si512(codes + 512 * at[0] + 64 * t);
+                    __m512i w1 = _mm512_loadu_si512(codes + 512 * at[1] + 64 * t);
+                    for (int r = 0; r < VRB; r++) {
+                        if (r >= rb) break;
+                        int32_t four;
+                        memcpy(&four, xq + (size_t)(r0 + r) * K + g * 32 + 4 * t, 4);
+                        __m512i xb = _mm512_set1_epi32(four);
+                        acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], xb, w0);
+                        acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], xb, w1);
+                    }
+                }
+                for (int a = 0; a < 2; a++) {
+                    __m512 dw = _mm512_loadu_ps(d + 16 * at[a]);
+                    for (int r = 0; r < VRB; r++) {
+                        if (r >= rb) break;
+                        __m512 both = _mm512_mul_ps(dw, _mm512_set1_ps(dx[(size_t)(r0 + r) * G + g]));
+                        out[r][a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][a]), both, out[r][a]);
+                    }
+                }
+            }
+            for (int r = 0; r < rb; r++)
+                for (int a = 0; a < 2; a++) _mm512_storeu_ps(y + (size_t)(r0 + r) * N + (b0 + a) * 16, out[r][a]);
+        }
+    }
+    free(xq);
+    free(dx);
+    return 0;
+}
 """
 
 # -ffp-contract=off: the weights are rebuilt as q * d, rounded, + m, rounded, as they were dequantized; a fused
@@ -784,6 +867,8 @@ def build_kernel(directory: Path) -> ctypes.CDLL:
     lib.layer_rows_attention.restype = ctypes.c_int
     lib.layer_rows_down.argtypes = [pointer, i, i, pointer, i, matrix, pointer, i]
     lib.layer_rows_down.restype = None
+    lib.q8_int8_gemm.argtypes = [pointer, i, i, pointer, pointer, pointer, i, pointer, i]
+    lib.q8_int8_gemm.restype = ctypes.c_int
     return lib
 
 
@@ -1023,6 +1108,99 @@ def q80_inference_copy(linear: torch.nn.Linear) -> torch.nn.Module:
         rounded.weight.copy_(q80_rounded(linear.weight))
     rounded.requires_grad_(False)
     return Q80Linear(rounded, _kernel()[0])
+
+
+class Q8Int8Weight:
+    """One [N, K] matrix as Q8_0 (w = q * d) laid out for the int8 dot products of `q8_int8_gemm`: codes
+    [N/16, K/32, 8, 16, 4] int8 (16 outputs side by side, four consecutive k each), steps d [N/16, K/32, 16] fp32,
+    bias [N/16, K/32, 16] int32 = -128 * each group's code sum (the unsigned offset of x's codes, taken back)."""
+
+    def __init__(self, codes: torch.Tensor, step: torch.Tensor, bias: torch.Tensor):
+        self.codes, self.step, self.bias = codes, step, bias
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0] * 16, self.codes.shape[1] * GROUP
+
+
+INT8_OUTPUT_BLOCK = 32  # q8_int8_gemm computes two blocks of 16 outputs together
+
+
+def pack_q8_int8(weight: torch.Tensor) -> Q8Int8Weight:
+    """[N, K] fp32 (N % 32 == 0, K % 32 == 0) -> its Q8_0 grid (`q80_codes`) in the int8 kernel's layout."""
+    n, k = weight.shape
+    if k % GROUP or n % INT8_OUTPUT_BLOCK:
+        raise ValueError(f"pack_q8_int8: K must be a multiple of {GROUP} and N of {INT8_OUTPUT_BLOCK}, "
+                         f"got {list(weight.shape)}")
+    codes, step = q80_codes(weight.detach().float())  # [N, G, 32], [N, G]
+    groups = k // GROUP
+    codes = codes.to(torch.int8).reshape(n // 16, 16, groups, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+    bias = (-128 * codes.to(torch.int32).sum(dim=(2, 4))).to(torch.int32).contiguous()  # [N/16, G, 16]
+    return Q8Int8Weight(codes, _by_block(step), bias)
+
+
+def unpack_q8_int8(w: Q8Int8Weight) -> torch.Tensor:
+    """Q8Int8Weight -> the [N, K] fp32 matrix it stands for."""
+    n, k = w.shape
+    codes = w.codes.permute(0, 3, 1, 2, 4).reshape(n, k // GROUP, GROUP).float()
+    return (codes * _from_blocks(w.step)[..., None]).reshape(n, k)
+
+
+def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x fp32 [R, K] -> (codes [R, K/32, 32] in -127..127 as float, step [R, K/32]): the rounding of x that
+    `q8_int8_gemm` makes (step max |x| / 127 per group; x times 127 / max, rounded to nearest even)."""
+    r, k = x.shape
+    groups = x.reshape(r, k // GROUP, GROUP)
+    top = groups.abs().amax(-1)
+    inverse = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
+    return torch.round(groups * inverse[..., None]), top / 127.0
+
+
+def vnni_unavailable() -> str | None:
+    """None when the int8 kernel (`q8_int8_gemm`) may run here, else why not."""
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    missing = [f for f in ("avx512bw", "avx512_vnni") if f not in flags]
+    return kernel_unavailable() or (f"this CPU has no {', '.join(missing)}" if missing else None)
+
+
+def q8_int8_gemm(lib: ctypes.CDLL, x: torch.Tensor, w: Q8Int8Weight) -> torch.Tensor:
+    """x contiguous fp32 [1..MAX_ROWS, K] -> [R, N], about x @ unpack_q8_int8(w)^T: x rounded to int8 per row and
+    group of 32 (`int8_rows`), each group's dot exact in int32, the groups summed in fp32. Drafters only."""
+    n, k = w.shape
+    y = torch.empty(x.shape[0], n)
+    if lib.q8_int8_gemm(x.data_ptr(), x.shape[0], k, w.codes.data_ptr(), w.step.data_ptr(), w.bias.data_ptr(), n,
+                        y.data_ptr(), torch.get_num_threads()) != 0:
+        raise MemoryError(f"q8_int8_gemm: no memory for the int8 codes of x {list(x.shape)}")
+    return y
+
+
+class Q8Int8Linear(KernelLinear):
+    """A KernelLinear over Q8_0 weights with int8 activations (`q8_int8_gemm`): for drafters, whose numbers decide
+    only which tokens are proposed."""
+
+    pack = staticmethod(pack_q8_int8)
+    gemm = staticmethod(q8_int8_gemm)
+
+
+def int8_shapes_supported(linear: torch.nn.Module) -> bool:
+    w = getattr(linear, "weight", None)
+    return w is not None and w.dim() == 2 and w.shape[1] % GROUP == 0 and w.shape[0] % INT8_OUTPUT_BLOCK == 0
+
+
+def int8_inference_copy(linear: torch.nn.Linear) -> torch.nn.Module:
+    """As `q80_inference_copy`, on the int8 kernel (`Q8Int8Linear`): the weights rounded to Q8_0, decode-time rows
+    rounded to int8 per group of 32. ValueError naming what is missing where the CPU or the shape does not allow
+    it."""
+    if (why := vnni_unavailable()) is not None:
+        raise ValueError(f"int8 drafting weights need the kernel library on AVX512-VNNI: {why}")
+    if linear.bias is not None or not int8_shapes_supported(linear):
+        raise ValueError(f"int8 drafting weights: a bias-free matrix with K a multiple of {GROUP} and N of "
+                         f"{INT8_OUTPUT_BLOCK}, got {list(linear.weight.shape)} (bias: {linear.bias is not None})")
+    rounded = torch.nn.Linear(linear.in_features, linear.out_features, bias=False)
+    with torch.no_grad():
+        rounded.weight.copy_(q80_rounded(linear.weight))
+    rounded.requires_grad_(False)
+    return Q8Int8Linear(rounded, _kernel()[0])
 
 
 def q41_usable(linear: torch.nn.Linear) -> bool:

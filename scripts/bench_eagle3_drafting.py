@@ -39,7 +39,7 @@ DEPTHS = (1, 2, 3, 4, 6, 8)
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("drafter", help="an eagle3 drafter directory")
-    p.add_argument("--drafter-weights", default="auto", choices=["auto", "float32", "float16", "q8_0"])
+    p.add_argument("--drafter-weights", default="auto", choices=["auto", "float32", "float16", "q8_0", "int8"])
     p.add_argument("--questions", default=str(ROOT.parent / "shared/data/mt_bench/question.jsonl"))
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--out", default="runs/bench_eagle3_drafting")

@@ -57,7 +57,7 @@ from decode.sampling import SamplingConfig, logits_to_probs, sample
 from decode.tree import TokenTree
 from models.eagle3 import DraftCache, Eagle3Drafter  # importing models.eagle3 registers the drafter kind "eagle3"
 from models.packed_linear import drafting_weights, packed_for_inference, packing_supported
-from models.q41_linear import kernel_unavailable, shape_supported
+from models.q41_linear import int8_shapes_supported, kernel_unavailable, shape_supported, vnni_unavailable
 
 __all__ = ["DEFAULT_MIN_PROB", "DEFAULT_TREE", "Eagle3Proposer", "select_tree"]
 
@@ -93,7 +93,8 @@ class Eagle3Proposer(Proposer):
                  eos_token_ids: set[int] = frozenset(), weights: str = "float32", fixed_steps: bool | None = None,
                  min_prob: float | None = None, priced: bool = True):
         """weights: the format of the drafter's packed linear weights on the CPU (`eagle3_drafting_weights`:
-        q8_0 wherever the kernel library runs, else float16 wherever FBGEMM runs it). fixed_steps: a tree's depths
+        int8 wherever the kernel library runs on AVX512-VNNI, else q8_0 wherever the library runs, else float16 wherever
+        FBGEMM runs it). fixed_steps: a tree's depths
         as fixed-shape steps (decode.draft_steps), replayed as CUDA graphs where they are supported; None = on CUDA
         only.
         min_prob: the path-probability floor of greedy trees (module docstring), in [0, 1); 0 = none,
@@ -131,8 +132,8 @@ class Eagle3Proposer(Proposer):
         # rows (decode.lean_eagle3) depth by depth, the drafter's own modules in fixed-shape steps
         weights = weights if packing_supported(drafter) else "float32"
         lean = None if self.fixed_steps else lean_eagle3(drafter, weights)
-        if lean is None and weights == "q8_0":
-            raise ValueError("eagle3: drafter weights q8_0 run on the lean drafting rows only (fp32 on the CPU, "
+        if lean is None and weights in ("q8_0", "int8"):
+            raise ValueError(f"eagle3: drafter weights {weights} run on the lean drafting rows only (fp32 on the CPU, "
                              f"not fixed-shape steps, ${LEAN_DISABLE_ENV} unset)")
         self.net = lean if lean is not None else packed_for_inference(drafter, weights)
         self.step: DraftTreeStep | None = None  # kept across requests while the cache is (its graphs too)
@@ -374,20 +375,37 @@ def build_eagle3_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: 
 
 def eagle3_drafting_weights(drafter: Eagle3Drafter, choice: str | None, fixed_steps: bool | None) -> str:
     """models.packed_linear.drafting_weights, plus "q8_0": the drafter's matrices rounded to Q8_0 on the kernel
-    library (its AMX form where the CPU has one), which "auto" picks wherever the library and the lean drafting rows
-    run: a drafting step streams about half the bytes of fp16 copies (on the 2-core AMX host EAGLE-3 alone drafted
-    2-5% more tokens a second, stop 47; on a 2-core Zen 4 with the FMA form, alone 1.025x against 1.010x and with
-    prompt lookup 1.313x against 1.300x side by side, stop 48: BENCHMARKS.md). Asked for where it cannot run: a
-    ValueError that says why."""
+    library (its AMX form where the CPU has one), and "int8": the same Q8_0 weights times decode-time rows rounded
+    to int8 per group of 32, on the library's AVX512-VNNI kernel (models.q41_linear.q8_int8_gemm). "auto" picks
+    int8 wherever VNNI, the lean drafting rows and the drafter's shapes allow, else q8_0 wherever the library and
+    the lean rows run: on a 2-core Zen 4 the int8 kernel computes the drafter's matrices 2.3-4x faster than Q8_0's
+    FMA form with warm caches, a drafting depth costs 0.05 of a target forward instead of 0.09, and acceptance on
+    MT-bench is the same within 0.5% (stop 50; BENCHMARKS.md "Drafting in int8"). q8_0 streams about half the bytes
+    of fp16 copies (stop 47 on AMX, stop 48 on Zen 4: EAGLE-3 alone 1.025x against 1.010x). AMX hosts take int8
+    too (they have VNNI); not measured there. Asked for where it cannot run: a ValueError that says why."""
     lean = lean_eagle3_runs(drafter) and not fixed_steps
     if choice == "q8_0":
         if not lean or kernel_unavailable() is not None:
             raise ValueError("drafter weights q8_0 need the lean drafting rows (fp32 on the CPU, not fixed-shape "
                              f"steps) and the kernel library ({kernel_unavailable() or 'available'})")
         return "q8_0"
+    if choice == "int8":
+        if not lean or vnni_unavailable() is not None or not int8_shapes(drafter):
+            raise ValueError("drafter weights int8 need the lean drafting rows (fp32 on the CPU, not fixed-shape "
+                             f"steps), the kernel library on AVX512-VNNI ({vnni_unavailable() or 'available'}) and "
+                             f"every matrix with K a multiple of 32 and N of 32")
+        return "int8"
+    if (choice or "auto") == "auto" and lean and vnni_unavailable() is None and int8_shapes(drafter):
+        return "int8"
     if (choice or "auto") == "auto" and lean and kernel_unavailable() is None and q80_shapes(drafter):
         return "q8_0"
     return drafting_weights(drafter, choice)
+
+
+def int8_shapes(drafter: Eagle3Drafter) -> bool:
+    """Every matrix of the drafter in a shape the int8 kernel takes (K whole groups of 32, N whole pairs of 16-output
+    blocks): the default target's drafters are."""
+    return all(int8_shapes_supported(m) for m in drafter.modules() if isinstance(m, torch.nn.Linear))
 
 
 def q80_shapes(drafter: Eagle3Drafter) -> bool:

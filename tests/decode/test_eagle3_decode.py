@@ -13,7 +13,7 @@ from decode.proposers.eagle3 import (DEFAULT_MIN_PROB, Candidate, Eagle3Proposer
 from decode.sampling import SamplingConfig
 from models.eagle3 import Eagle3Drafter
 from models.packed_linear import drafting_weights
-from models.q41_linear import Q80Linear, amx_unavailable, kernel_unavailable
+from models.q41_linear import Q8Int8Linear, Q80Linear, amx_unavailable, kernel_unavailable, vnni_unavailable
 from scripts.eagle3_calibration import candidate_scores, root_paths
 from tests.conftest import make_tiny_llama
 from tests.decode.test_engine import PROMPT, target_greedy
@@ -295,7 +295,8 @@ def test_q8_0_drafting_weights_stay_lossless_and_auto_picks_them_where_the_kerne
     assert proposer.net.qkv.codes.form == ("amx" if amx_unavailable() is None else "fma")
     for adaptive in (False, True):
         assert SpeculativeEngine(target, proposer, adaptive=adaptive).generate(PROMPT, 40).tokens == ref
-    auto = "q8_0" if kernel_unavailable() is None else drafting_weights(drafter, "auto")
+    auto = ("int8" if vnni_unavailable() is None else "q8_0" if kernel_unavailable() is None
+            else drafting_weights(drafter, "auto"))
     assert eagle3_drafting_weights(drafter, "auto", None) == auto
     assert eagle3_drafting_weights(drafter, "float32", None) == "float32"
     odd = tiny_eagle(make_tiny_llama(seed=0, layers=2, hidden_size=48))  # K = 48: not whole groups of 32
@@ -304,3 +305,24 @@ def test_q8_0_drafting_weights_stay_lossless_and_auto_picks_them_where_the_kerne
         eagle3_drafting_weights(drafter, "q8_0", True)  # fixed-shape steps keep the drafter's own modules
     with pytest.raises(ValueError, match="only EAGLE-3"):
         drafting_weights(target, "q8_0")
+
+
+@pytest.mark.skipif(vnni_unavailable() is not None, reason=f"the int8 kernel: {vnni_unavailable()}")
+def test_int8_drafting_weights_stay_lossless_and_draft_nearly_what_q8_0_drafts():
+    target = make_tiny_llama(seed=0, layers=4, peak=4.0, hidden_size=128)
+    drafter = tiny_eagle(target, layers=(1, 2, 3))
+    ref = target_greedy(target, PROMPT, 40)
+    proposer = Eagle3Proposer(drafter, target.get_input_embeddings(), depth=5, topk=3, tree_nodes=9, weights="int8")
+    assert isinstance(proposer.net.qkv, Q8Int8Linear) and isinstance(proposer.net.lm_head, Q8Int8Linear)
+    for adaptive in (False, True):
+        assert SpeculativeEngine(target, proposer, adaptive=adaptive).generate(PROMPT, 40).tokens == ref
+    q80 = Eagle3Proposer(drafter, target.get_input_embeddings(), weights="q8_0").net
+    out = torch.randn(6, 128, generator=torch.Generator().manual_seed(0))
+    int8_logits, q80_logits = proposer.net.logits(out), q80.logits(out)
+    assert float((int8_logits - q80_logits).abs().max() / q80_logits.abs().max()) < 2e-2  # x's rounding alone
+    assert torch.equal(int8_logits.argmax(-1), q80_logits.argmax(-1))
+    assert eagle3_drafting_weights(drafter, "int8", None) == "int8"
+    with pytest.raises(ValueError, match="lean drafting rows"):
+        eagle3_drafting_weights(drafter, "int8", True)
+    with pytest.raises(ValueError, match="only EAGLE-3"):
+        drafting_weights(target, "int8")

@@ -8,11 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.q41_linear import (MAX_ROWS, NO_AMX_ENV, Q41Linear, Q41Weight, Q80Linear, amx_unavailable, attention_rows,
-                               avx512_available, build_kernel, grid_deviation, head_for_inference, pack_q41, pack_q80,
-                               q41_linear, q41_or_packed, q41_usable, q80_codes, q80_deviation, q80_gemm,
+from models.q41_linear import (MAX_ROWS, NO_AMX_ENV, Q8Int8Linear, Q8Int8Weight, Q41Linear, Q41Weight, Q80Linear,
+                               amx_unavailable, attention_rows, avx512_available, build_kernel, grid_deviation,
+                               head_for_inference, int8_inference_copy, int8_rows, pack_q8_int8, pack_q41, pack_q80,
+                               q8_int8_gemm, q41_linear, q41_or_packed, q41_usable, q80_codes, q80_deviation, q80_gemm,
                                q80_inference_copy, q80_rounded, q80_usable, rms_norm_rows, rope_qk, scales_are_fp16,
-                               unpack_q41, unpack_q80)
+                               unpack_q8_int8, unpack_q41, unpack_q80, vnni_unavailable)
 from models.packed_linear import PackedLinear
 
 
@@ -314,3 +315,62 @@ def test_q8_0_drafting_copies_compute_f_linear_over_the_rounded_weights():
         torch.testing.assert_close(copy_(x), F.linear(x, q80_rounded(linear.weight)), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="bias-free"):
         q80_inference_copy(torch.nn.Linear(96, 64))
+
+
+def test_the_int8_layout_holds_the_q8_0_grid_exactly_and_takes_whole_blocks_of_32_outputs():
+    w = q80_rounded(torch.randn(64, 96))
+    packed = pack_q8_int8(w)
+    assert torch.equal(unpack_q8_int8(packed), w)
+    codes, _ = q80_codes(w)  # the bias takes back the unsigned offset: -128 times each group's code sum
+    assert torch.equal(packed.bias.permute(0, 2, 1).reshape(64, 3), (-128 * codes.sum(-1)).int())
+    for shape in [(48, 96), (64, 80)]:
+        with pytest.raises(ValueError, match="N of 32"):
+            pack_q8_int8(torch.randn(*shape))
+
+
+needs_vnni = pytest.mark.skipif(vnni_unavailable() is not None, reason=f"the int8 kernel: {vnni_unavailable()}")
+
+
+def int8_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What q8_int8_gemm stands for, in float64: each group's dot of x's int8 codes with w's Q8_0 codes, times both
+    steps, summed over the groups (x [R, K], w [N, K] on the Q8_0 grid)."""
+    xc, xs = int8_rows(x)  # [R, G, 32], [R, G]
+    wc, ws = q80_codes(w)  # [N, G, 32], [N, G]
+    dots = torch.einsum("rgk,ngk->rng", xc.double(), wc.double())
+    return (dots * ws.double()[None] * xs.double()[:, None]).sum(-1)
+
+
+@needs_vnni
+def test_the_int8_kernel_computes_the_q8_0_dot_of_int8_rows_each_row_alike(tmp_path):
+    lib = build_kernel(tmp_path)
+    w = q80_rounded(torch.randn(96, 1152) * torch.logspace(-2, 0, 1152))
+    packed = pack_q8_int8(w)
+    x = torch.randn(13, 1152) * 3  # more rows than the kernel's blocks of 4
+    x[2, 64:96] = 0  # a group of zeros: step 0
+    y = q8_int8_gemm(lib, x, packed)
+    reference = int8_reference(x, w)
+    assert float((y.double() - reference).abs().max() / reference.abs().max()) < 1e-6
+    assert float((y - F.linear(x, w)).abs().max() / F.linear(x, w).abs().max()) < 2e-2  # x's rounding, no more
+    for rows in (1, 4, 5, 9):
+        assert torch.equal(q8_int8_gemm(lib, x[:rows].contiguous(), packed), y[:rows])
+    scrambled = Q8Int8Weight(packed.codes.flip(-1).contiguous(), packed.step, packed.bias)  # k order mixed up
+    assert float((q8_int8_gemm(lib, x, scrambled) - y).abs().max() / y.abs().max()) > 1e-2
+    unbiased = Q8Int8Weight(packed.codes, packed.step, torch.zeros_like(packed.bias))  # the offset left in
+    assert float((q8_int8_gemm(lib, x, unbiased) - y).abs().max() / y.abs().max()) > 1e-1
+
+
+@needs_vnni
+def test_int8_drafting_copies_round_weights_to_q8_0_and_send_long_calls_to_onednn():
+    linear = torch.nn.Linear(96, 64, bias=False)
+    copy_ = int8_inference_copy(linear)
+    assert isinstance(copy_, Q8Int8Linear) and torch.equal(unpack_q8_int8(copy_.codes), q80_rounded(linear.weight))
+    x = torch.randn(1, 5, 96)
+    with torch.no_grad():
+        assert torch.equal(copy_(x)[0], q8_int8_gemm(copy_.lib, x[0], copy_.codes))
+        assert torch.equal(copy_.rows(x), copy_(x))
+        long = torch.randn(MAX_ROWS + 3, 96)
+        torch.testing.assert_close(copy_(long), F.linear(long, q80_rounded(linear.weight)), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="bias-free"):
+        int8_inference_copy(torch.nn.Linear(96, 64))
+    with pytest.raises(ValueError, match="N of 32"):
+        int8_inference_copy(torch.nn.Linear(96, 48, bias=False))
