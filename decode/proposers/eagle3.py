@@ -93,10 +93,9 @@ class Eagle3Proposer(Proposer):
                  eos_token_ids: set[int] = frozenset(), weights: str = "float32", fixed_steps: bool | None = None,
                  min_prob: float | None = None, priced: bool = True):
         """weights: the format of the drafter's packed linear weights on the CPU (`eagle3_drafting_weights`:
-        int8 wherever the kernel library runs on AVX512-VNNI, else q8_0 wherever the library runs, else float16 wherever
-        FBGEMM runs it). fixed_steps: a tree's depths
-        as fixed-shape steps (decode.draft_steps), replayed as CUDA graphs where they are supported; None = on CUDA
-        only.
+        int8 wherever the kernel library runs on AVX512-VNNI, else q8_0 wherever the library runs, else float16
+        wherever FBGEMM runs it). fixed_steps: a tree's depths as fixed-shape steps (decode.draft_steps), replayed as
+        CUDA graphs where they are supported; None = on CUDA only.
         min_prob: the path-probability floor of greedy trees (module docstring), in [0, 1); 0 = none,
         None = DEFAULT_MIN_PROB for the device.
         priced: greedy trees keep the number of nodes that maximises the step's expected tokens per second under
