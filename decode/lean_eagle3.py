@@ -27,10 +27,11 @@ import os
 import torch
 import torch.nn.functional as F
 
-from decode.lean_decoder import fused_linear, rms_norm_rows_or_torch, row_ops_library, sdpa_asked
+from decode.lean_decoder import fused_linear, rms_norm_rows_or_torch, row_ops_library, sdpa_asked, unfused_asked
 from models.eagle3 import DraftCache, Eagle3Drafter
 from models.packed_linear import packed_class, packing_supported
-from models.q41_linear import MAX_ROWS, attend, int8_inference_copy, q80_inference_copy, rope_qk
+from models.q41_linear import (MAX_ROWS, Int8Matrix, Q8Int8Linear, attend, int8_inference_copy, q80_inference_copy,
+                               rope_qk)
 
 __all__ = ["DISABLE_ENV", "LeanEagle3", "lean_eagle3", "lean_eagle3_runs"]
 
@@ -76,6 +77,8 @@ class LeanEagle3:
         self.native = row_ops_library(drafter, drafter.norm.weight.shape[0], self.head_dim)
         # and its attention, as the target's lean forward (decode.lean_decoder: the same switch)
         self.kernel_attention = self.native is not None and self.head_dim <= 256 and not sdpa_asked()
+        # on int8 matrices, a depth's rows and its head's top-K in one library call each (`FusedRows`)
+        self.fused = FusedRows(self) if FusedRows.applies(self) else None
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """[..., 3 x D_target] -> g [..., D]."""
@@ -87,19 +90,32 @@ class LeanEagle3:
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [n] -> cos, sin [n, hd], from a table grown (doubled) as positions need it."""
-        need = int(positions.max()) + 1
+        self.grow_rotary(int(positions.max()) + 1)
+        return self.cos[positions], self.sin[positions]
+
+    def grow_rotary(self, need: int) -> None:
+        """The cos/sin tables [P, hd] to at least `need` positions."""
         if need > self.cos.shape[0]:
             size = max(need, 2 * self.cos.shape[0], 1024)
             angles = torch.arange(size, dtype=torch.float32)[:, None] * self.inv_freq  # as Eagle3Layer.project
             self.cos = torch.cat([torch.cos(angles)] * 2, dim=-1).to(self.dtype)
             self.sin = torch.cat([torch.sin(angles)] * 2, dim=-1).to(self.dtype)
-        return self.cos[positions], self.sin[positions]
+
+    def top(self, out: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """out [n, D] -> each row's k most probable draft indices under the head: (log-probabilities [n, k]
+        descending, indices [n, k]), as log_softmax(logits(out)).topk(k)."""
+        if self.fused is not None and out.shape[0] <= MAX_ROWS:
+            return self.fused.top(out, k)
+        top = torch.log_softmax(self.logits(out).float(), dim=-1).topk(min(k, self.lm_head.out_features), dim=-1)
+        return top.values, top.indices
 
     def rows(self, embeds: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, cache: DraftCache,
              visible: torch.Tensor) -> torch.Tensor:
         """As Eagle3Drafter.rows: embeds, states [n, D]; positions [n]; visible [n, cache.used + n] bool.
         Appends the rows' keys and values to `cache`; returns the outputs [n, D]."""
         n, d = states.shape
+        if self.fused is not None and n <= MAX_ROWS:
+            return self.fused.rows(embeds, states, positions, cache, visible)
         h, hkv, hd = self.heads, self.kv_heads, self.head_dim
         norm = functools.partial(rms_norm_rows_or_torch, self.native)
         x = torch.cat([norm(embeds, self.norm_embed), norm(states, self.norm_state)], dim=-1)
@@ -125,3 +141,57 @@ class LeanEagle3:
         hidden = states + self.o(attended)
         gate, up = self.gate_up(norm(hidden, self.norm_post)).split(self.intermediate, dim=-1)
         return hidden + self.down(F.silu(gate) * up)
+
+
+class FusedRows:
+    """LeanEagle3's rows and head on int8 matrices in one library call each (models.q41_linear: `eagle3_rows`,
+    `eagle3_top`): the same operations in the same order as LeanEagle3.rows / logits + log_softmax + topk, without
+    the twenty-odd tensor operations and their dispatch a drafting depth costs in Python (SiLU from the library's
+    exp: a few ulps from torch's). Decode-time calls (at most MAX_ROWS rows); longer ones keep the Python.
+    $SPECDISTILL_UNFUSED_LAYERS keeps the Python everywhere, as for the target's layers."""
+
+    def __init__(self, lean: LeanEagle3):
+        self.lean, self.lib = lean, lean.native
+        self.matrices = {name: Int8Matrix.of(getattr(lean, name).codes)
+                         for name in ("qkv", "o", "gate_up", "down", "lm_head")}
+
+    @staticmethod
+    def applies(lean: LeanEagle3) -> bool:
+        linears = (lean.qkv, lean.o, lean.gate_up, lean.down, lean.lm_head)
+        return (lean.kernel_attention and lean.dtype == torch.float32 and not unfused_asked()
+                and all(isinstance(m, Q8Int8Linear) for m in linears) and lean.intermediate % 16 == 0
+                and lean.head_dim % 32 == 0 and lean.norm_out[0].shape[0] % 16 == 0)
+
+    def rows(self, embeds: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, cache: DraftCache,
+             visible: torch.Tensor) -> torch.Tensor:
+        """As LeanEagle3.rows (embeds, states [n, D]; positions [n]; visible [n, cache.used + n] bool)."""
+        lean, m = self.lean, self.matrices
+        n, d = states.shape
+        start, end = cache.used, cache.used + n
+        if end > cache.keys.shape[1]:
+            raise RuntimeError(f"EAGLE-3 draft cache overflow: {end} rows, capacity {cache.keys.shape[1]}")
+        lean.grow_rotary(int(positions.max()) + 1)
+        embeds, states = embeds.contiguous(), states.contiguous()
+        positions, visible = positions.to(torch.int64).contiguous(), visible.contiguous()
+        out = torch.empty(n, d)
+        (w_embed, e_embed), (w_state, e_state), (w_post, e_post) = lean.norm_embed, lean.norm_state, lean.norm_post
+        if self.lib.eagle3_rows(embeds.data_ptr(), states.data_ptr(), n, d, w_embed.data_ptr(), e_embed,
+                                w_state.data_ptr(), e_state, m["qkv"], lean.heads, lean.kv_heads, lean.head_dim,
+                                lean.cos.data_ptr(), lean.sin.data_ptr(), positions.data_ptr(), cache.keys.data_ptr(),
+                                cache.values.data_ptr(), cache.keys.stride(0), start, visible.data_ptr(),
+                                lean.head_dim ** -0.5, m["o"], w_post.data_ptr(), e_post, m["gate_up"],
+                                lean.intermediate, m["down"], out.data_ptr(), torch.get_num_threads()) != 0:
+            raise MemoryError(f"eagle3_rows: no memory for {n} rows")
+        cache.used = end
+        return out
+
+    def top(self, out: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As LeanEagle3.top."""
+        n, d = out.shape
+        k = min(k, self.lean.lm_head.out_features)
+        values, indices = torch.empty(n, k), torch.empty(n, k, dtype=torch.int64)
+        weight, eps = self.lean.norm_out
+        if self.lib.eagle3_top(out.contiguous().data_ptr(), n, d, weight.data_ptr(), eps, self.matrices["lm_head"], k,
+                               values.data_ptr(), indices.data_ptr(), torch.get_num_threads()) != 0:
+            raise MemoryError(f"eagle3_top: no memory for {n} rows")
+        return values, indices

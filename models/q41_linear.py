@@ -624,6 +624,119 @@ VNNI_TARGET int q8_int8_gemm(const float *x, int R, int K, const int8_t *codes, 
     free(dx);
     return 0;
 }
+
+// ---- The EAGLE-3 drafter's decode-time rows on int8 matrices (decode.lean_eagle3), in two calls: its layer, and
+// its head's log-softmax top-K. The same operations as LeanEagle3's Python in the same order, without its twenty-odd
+// tensor operations a depth; SiLU here from the attention's exp (a few ulps from torch's). ----
+typedef struct {  // an int8 matrix (Q8Int8Weight): codes [N/16][K/32][8][16][4], d and bias [N/16][K/32][16]
+    const int8_t *codes;
+    const float *d;
+    const int32_t *bias;
+    int N;
+} int8_matrix;
+
+static int int8_rows(const float *x, int R, int K, int8_matrix w, float *y, int threads) {
+    return q8_int8_gemm(x, R, K, w.codes, w.d, w.bias, w.N, y, threads);
+}
+
+static inline __m512 silu16(__m512 x) {  // x * sigmoid(x), sigmoid from exp(-|x|) (no overflow either side)
+    __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+    __mmask16 positive = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
+    __m512 numerator = _mm512_mask_blend_ps(positive, e, _mm512_set1_ps(1.0f));
+    return _mm512_mul_ps(x, _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+}
+
+// out [N][D] = the layer over rows (rms_norm(embeds) | rms_norm(states)) at `positions` (cos and sin: tables
+// [P][hd]), their keys and values appended to the cache at rows start..start+N-1 (head j's row t at keys +
+// j * head_stride + t * hd), each row attending to the keys `visible` [N][start + N] marks. D, I % 16 == 0,
+// hd % 32 == 0. 0, or -1 (no memory).
+int eagle3_rows(const float *embeds, const float *states, int N, int D, const float *norm_embed, float eps_embed,
+                const float *norm_state, float eps_state, int8_matrix qkv, int H, int Hkv, int hd,
+                const float *cos_table, const float *sin_table, const int64_t *positions, float *keys, float *values,
+                long head_stride, int start, const uint8_t *visible, float scale, int8_matrix o,
+                const float *norm_post, float eps_post, int8_matrix gate_up, int I, int8_matrix down, float *out,
+                int threads) {
+    int width = (H + 2 * Hkv) * hd;
+    size_t floats = (size_t)N * (2 * D + width + 2 * hd + (H + Hkv) * hd + H * hd + 2 * D + 3 * I);
+    float *work = malloc(sizeof(float) * floats);
+    if (work == NULL) return -1;
+    float *x = work, *fused = x + (size_t)N * 2 * D, *cs = fused + (size_t)N * width, *sn = cs + (size_t)N * hd;
+    float *q = sn + (size_t)N * hd, *k = q + (size_t)H * N * hd, *attended = k + (size_t)Hkv * N * hd;
+    float *hidden = attended + (size_t)N * H * hd, *normed = hidden + (size_t)N * D, *gu = normed + (size_t)N * D;
+    float *act = gu + (size_t)N * 2 * I;
+    int failed = 0;
+    for (int r = 0; r < N; r++) {
+        rms_norm_rows(embeds + (size_t)r * D, 1, D, norm_embed, eps_embed, x + (size_t)r * 2 * D);
+        rms_norm_rows(states + (size_t)r * D, 1, D, norm_state, eps_state, x + (size_t)r * 2 * D + D);
+        memcpy(cs + (size_t)r * hd, cos_table + (size_t)positions[r] * hd, sizeof(float) * hd);
+        memcpy(sn + (size_t)r * hd, sin_table + (size_t)positions[r] * hd, sizeof(float) * hd);
+    }
+    failed |= int8_rows(x, N, 2 * D, qkv, fused, threads);
+    rope_qk(fused, N, H, Hkv, hd, cs, sn, q, k);
+    for (int j = 0; j < Hkv; j++)
+        for (int n = 0; n < N; n++) {
+            size_t row = (size_t)j * head_stride + (size_t)(start + n) * hd;
+            memcpy(keys + row, k + ((size_t)j * N + n) * hd, sizeof(float) * hd);
+            memcpy(values + row, fused + (size_t)n * width + (size_t)(H + Hkv + j) * hd, sizeof(float) * hd);
+        }
+    failed |= attention_rows(q, H, Hkv, N, hd, keys, values, head_stride, start + N, visible, scale, attended,
+                             threads);
+    failed |= int8_rows(attended, N, H * hd, o, hidden, threads);
+    for (size_t i = 0; i < (size_t)N * D; i++) hidden[i] = states[i] + hidden[i];
+    rms_norm_rows(hidden, N, D, norm_post, eps_post, normed);
+    failed |= int8_rows(normed, N, D, gate_up, gu, threads);
+    for (int r = 0; r < N; r++)
+        for (int i = 0; i < I; i += 16) {
+            const float *row = gu + (size_t)r * 2 * I;
+            _mm512_storeu_ps(act + (size_t)r * I + i,
+                             _mm512_mul_ps(silu16(_mm512_loadu_ps(row + i)), _mm512_loadu_ps(row + I + i)));
+        }
+    failed |= int8_rows(act, N, I, down, out, threads);
+    for (size_t i = 0; i < (size_t)N * D; i++) out[i] = hidden[i] + out[i];
+    free(work);
+    return failed ? -1 : 0;
+}
+
+// Each row's `topk` most probable draft tokens under the head: log-softmax of head(rms_norm(out)) over its M
+// outputs; values [N][topk] descending (ties: the lower index first), indices [N][topk]. M % 32 == 0, D % 16 == 0.
+// 0, or -1 (no memory).
+int eagle3_top(const float *out, int N, int D, const float *norm_out, float eps_out, int8_matrix head, int topk,
+               float *values, int64_t *indices, int threads) {
+    int M = head.N;
+    float *normed = malloc(sizeof(float) * ((size_t)N * D + (size_t)N * M));
+    if (normed == NULL) return -1;
+    float *logits = normed + (size_t)N * D;
+    rms_norm_rows(out, N, D, norm_out, eps_out, normed);
+    int failed = int8_rows(normed, N, D, head, logits, threads);
+    for (int r = 0; r < N && !failed; r++) {
+        const float *row = logits + (size_t)r * M;
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int i = 0; i < M; i += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(row + i));
+        float peak = _mm512_reduce_max_ps(top);
+        __m512 shift = _mm512_set1_ps(peak), total = _mm512_setzero_ps();
+        for (int i = 0; i < M; i += 16)
+            total = _mm512_add_ps(total, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + i), shift)));
+        float log_total = logf(_mm512_reduce_add_ps(total));
+        float *best = values + (size_t)r * topk;
+        int64_t *at = indices + (size_t)r * topk;
+        int kept = 0;
+        for (int i = 0; i < M; i++) {  // insertion into the kept few, descending; a tie keeps the earlier index
+            float v = row[i];
+            if (kept == topk && v <= best[kept - 1]) continue;
+            int j = kept < topk ? kept++ : topk - 1;
+            while (j > 0 && best[j - 1] < v) {
+                best[j] = best[j - 1];
+                at[j] = at[j - 1];
+                j--;
+            }
+            best[j] = v;
+            at[j] = i;
+        }
+        for (int j = 0; j < kept; j++) best[j] = (best[j] - peak) - log_total;  // as log_softmax: x - max - log sum
+    }
+    free(normed);
+    return failed ? -1 : 0;
+}
 """
 
 # -ffp-contract=off: the weights are rebuilt as q * d, rounded, + m, rounded, as they were dequantized; a fused
@@ -826,6 +939,15 @@ class Q41Matrix(ctypes.Structure):
         return cls(w.packed.data_ptr(), w.step.data_ptr(), w.minimum.data_ptr(), w.shape[0])
 
 
+class Int8Matrix(ctypes.Structure):
+    """The library's int8_matrix: a Q8Int8Weight's pointers (the weight must outlive every call)."""
+    _fields_ = [("codes", ctypes.c_void_p), ("d", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("N", ctypes.c_int)]
+
+    @classmethod
+    def of(cls, w: "Q8Int8Weight") -> "Int8Matrix":
+        return cls(w.codes.data_ptr(), w.step.data_ptr(), w.bias.data_ptr(), w.shape[0])
+
+
 def build_kernel(directory: Path) -> ctypes.CDLL:
     """Compile KERNEL_SOURCE with gcc into directory/libq41.so (atomically: a half-written library is never
     loaded) and load it. RuntimeError naming what is missing or what gcc said."""
@@ -869,6 +991,11 @@ def build_kernel(directory: Path) -> ctypes.CDLL:
     lib.layer_rows_down.restype = None
     lib.q8_int8_gemm.argtypes = [pointer, i, i, pointer, pointer, pointer, i, pointer, i]
     lib.q8_int8_gemm.restype = ctypes.c_int
+    m8 = Int8Matrix
+    lib.eagle3_rows.argtypes = [pointer, pointer, i, i, pointer, f, pointer, f, m8, i, i, i, pointer, pointer, pointer,
+                                pointer, pointer, ctypes.c_long, i, pointer, f, m8, pointer, f, m8, i, m8, pointer, i]
+    lib.eagle3_top.argtypes = [pointer, i, i, pointer, f, m8, i, pointer, pointer, i]
+    lib.eagle3_rows.restype = lib.eagle3_top.restype = ctypes.c_int
     return lib
 
 

@@ -6,7 +6,7 @@ every cost the adaptive depth weighs).
 Decodes one MT-bench question (128 tokens, greedy) so that the target's and the drafter's caches hold a real
 context, then times, interleaved rep by rep (medians): the target's one-row forward; the drafter's context rows
 (k = 1 and 3 accepted tokens: `context_rows`); its layer over n = 1 and 3 tree rows (`net.rows`) and its head
-(`net.logits` + log-softmax + top-K, the per-depth tail); and whole dynamic trees (`draft_tree`) at depths 1-8 with
+(`children_of`: log-softmax + top-K, the per-depth tail); and whole dynamic trees (`draft_tree`) at depths 1-8 with
 no probability floor, so every depth is drafted. Every timed call is undone (cache lengths and positions put
 back), so each rep sees the same state. Prints a table (ms, and as a fraction of a target forward); writes
 DIR/eagle3_drafting.json.
@@ -88,7 +88,7 @@ def timed_calls(target, proposer, seq: list[int], features: torch.Tensor) -> dic
         return lambda: proposer.net.rows(embeds[n], rows3[:n], positions, proposer.cache, visible)
 
     def head(n):
-        return lambda: proposer.top_children(torch.log_softmax(proposer.net.logits(rows3[:n]).float(), dim=-1))
+        return lambda: proposer.children_of(rows3[:n])
 
     calls = {"target forward, 1 row": target_row}
     for k in (1, 3):

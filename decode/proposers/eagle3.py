@@ -50,7 +50,7 @@ import torch
 
 from decode.draft_steps import ContextStep, DraftTreeStep, candidate_depths, draft_graphs_supported
 from decode.lean_eagle3 import DISABLE_ENV as LEAN_DISABLE_ENV
-from decode.lean_eagle3 import lean_eagle3, lean_eagle3_runs
+from decode.lean_eagle3 import LeanEagle3, lean_eagle3, lean_eagle3_runs
 from decode.proposers.base import CATCH_UP_SPLIT, Proposer, register_proposer
 from decode.runner import synchronized_clock
 from decode.sampling import SamplingConfig, logits_to_probs, sample
@@ -217,7 +217,7 @@ class Eagle3Proposer(Proposer):
     def expand(self, nodes: list[Candidate], states: torch.Tensor, base: int) -> torch.Tensor:
         """One drafter forward over `nodes` (all of one depth d >= 1): row i reads node i's token and
         its parent's output states[i]; it attends to the context and its ancestors' rows. Returns the
-        children's log-probabilities [n, M] and the rows' outputs [n, D]; sets each node's row."""
+        rows' outputs [n, D] (their heads give the children: `children_of`); sets each node's row."""
         n, start = len(nodes), self.cache.used
         visible = torch.zeros(n, start + n, dtype=torch.bool)
         visible[:, :self.cache.length] = True
@@ -229,8 +229,7 @@ class Eagle3Proposer(Proposer):
                 visible[i, row] = True
         ids = torch.tensor([node.token for node in nodes], dtype=torch.long, device=self.device)
         positions = torch.full((n,), base + nodes[0].depth, dtype=torch.long, device=self.device)
-        out = self.net.rows(self.embed(ids).to(self.dtype), states, positions, self.cache, visible.to(self.device))
-        return torch.log_softmax(self.net.logits(out).float(), dim=-1), out  # [n, M], [n, D]
+        return self.net.rows(self.embed(ids).to(self.dtype), states, positions, self.cache, visible.to(self.device))
 
     def ancestor_rows(self, node: Candidate) -> list[int]:
         rows, parent = [], node.parent
@@ -248,8 +247,7 @@ class Eagle3Proposer(Proposer):
             return select_tree(root, tokens, parents, scores, candidate_depths(self.topk, depth), self.tree_nodes,
                                self.min_score, self.step_seconds())
         self.candidates: list[Candidate] = []
-        logq = torch.log_softmax(self.net.logits(out[None]).float(), dim=-1)  # [1, M]
-        frontier = self.add_children([-1], *self.top_children(logq), [0.0], 1)
+        frontier = self.add_children([-1], *self.children_of(out[None]), [0.0], 1)
         parent_row = {i: 0 for i in frontier}  # frontier node -> the row of `outs` holding its parent's output
         outs = out[None]  # [n, D]: the outputs of the depth before (the root's row for depth 1)
         for d in range(2, depth + 1):
@@ -258,8 +256,8 @@ class Eagle3Proposer(Proposer):
             if not expandable:
                 break
             nodes = [self.candidates[i] for i in expandable]
-            logq, outs = self.expand(nodes, outs[[parent_row[i] for i in expandable]], base)
-            children = self.add_children(expandable, *self.top_children(logq), [node.score for node in nodes], d)
+            outs = self.expand(nodes, outs[[parent_row[i] for i in expandable]], base)
+            children = self.add_children(expandable, *self.children_of(outs), [node.score for node in nodes], d)
             best = heapq.nlargest(self.topk, children, key=lambda i: self.candidates[i].score)
             row_of = {i: r for r, i in enumerate(expandable)}
             parent_row = {i: row_of[self.candidates[i].parent] for i in best}
@@ -276,10 +274,16 @@ class Eagle3Proposer(Proposer):
         drafted, verify = time.perf_counter() - self.started, self.verify_seconds
         return lambda n: drafted + verify(n)
 
-    def top_children(self, logq: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
-        """logq [P, M] -> each parent's top-K (log-probs, target ids), in one device-to-host copy each."""
-        top = logq.topk(min(self.topk, logq.shape[-1]), dim=-1)
-        return top.values.tolist(), self.vocab_map[top.indices].tolist()
+    def children_of(self, outs: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
+        """The drafter's outputs [P, D] -> each one's top-K children (log-probs, target ids), in one device-to-host
+        copy each: the lean rows' `top` where they have one (one library call on int8 matrices), else log_softmax
+        of the head's logits, then topk."""
+        if isinstance(self.net, LeanEagle3):
+            values, indices = self.net.top(outs, self.topk)
+        else:
+            logq = torch.log_softmax(self.net.logits(outs).float(), dim=-1)  # [P, M]
+            values, indices = logq.topk(min(self.topk, logq.shape[-1]), dim=-1)
+        return values.tolist(), self.vocab_map[indices].tolist()
 
     def add_children(self, parents: list[int], values: list[list[float]], tokens: list[list[int]],
                      scores: list[float], depth: int) -> list[int]:
@@ -305,8 +309,7 @@ class Eagle3Proposer(Proposer):
                 break
             node = Candidate(token, len(self.candidates) - 1, d, 0.0)
             self.candidates.append(node)
-            _, outs = self.expand([node], out[None], base)
-            out = outs[0]
+            out = self.expand([node], out[None], base)[0]
         return TokenTree.chain(root, drafts, probs)
 
 

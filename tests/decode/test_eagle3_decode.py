@@ -252,8 +252,7 @@ def test_unroll_step_j_is_what_decoding_computes():
                 node = Candidate(ids[t + 1 + d], parent, d, 0.0)
                 proposer.candidates.append(node)
                 parent = len(proposer.candidates) - 1
-                _, outs = proposer.expand([node], out[None], t)
-                out = outs[0]
+                out = proposer.expand([node], out[None], t)[0]
                 torch.testing.assert_close(out, outputs[d][0, t], atol=1e-5, rtol=1e-4)
 
 

@@ -9,7 +9,8 @@ from decode.lean_eagle3 import DISABLE_ENV, LeanEagle3, lean_eagle3
 from decode.proposers.eagle3 import Eagle3Proposer
 from models.eagle3 import DraftCache
 from models.packed_linear import float16_weights_supported, packed_for_inference
-from models.q41_linear import kernel_unavailable
+from decode.lean_decoder import UNFUSED_ENV
+from models.q41_linear import kernel_unavailable, vnni_unavailable
 from tests.conftest import make_tiny_llama
 from tests.decode.test_eagle3_decode import tiny_eagle
 
@@ -88,3 +89,42 @@ def test_the_proposer_drafts_with_lean_rows_depth_by_depth_only():
     embed = target.get_input_embeddings()
     assert isinstance(Eagle3Proposer(drafter, embed, fixed_steps=False).net, LeanEagle3)
     assert not isinstance(Eagle3Proposer(drafter, embed, fixed_steps=True).net, LeanEagle3)
+
+
+def int8_calls(net, drafter, start_position):
+    """run_rows' calls on `net`, each output followed by its top-3 (log-probabilities, indices); and the cache."""
+    cache = DraftCache(drafter, 64, "cpu", torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    outs, position = [], start_position
+    for n, commit in [(5, True), (3, False), (2, False)]:
+        embeds, states = torch.randn(n, 128, generator=generator), torch.randn(n, 128, generator=generator)
+        visible = torch.rand(n, cache.used + n, generator=generator) < 0.7
+        visible[:, cache.used:] = torch.eye(n, dtype=torch.bool) | visible[:, cache.used:].tril()
+        out = net.rows(embeds, states, torch.arange(position, position + n), cache, visible)
+        outs += [out, *net.top(out, 3)]
+        position += n
+        if commit:
+            cache.commit()
+    return outs, cache
+
+
+@pytest.mark.skipif(vnni_unavailable() is not None, reason=f"the int8 kernel: {vnni_unavailable()}")
+@pytest.mark.parametrize("start_position", [0, 1500])
+def test_fused_int8_rows_and_top_k_compute_what_the_lean_python_computes(start_position, monkeypatch):
+    _, drafter = drafter_with_gqa(128)
+    fused = lean_eagle3(drafter, "int8")
+    assert fused.fused is not None
+    monkeypatch.setenv(UNFUSED_ENV, "1")
+    python = lean_eagle3(drafter, "int8")  # the same int8 matrices, every operation through LeanEagle3's Python
+    assert python.fused is None
+    with torch.no_grad():
+        (got, got_cache), (want, want_cache) = int8_calls(fused, drafter, start_position), int8_calls(
+            python, drafter, start_position)
+    for a, b in zip(got, want):
+        if a.dtype == torch.int64:
+            assert torch.equal(a, b)  # the same top-3 draft indices, most probable first
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # SiLU from the library's exp: a few ulps
+    assert got_cache.used == want_cache.used == 10
+    for a, b in ((got_cache.keys, want_cache.keys), (got_cache.values, want_cache.values)):
+        assert torch.equal(a[:, :10], b[:, :10])  # the rows' keys and values come before SiLU: the same bits
