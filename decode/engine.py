@@ -18,7 +18,8 @@ from decode.metrics import RequestStats
 from decode.proposers import Proposer
 from decode.runner import ModelRunner
 from decode.step_graphs import BUCKETS
-from decode.sampling import SamplingConfig, Verdict, logits_to_probs, sample, verify_greedy, verify_sampling
+from decode.sampling import (SamplingConfig, Verdict, logits_to_probs, sample, verify_greedy, verify_greedy_tokens,
+                             verify_sampling)
 from decode.tree import TokenTree
 
 __all__ = ["SpeculativeEngine", "Generation", "SamplingConfig"]
@@ -106,12 +107,16 @@ class SpeculativeEngine:
         if self.proposer is not None:
             self.proposer.begin(prompt, capacity)
         extra = self.proposer.prefill_rows(n) if self.lookahead else None
-        # the last prompt row's logits, and the [LA] rows' in the same head call
-        hidden, logits = self.target.forward(prompt, logits_rows=slice(n - 1, None),
-                                             extra=extra)  # [T(+L), D], [1(+L), V]
+        if sampling.greedy and extra is None:  # the next token alone (runner.forward_greedy: no logits needed)
+            hidden, best = self.target.forward_greedy(prompt, logits_rows=slice(n - 1, None))  # [T, D], [1]
+        else:  # the last prompt row's logits, and the [LA] rows' in the same head call
+            hidden, logits = self.target.forward(prompt, logits_rows=slice(n - 1, None),
+                                                 extra=extra)  # [T(+L), D], [1(+L), V]
         self.target.cache.advance(n)  # the first emitted token becomes the first root; extra rows stay uncommitted
         if self.self_drafting:
             self.proposer.observe_prefill(self.drafting_states(hidden)[:n])  # the last row is the state the first emitted token comes from
+        if sampling.greedy and extra is None:
+            return int(best[0])
         if extra is not None:
             self.proposer.observe_rows(logits[1:], n - 1)
         return pick_token(logits[0], sampling, generator)
@@ -132,9 +137,13 @@ class SpeculativeEngine:
         # [LA] chains as deep as the next step can draft: its proposals, without rows it won't use
         extra = self.proposer.verification_rows(tree, self.next_depth_bound(depth, remaining, controller)) \
             if self.lookahead else None
-        hidden, logits = self.target.forward(tree.tokens, tree.depths, tree.ancestor_mask(),
-                                             logits_rows=slice(0, None), extra=extra)  # [N(+L), D], [N(+L), V]
-        verdict = verify(tree, logits[:n], sampling, generator)
+        if sampling.greedy and extra is None:  # each row's next token alone (runner.forward_greedy)
+            hidden, best = self.target.forward_greedy(tree.tokens, tree.depths, tree.ancestor_mask())  # [N, D], [N]
+            verdict = verify_greedy_tokens(tree, best.tolist())
+        else:
+            hidden, logits = self.target.forward(tree.tokens, tree.depths, tree.ancestor_mask(),
+                                                 logits_rows=slice(0, None), extra=extra)  # [N(+L), D], [N(+L), V]
+            verdict = verify(tree, logits[:n], sampling, generator)
         self.target.cache.commit_path(verdict.path)  # tree nodes only: extra rows lie past them, uncommitted
         if self.self_drafting:  # Medusa, EAGLE-3: the next proposals come from this forward's hidden states
             self.proposer.observe_verification(self.drafting_states(hidden)[:n], verdict)

@@ -14,7 +14,7 @@ from decode.step_graphs import BUCKETS, StepSet, graphs_supported
 from decode.tree import attention_bias
 from models.hf_compat import cache_argument
 from models.packed_linear import inference_weights, packed_for_inference
-from models.q41_linear import head_for_inference
+from models.q41_linear import MAX_ROWS, greedy_head_for, head_for_inference
 
 
 @dataclass
@@ -59,6 +59,8 @@ class ModelRunner:
         self.decoder = None if self.lean is not None else packed_for_inference(model.get_decoder(), weights)
         head = model.get_output_embeddings()  # fp32: on the Q8_0 kernel where it is exactly Q8_0 (models.q41_linear)
         self.head = head_for_inference(head) if weights == "float32" else packed_for_inference(head, weights)
+        # greedy steps' next tokens without every logit, where the head is the Q8_0 kernel's (models.q41_linear)
+        self.greedy_head = greedy_head_for(head) if weights == "float32" and head.weight.is_cpu else None
         self.num_layers = model.config.get_text_config().num_hidden_layers
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -102,6 +104,28 @@ class ModelRunner:
         logits_rows: which rows get the head (default all).
         extra: L rows given as embeddings (see ExtraRows); none by default.
         """
+        hidden, rows, logits = self.run(tokens, depths, ancestors, logits_rows, extra)
+        return hidden, (logits if logits is not None else self.head(rows).float())  # [n_rows, V]
+
+    def forward_greedy(self, tokens: list[int], depths: list[int] | None = None,
+                       ancestors: torch.Tensor | None = None,
+                       logits_rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward (no extra rows), then each head row's most probable next token: (hidden [N, D], tokens [n_rows]
+        int64), the argmax of forward's logits, ties to the first. On the greedy head where it runs (the exact
+        argmax without computing every logit: models.q41_linear.GreedyHead), else from the logits."""
+        hidden, rows, logits = self.run(tokens, depths, ancestors, logits_rows, None)
+        if logits is None and self.greedy_head is not None and rows.shape[0] <= MAX_ROWS:
+            best, _ = self.greedy_head.tokens(rows)
+            if bool((best >= 0).all()):
+                return hidden, best
+        if logits is None:  # no greedy head here, or a row without candidates (NaN): every logit, as forward
+            logits = self.head(rows).float()
+        return hidden, logits.argmax(-1)
+
+    def run(self, tokens: list[int], depths: list[int] | None, ancestors: torch.Tensor | None,
+            logits_rows: slice | None, extra: ExtraRows | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """forward's rows: (hidden [N + L, D], the head's rows [n_rows, D], and their logits where a fixed-shape
+        step computed them already, else None)."""
         n = len(tokens)
         prefix = self.cache.length
         if depths is None:
@@ -111,7 +135,8 @@ class ModelRunner:
         if self.steps is not None and extra is None and n <= self.steps.max_rows:  # a fixed-shape step
             hidden, logits, self.features = self.steps.forward(tokens, list(depths), ancestors.cpu(), prefix,
                                                                self.feature_layers)
-            return hidden, (logits if logits_rows is None else logits[logits_rows]).float()
+            rows = hidden if logits_rows is None else hidden[logits_rows]
+            return hidden, rows, (logits if logits_rows is None else logits[logits_rows]).float()
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, N]
         inputs = {"input_ids": ids}
         if extra is not None:
@@ -134,8 +159,7 @@ class ModelRunner:
         hidden = last[0]  # [N + L, D]
         if self.feature_layers:
             self.features = torch.cat([f[0] for f in features], dim=-1)
-        rows = hidden if logits_rows is None else hidden[logits_rows]
-        return hidden, self.head(rows).float()  # [n_rows, V]
+        return hidden, (hidden if logits_rows is None else hidden[logits_rows]), None
 
 
 def with_extra_embeds(token_embeds: torch.Tensor, extra: ExtraRows) -> torch.Tensor:

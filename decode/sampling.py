@@ -72,7 +72,11 @@ class Verdict:
 
 def verify_greedy(tree: TokenTree, target_logits: torch.Tensor) -> Verdict:
     """target_logits: [N, V], row i = the target's next-token logits after node i's branch."""
-    best = target_logits.argmax(-1).tolist()  # [N]
+    return verify_greedy_tokens(tree, target_logits.argmax(-1).tolist())
+
+
+def verify_greedy_tokens(tree: TokenTree, best: list[int]) -> Verdict:
+    """best [N]: the target's most probable next token after node i's branch (the argmax of its logits)."""
     node = 0
     path = [0]
     while True:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.q41_linear import (MAX_ROWS, NO_AMX_ENV, Q8Int8Linear, Q8Int8Weight, Q41Linear, Q41Weight, Q80Linear,
+from models.q41_linear import (MAX_ROWS, NO_AMX_ENV, GreedyHead, Q8Int8Linear, Q8Int8Weight, Q41Linear, Q41Weight, Q80Linear,
                                amx_unavailable, attention_rows, avx512_available, build_kernel, grid_deviation,
                                head_for_inference, int8_inference_copy, int8_rows, pack_q8_int8, pack_q41, pack_q80,
                                q8_int8_gemm, q41_linear, q41_or_packed, q41_usable, q80_codes, q80_deviation, q80_gemm,
@@ -374,3 +374,31 @@ def test_int8_drafting_copies_round_weights_to_q8_0_and_send_long_calls_to_onedn
         int8_inference_copy(torch.nn.Linear(96, 64))
     with pytest.raises(ValueError, match="N of 32"):
         int8_inference_copy(torch.nn.Linear(96, 48, bias=False))
+
+
+@needs_vnni
+def test_the_greedy_head_gives_exactly_the_argmax_of_the_q80_logits_ties_to_the_first(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    weight = q80_rounded(torch.randn(256, 192, generator=g) * 0.05)
+    weight[200] = weight[17]  # an exact tie: the first of the two must win, as torch.argmax
+    weight[90] = weight[17] * (1 - 2 ** -10)  # near ties below it, inside the int8 pass's error
+    weight[91] = weight[17] * (1 - 2 ** -9)
+    weight = q80_rounded(weight)
+    head = torch.nn.Linear(192, 256, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+    lib = build_kernel(tmp_path)
+    fma, greedy = Q80Linear(head, lib), GreedyHead(head.weight, lib)
+    assert fma.codes.form == "fma" or amx_unavailable() is None
+    x = torch.randn(40, 192, generator=g) * torch.logspace(-2, 1, 192)  # groups of very different steps
+    x[3, :64] = 0  # whole groups of zeros: step 0
+    x[5] = weight[17] * 40  # a row that points at the tied outputs
+    with torch.no_grad():
+        want = fma(x[None])[0].argmax(-1)
+    tokens, candidates = greedy.tokens(x)
+    assert torch.equal(tokens, want) and tokens[5] == 17
+    assert bool((candidates >= 1).all()) and candidates[5] >= 4  # 17 and its near ties had to be computed
+    for rows in (1, 7):  # alike whatever the number of rows
+        assert torch.equal(greedy.tokens(x[:rows])[0], want[:rows])
+    x[6, 0] = float("nan")
+    assert greedy.tokens(x)[0][6] == -1  # no candidate: the runner takes every logit then

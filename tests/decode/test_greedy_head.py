@@ -1,0 +1,55 @@
+"""The greedy head in the engine (models.q41_linear.GreedyHead through ModelRunner.forward_greedy): greedy steps
+emit what the argmax of every logit gives, and it is used only where the head is the Q8_0 kernel's FMA form."""
+
+import pytest
+import torch
+
+from decode.engine import SpeculativeEngine
+from decode.proposers import PromptLookupProposer
+from decode.runner import ModelRunner
+from models.q41_linear import FULL_HEAD_ENV, amx_unavailable, q80_rounded, vnni_unavailable
+from tests.conftest import make_tiny_llama
+from tests.decode.test_engine import PROMPT, target_greedy
+
+needs_greedy_head = pytest.mark.skipif(vnni_unavailable() is not None or amx_unavailable() is None,
+                                       reason="the greedy head: AVX512-VNNI and the head on the FMA form")
+
+
+def q80_target():
+    """A tiny target whose head is exactly Q8_0 (as the default target's tied embedding) and of the int8 kernel's
+    shapes (128 outputs, K = 128)."""
+    target = make_tiny_llama(seed=0, layers=2, hidden_size=128, vocab_size=128, peak=3.0)
+    with torch.no_grad():
+        target.lm_head.weight.copy_(q80_rounded(target.lm_head.weight))
+    return target
+
+
+@needs_greedy_head
+def test_forward_greedy_gives_the_argmax_of_forwards_logits():
+    runner = ModelRunner(q80_target())
+    assert runner.greedy_head is not None
+    runner.start(64)
+    tree_mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    for tokens, depths, mask in [(PROMPT, None, None), ([5, 9, 11, 3], [0, 1, 1, 2], tree_mask)]:
+        hidden, best = runner.forward_greedy(tokens, depths, mask)
+        again, logits = runner.forward(tokens, depths, mask)  # the same rows after the same prefix
+        assert torch.equal(best, logits.argmax(-1)) and torch.equal(hidden, again)
+        if depths is None:  # the prompt stays; the tree after it is verified
+            runner.cache.advance(len(tokens))
+
+
+@needs_greedy_head
+def test_greedy_decoding_emits_the_same_tokens_with_and_without_the_greedy_head(monkeypatch):
+    target = q80_target()
+    reference = target_greedy(target, PROMPT, 40)
+    for proposer in (None, PromptLookupProposer()):
+        fast = SpeculativeEngine(target, proposer)
+        assert fast.target.greedy_head is not None
+        assert fast.generate(PROMPT, 40).tokens == reference
+    monkeypatch.setenv(FULL_HEAD_ENV, "1")
+    full = SpeculativeEngine(target, PromptLookupProposer())
+    assert full.target.greedy_head is None and full.generate(PROMPT, 40).tokens == reference
+
+
+def test_no_greedy_head_where_the_head_is_not_exactly_q80():
+    assert ModelRunner(make_tiny_llama(seed=0, hidden_size=128, vocab_size=128)).greedy_head is None
