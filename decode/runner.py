@@ -123,7 +123,8 @@ class ModelRunner:
         return hidden, logits.argmax(-1)
 
     def run(self, tokens: list[int], depths: list[int] | None, ancestors: torch.Tensor | None,
-            logits_rows: slice | None, extra: ExtraRows | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+            logits_rows: slice | None,
+            extra: ExtraRows | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """forward's rows: (hidden [N + L, D], the head's rows [n_rows, D], and their logits where a fixed-shape
         step computed them already, else None)."""
         n = len(tokens)

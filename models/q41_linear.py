@@ -23,6 +23,13 @@ attention (`attention_rows`: a few query rows over the cache, grouped-query, eac
 a decoder layer's decode-time rows strung from those functions in two calls (`layer_rows_attention`,
 `layer_rows_down`: decode.lean_decoder.FusedLayer).
 
+On AVX512-VNNI two more things use int8 dot products. Drafters: Q8_0 weights times decode-time rows rounded to int8
+per group of 32 (`q8_int8_gemm`, `Q8Int8Linear`; an approximation, so never the target's numbers), and an EAGLE-3
+drafter's depth in two calls (`eagle3_rows`, `eagle3_top`: decode.lean_eagle3.FusedRows). The target's greedy steps:
+`GreedyHead` takes each row's argmax of the Q8_0 head's logits from an int8 pass with a rigorous bound plus the few
+candidates it cannot rule out, computed exactly as `q80_gemm` computes them: the same token as the full logits'
+argmax, the head 1.65-2.2x cheaper (BENCHMARKS.md, stop 50).
+
 Two forms of each: "fma" (AVX-512 FMAs over weights rebuilt exactly) and, where the CPU has AMX-BF16 and Linux
 grants this process the tile state (`amx_unavailable`), "amx": x split exactly into three bf16 parts, the codes
 exact in bf16, each group's products summed in fp32 by the tile unit, then scaled by d (and m times the group's
@@ -315,6 +322,19 @@ int attention_rows(const float *q, int H, int Hkv, int N, int hd, const float *k
     return 0;
 }
 
+// The rows' rotated keys k [Hkv][N][hd] and their values (the v heads of the fused projection's rows qkv
+// [N][(H + 2 Hkv) hd]) into the cache at rows start..start+N-1 (head j's row t at keys + j * head_stride + t * hd).
+static void append_keys_values(const float *k, const float *qkv, int N, int H, int Hkv, int hd, float *keys,
+                               float *values, long head_stride, int start) {
+    int width = (H + 2 * Hkv) * hd;
+    for (int j = 0; j < Hkv; j++)
+        for (int n = 0; n < N; n++) {
+            size_t row = (size_t)j * head_stride + (size_t)(start + n) * hd;
+            memcpy(keys + row, k + ((size_t)j * N + n) * hd, sizeof(float) * hd);
+            memcpy(values + row, qkv + (size_t)n * width + (size_t)(H + Hkv + j) * hd, sizeof(float) * hd);
+        }
+}
+
 // ---- A decoder layer's decode-time rows in two calls (decode.lean_decoder.FusedLayer): the same functions in the
 // same order as the lean forward's Python (so the same bits), without its thirty-odd tensor operations a layer. ----
 typedef struct {  // a Q4_1 matrix in the FMA form: packed [N][K/2], d and m [N][K/32]
@@ -337,12 +357,7 @@ int layer_rows_attention(const float *x, int N, int D, const float *norm_in, flo
     rms_norm_rows(x, N, D, norm_in, eps_in, normed);
     q41_gemm(normed, N, D, qkv.packed, qkv.d, qkv.m, width, fused, threads);
     rope_qk(fused, N, H, Hkv, hd, cos, sin, q, k);
-    for (int j = 0; j < Hkv; j++)
-        for (int n = 0; n < N; n++) {
-            size_t row = (size_t)j * head_stride + (size_t)(start + n) * hd;
-            memcpy(keys + row, k + ((size_t)j * N + n) * hd, sizeof(float) * hd);
-            memcpy(values + row, fused + (size_t)n * width + (size_t)(H + Hkv + j) * hd, sizeof(float) * hd);
-        }
+    append_keys_values(k, fused, N, H, Hkv, hd, keys, values, head_stride, start);
     if (attention_rows(q, H, Hkv, N, hd, keys, values, head_stride, T, visible, scale, attended, threads) != 0)
         return -1;
     q41_gemm(attended, N, H * hd, o.packed, o.d, o.m, D, y, threads);  // o(attended), then x + it, as torch adds
@@ -673,12 +688,7 @@ int eagle3_rows(const float *embeds, const float *states, int N, int D, const fl
     }
     failed |= int8_rows(x, N, 2 * D, qkv, fused, threads);
     rope_qk(fused, N, H, Hkv, hd, cs, sn, q, k);
-    for (int j = 0; j < Hkv; j++)
-        for (int n = 0; n < N; n++) {
-            size_t row = (size_t)j * head_stride + (size_t)(start + n) * hd;
-            memcpy(keys + row, k + ((size_t)j * N + n) * hd, sizeof(float) * hd);
-            memcpy(values + row, fused + (size_t)n * width + (size_t)(H + Hkv + j) * hd, sizeof(float) * hd);
-        }
+    append_keys_values(k, fused, N, H, Hkv, hd, keys, values, head_stride, start);
     failed |= attention_rows(q, H, Hkv, N, hd, keys, values, head_stride, start + N, visible, scale, attended,
                              threads);
     failed |= int8_rows(attended, N, H * hd, o, hidden, threads);
@@ -754,8 +764,8 @@ static float exact_logit(const float *x, int K, const int8_t *codes, const float
         for (int t = 0; t < 8; t++) memcpy(q + 4 * t, group + 64 * t + 4 * lane, 4);
         __m512 step = _mm512_set1_ps(d[16 * ((size_t)block * G + g) + lane]);
         for (int half = 0; half < 2; half++) {  // as q80_gemm: weights 0..15 of the group, then 16..31
-            __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * half)))),
-                                     step);
+            __m128i codes16 = _mm_loadu_si128((const __m128i *)(q + 16 * half));
+            __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes16)), step);
             acc = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + g * 32 + half * 16), acc);
         }
     }
@@ -1313,11 +1323,16 @@ def q80_inference_copy(linear: torch.nn.Linear) -> torch.nn.Module:
     if linear.bias is not None or not shape_supported(linear.weight):
         raise ValueError(f"Q8_0 drafting weights: a bias-free matrix with K a multiple of {GROUP} and N of "
                          f"{OUTPUT_BLOCK}, got {list(linear.weight.shape)} (bias: {linear.bias is not None})")
+    return Q80Linear(q80_rounded_linear(linear), _kernel()[0])
+
+
+def q80_rounded_linear(linear: torch.nn.Linear) -> torch.nn.Linear:
+    """A frozen bias-free copy of `linear` with its weights rounded to Q8_0 (`q80_rounded`); the linear is
+    untouched."""
     rounded = torch.nn.Linear(linear.in_features, linear.out_features, bias=False)
     with torch.no_grad():
         rounded.weight.copy_(q80_rounded(linear.weight))
-    rounded.requires_grad_(False)
-    return Q80Linear(rounded, _kernel()[0])
+    return rounded.requires_grad_(False)
 
 
 class Q8Int8Weight:
@@ -1434,10 +1449,12 @@ def greedy_head_for(head: torch.nn.Module) -> GreedyHead | None:
     fast = head_for_inference(head)
     if not isinstance(fast, Q80Linear) or fast.codes.form != "fma" or not int8_shapes_supported(head):
         return None
-    return cached_copy(_copies, fast, ("greedy", weights_signature(head)), lambda: GreedyHead(head.weight, _kernel()[0]))
+    return cached_copy(_copies, fast, ("greedy", weights_signature(head)),
+                       lambda: GreedyHead(head.weight, _kernel()[0]))
 
 
 def int8_shapes_supported(linear: torch.nn.Module) -> bool:
+    """A linear of a shape `q8_int8_gemm` takes: K whole groups of 32, N whole pairs of 16-output blocks."""
     w = getattr(linear, "weight", None)
     return w is not None and w.dim() == 2 and w.shape[1] % GROUP == 0 and w.shape[0] % INT8_OUTPUT_BLOCK == 0
 
@@ -1451,11 +1468,7 @@ def int8_inference_copy(linear: torch.nn.Linear) -> torch.nn.Module:
     if linear.bias is not None or not int8_shapes_supported(linear):
         raise ValueError(f"int8 drafting weights: a bias-free matrix with K a multiple of {GROUP} and N of "
                          f"{INT8_OUTPUT_BLOCK}, got {list(linear.weight.shape)} (bias: {linear.bias is not None})")
-    rounded = torch.nn.Linear(linear.in_features, linear.out_features, bias=False)
-    with torch.no_grad():
-        rounded.weight.copy_(q80_rounded(linear.weight))
-    rounded.requires_grad_(False)
-    return Q8Int8Linear(rounded, _kernel()[0])
+    return Q8Int8Linear(q80_rounded_linear(linear), _kernel()[0])
 
 
 def q41_usable(linear: torch.nn.Linear) -> bool:

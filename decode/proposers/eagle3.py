@@ -381,8 +381,9 @@ def eagle3_drafting_weights(drafter: Eagle3Drafter, choice: str | None, fixed_st
     to int8 per group of 32, on the library's AVX512-VNNI kernel (models.q41_linear.q8_int8_gemm). "auto" picks
     int8 wherever VNNI, the lean drafting rows and the drafter's shapes allow, else q8_0 wherever the library and
     the lean rows run: on a 2-core Zen 4 the int8 kernel computes the drafter's matrices 2.3-4x faster than Q8_0's
-    FMA form with warm caches, a drafting depth costs 0.05 of a target forward instead of 0.09, and acceptance on
-    MT-bench is the same within 0.5% (stop 50; BENCHMARKS.md "Drafting in int8"). q8_0 streams about half the bytes
+    FMA form with warm caches, a drafting depth (in two library calls: decode.lean_eagle3.FusedRows) costs about
+    0.03 of a target forward instead of 0.1, and acceptance on MT-bench is the same within 0.5% (stop 50;
+    BENCHMARKS.md "Drafting in int8, EAGLE-3's depth in one library call, ..."). q8_0 streams about half the bytes
     of fp16 copies (stop 47 on AMX, stop 48 on Zen 4: EAGLE-3 alone 1.025x against 1.010x). AMX hosts take int8
     too (they have VNNI); not measured there. Asked for where it cannot run: a ValueError that says why."""
     lean = lean_eagle3_runs(drafter) and not fixed_steps

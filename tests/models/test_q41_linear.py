@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.q41_linear import (MAX_ROWS, NO_AMX_ENV, GreedyHead, Q8Int8Linear, Q8Int8Weight, Q41Linear, Q41Weight, Q80Linear,
-                               amx_unavailable, attention_rows, avx512_available, build_kernel, grid_deviation,
-                               head_for_inference, int8_inference_copy, int8_rows, pack_q8_int8, pack_q41, pack_q80,
-                               q8_int8_gemm, q41_linear, q41_or_packed, q41_usable, q80_codes, q80_deviation, q80_gemm,
-                               q80_inference_copy, q80_rounded, q80_usable, rms_norm_rows, rope_qk, scales_are_fp16,
-                               unpack_q8_int8, unpack_q41, unpack_q80, vnni_unavailable)
+from models.q41_linear import (MAX_ROWS, NO_AMX_ENV, GreedyHead, Q8Int8Linear, Q8Int8Weight, Q41Linear, Q41Weight,
+                               Q80Linear, amx_unavailable, attention_rows, avx512_available, build_kernel,
+                               grid_deviation, head_for_inference, int8_inference_copy, int8_rows, pack_q8_int8,
+                               pack_q41, pack_q80, q8_int8_gemm, q41_linear, q41_or_packed, q41_usable, q80_codes,
+                               q80_deviation, q80_gemm, q80_inference_copy, q80_rounded, q80_usable, rms_norm_rows,
+                               rope_qk, scales_are_fp16, unpack_q8_int8, unpack_q41, unpack_q80, vnni_unavailable)
 from models.packed_linear import PackedLinear
 
 
