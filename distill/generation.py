@@ -6,12 +6,13 @@ repetition penalties) cannot silently change the distribution the drafter is tau
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Collection, Sequence
 
 import torch
 from transformers import GenerationConfig
 
-from models.q41_linear import q41_for_inference
+from models.q41_linear import MAX_ROWS, GreedyHead, greedy_head_for, q41_for_inference
 
 __all__ = ["generate_batch", "cut_at_eos", "left_pad", "pad_token_id"]
 
@@ -65,9 +66,47 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
     On CPU in fp32 the model generates through its packed inference copy (models.packed_linear), its exactly-Q4_1
     matrices (the default target's layers) on the Q4_1 kernel where it runs (models.q41_linear)."""
     device = next(model.parameters()).device
+    greedy = None if do_sample or device.type != "cpu" else greedy_head_for(model.get_output_embeddings())
     model = q41_for_inference(model)
     input_ids, attention_mask = left_pad(prompts, pad_id, device)       # [B, T]
     config = generation_config(max_new_tokens, do_sample, temperature, top_p, pad_id, eos_token_ids)
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    with argmax_head(model, greedy):
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
     new = out[:, input_ids.shape[1]:].tolist()                         # [B, <= max_new_tokens]
     return [cut_at_eos(row, eos_token_ids) for row in new]
+
+
+class ArgmaxLogits(torch.nn.Module):
+    """An inference head whose logits keep each row's argmax alone (0 there, -inf elsewhere), taken by the greedy
+    head (models.q41_linear.GreedyHead: exactly the argmax of `head`'s logits, ties to the first, without computing
+    them all): greedy decoding reads the same token from them as from `head`'s. Rows past MAX_ROWS, and a row the
+    greedy head gives no token (a NaN), get `head`'s own logits."""
+
+    def __init__(self, head: torch.nn.Module, greedy: GreedyHead, vocab_size: int):
+        super().__init__()
+        self.head, self.greedy, self.vocab_size = head, greedy, vocab_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., V]
+        rows = x.reshape(-1, x.shape[-1])
+        if not 1 <= rows.shape[0] <= MAX_ROWS or rows.dtype != torch.float32:
+            return self.head(x)
+        tokens, _ = self.greedy.tokens(rows)
+        if bool((tokens < 0).any()):
+            return self.head(x)
+        logits = torch.full((rows.shape[0], self.vocab_size), float("-inf"))
+        logits[torch.arange(rows.shape[0]), tokens] = 0.0
+        return logits.view(*x.shape[:-1], self.vocab_size)
+
+
+@contextlib.contextmanager
+def argmax_head(model: torch.nn.Module, greedy: GreedyHead | None):
+    """While open, `model`'s output head is an ArgmaxLogits over it (greedy generation only); None: unchanged."""
+    if greedy is None:
+        yield
+        return
+    head = model.get_output_embeddings()
+    model.set_output_embeddings(ArgmaxLogits(head, greedy, head.out_features))
+    try:
+        yield
+    finally:
+        model.set_output_embeddings(head)

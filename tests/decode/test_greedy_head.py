@@ -53,3 +53,26 @@ def test_greedy_decoding_emits_the_same_tokens_with_and_without_the_greedy_head(
 
 def test_no_greedy_head_where_the_head_is_not_exactly_q80():
     assert ModelRunner(make_tiny_llama(seed=0, hidden_size=128, vocab_size=128)).greedy_head is None
+
+
+@needs_greedy_head
+def test_batched_greedy_generation_reads_the_same_tokens_from_the_argmax_head(monkeypatch):
+    from distill.generation import ArgmaxLogits, argmax_head, generate_batch
+    from models.q41_linear import greedy_head_for
+    target = q80_target()
+    prompts = [[1, 5, 9, 12], [1, 7], [1, 3, 3, 3, 8, 20]]
+    fast = generate_batch(target, prompts, max_new_tokens=24, pad_id=0, eos_token_ids={2})
+    monkeypatch.setenv(FULL_HEAD_ENV, "1")
+    assert generate_batch(target, prompts, max_new_tokens=24, pad_id=0, eos_token_ids={2}) == fast
+    monkeypatch.delenv(FULL_HEAD_ENV)
+    head = target.get_output_embeddings()
+    with argmax_head(target, greedy_head_for(head)):
+        argmax = target.get_output_embeddings()
+        assert isinstance(argmax, ArgmaxLogits)
+        x = torch.randn(2, 3, 128)
+        logits = argmax(x)  # [2, 3, V]: 0 at each row's argmax of the head's logits, -inf elsewhere
+        assert torch.equal(logits.argmax(-1), head(x).argmax(-1))
+        assert bool((logits == 0).sum(-1).eq(1).all()) and bool(torch.isinf(logits).sum(-1).eq(127).all())
+        x[1, 2, 0] = float("nan")  # a row without a token: the head's own logits
+        assert torch.isnan(argmax(x)).any()
+    assert target.get_output_embeddings() is head  # put back
