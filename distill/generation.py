@@ -64,7 +64,8 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
     """New tokens per prompt, each cut after its first EOS (kept). Sampling draws from torch's global RNG
     (HF generate takes no generator): callers seed it, inside `torch.random.fork_rng` to leave theirs be.
     On CPU in fp32 the model generates through its packed inference copy (models.packed_linear), its exactly-Q4_1
-    matrices (the default target's layers) on the Q4_1 kernel where it runs (models.q41_linear)."""
+    matrices (the default target's layers) on the Q4_1 kernel where it runs (models.q41_linear); greedy runs read
+    each token from the greedy head there (`ArgmaxLogits`: the same tokens, 1.14x faster; BENCHMARKS.md, stop 50)."""
     device = next(model.parameters()).device
     greedy = None if do_sample or device.type != "cpu" else greedy_head_for(model.get_output_embeddings())
     model = q41_for_inference(model)
