@@ -586,17 +586,10 @@ VNNI_TARGET static void quantize_rows(const float *x, int R, int K, uint8_t *xq,
         }
 }
 
-VNNI_TARGET int q8_int8_gemm(const float *x, int R, int K, const int8_t *codes, const float *d, const int32_t *bias,
-                             int N, float *y, int threads) {
+// y [R][N] from rows already rounded by quantize_rows (xq, dx).
+VNNI_TARGET static void int8_gemm_rounded(const uint8_t *xq, const float *dx, int R, int K, const int8_t *codes,
+                                          const float *d, const int32_t *bias, int N, float *y, int threads) {
     int G = K / 32, blocks = N / 16;
-    uint8_t *xq = malloc((size_t)R * K);
-    float *dx = malloc(sizeof(float) * (size_t)R * G);
-    if (xq == NULL || dx == NULL) {
-        free(xq);
-        free(dx);
-        return -1;
-    }
-    quantize_rows(x, R, K, xq, dx);
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int b0 = 0; b0 < blocks; b0 += 2) {  // two blocks of 16 outputs
         for (int r0 = 0; r0 < R; r0 += VRB) {
@@ -635,6 +628,19 @@ VNNI_TARGET int q8_int8_gemm(const float *x, int R, int K, const int8_t *codes, 
                 for (int a = 0; a < 2; a++) _mm512_storeu_ps(y + (size_t)(r0 + r) * N + (b0 + a) * 16, out[r][a]);
         }
     }
+}
+
+VNNI_TARGET int q8_int8_gemm(const float *x, int R, int K, const int8_t *codes, const float *d, const int32_t *bias,
+                             int N, float *y, int threads) {
+    uint8_t *xq = malloc((size_t)R * K);
+    float *dx = malloc(sizeof(float) * (size_t)R * (K / 32));
+    if (xq == NULL || dx == NULL) {
+        free(xq);
+        free(dx);
+        return -1;
+    }
+    quantize_rows(x, R, K, xq, dx);
+    int8_gemm_rounded(xq, dx, R, K, codes, d, bias, N, y, threads);
     free(xq);
     free(dx);
     return 0;
@@ -779,14 +785,15 @@ int q8_argmax(const float *x, int R, int K, const int8_t *codes, const float *d,
     int G = K / 32, blocks = N / 16;
     float *approx = malloc(sizeof(float) * (size_t)R * N * 2), *dx = malloc(sizeof(float) * (size_t)R * G);
     uint8_t *xq = malloc((size_t)R * K);
-    if (approx == NULL || dx == NULL || xq == NULL || q8_int8_gemm(x, R, K, codes, d, bias, N, approx, threads)) {
+    if (approx == NULL || dx == NULL || xq == NULL) {
         free(approx);
         free(dx);
         free(xq);
         return -1;
     }
     float *bound = approx + (size_t)R * N;
-    quantize_rows(x, R, K, xq, dx);  // the steps the kernel's x had
+    quantize_rows(x, R, K, xq, dx);  // x rounded once: the int8 pass and the bound read the same steps
+    int8_gemm_rounded(xq, dx, R, K, codes, d, bias, N, approx, threads);
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int b = 0; b < blocks; b++)
         for (int r = 0; r < R; r++) {
@@ -1012,11 +1019,17 @@ def unpack_q80(w: Q80Weight) -> torch.Tensor:
     return (codes.float() * step[..., None]).reshape(n, k)
 
 
-def avx512_available() -> bool:
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo), read once; empty where there is no such file."""
     try:
-        return "avx512f" in Path("/proc/cpuinfo").read_text()
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
     except OSError:
-        return False
+        return frozenset()
+
+
+def avx512_available() -> bool:
+    return "avx512f" in cpu_flags()
 
 
 class Q41Matrix(ctypes.Structure):
@@ -1124,8 +1137,7 @@ AMX_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16", "avx512bw")
 @functools.lru_cache(maxsize=1)
 def _amx_granted() -> str | None:
     """Asks Linux once for this process's tile state; None when granted, else why not."""
-    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
-    missing = [f for f in AMX_FLAGS if f not in flags]
+    missing = [f for f in AMX_FLAGS if f not in cpu_flags()]
     if missing:
         return f"this CPU has no {', '.join(missing)}"
     if _kernel()[0].amx_request() != 0:
@@ -1353,12 +1365,20 @@ INT8_OUTPUT_BLOCK = 32  # q8_int8_gemm computes two blocks of 16 outputs togethe
 
 def pack_q8_int8(weight: torch.Tensor) -> Q8Int8Weight:
     """[N, K] fp32 (N % 32 == 0, K % 32 == 0) -> its Q8_0 grid (`q80_codes`) in the int8 kernel's layout."""
+    _check_int8_shape("pack_q8_int8", weight)
+    return int8_layout(*q80_codes(weight.detach().float()))
+
+
+def _check_int8_shape(caller: str, weight: torch.Tensor) -> None:
     n, k = weight.shape
     if k % GROUP or n % INT8_OUTPUT_BLOCK:
-        raise ValueError(f"pack_q8_int8: K must be a multiple of {GROUP} and N of {INT8_OUTPUT_BLOCK}, "
+        raise ValueError(f"{caller}: K must be a multiple of {GROUP} and N of {INT8_OUTPUT_BLOCK}, "
                          f"got {list(weight.shape)}")
-    codes, step = q80_codes(weight.detach().float())  # [N, G, 32], [N, G]
-    groups = k // GROUP
+
+
+def int8_layout(codes: torch.Tensor, step: torch.Tensor) -> Q8Int8Weight:
+    """A Q8_0 grid (codes [N, G, 32] as float, step [N, G]: `q80_codes`) in the int8 kernel's layout."""
+    n, groups = step.shape
     codes = codes.to(torch.int8).reshape(n // 16, 16, groups, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
     bias = (-128 * codes.to(torch.int32).sum(dim=(2, 4))).to(torch.int32).contiguous()  # [N/16, G, 16]
     return Q8Int8Weight(codes, _by_block(step), bias)
@@ -1383,8 +1403,7 @@ def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def vnni_unavailable() -> str | None:
     """None when the int8 kernel (`q8_int8_gemm`) may run here, else why not."""
-    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
-    missing = [f for f in ("avx512bw", "avx512_vnni") if f not in flags]
+    missing = [f for f in ("avx512bw", "avx512_vnni") if f not in cpu_flags()]
     return kernel_unavailable() or (f"this CPU has no {', '.join(missing)}" if missing else None)
 
 
@@ -1421,8 +1440,9 @@ class GreedyHead:
 
     def __init__(self, weight: torch.Tensor, lib: ctypes.CDLL):
         self.lib = lib
-        self.codes = pack_q8_int8(weight)
+        _check_int8_shape("GreedyHead", weight)
         codes, step = q80_codes(weight.detach().float())  # [N, G, 32], [N, G]: the FMA form's own grid
+        self.codes = int8_layout(codes, step)
         slack = (GREEDY_SLACK * step.double() * codes.abs().sum(-1).double()).float()
         slack = torch.nextafter(slack, torch.full_like(slack, float("inf")))  # rounded up: never below the bound
         self.slack = _by_block(slack)  # [N/16, G, 16]
