@@ -1,7 +1,10 @@
 """The target's hidden states for the teacher records, computed once and cached on disk (EAGLE-3's data).
 
-For every record (prompt + response, cut to max_seq_len as training cuts it) the frozen target runs once,
-in batches, and the cache keeps per position:
+For every record the cache keeps the window training reads (prompt + response, cut to max_seq_len as training
+cuts it: distill.batching.fit_to_length) with the frozen target's states over the whole conversation, as decoding
+reads them (a window cut from a long conversation still sees its start); the states are the ones the teacher's own
+generation staged (distill.feature_capture) where it did, else the target runs here once over the records, in
+batches. Per position:
     ids       [T] int64   the tokens
     features  [T, 3D]     bf16, the inputs of the drafter's three target layers (what decoding captures)
     final     [T, D]      bf16, the target's final normed state: its next-token distribution, via its head
@@ -28,10 +31,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from distill.batching import batches_by_length, collate
+from distill.batching import batches_by_length, collate, fit_to_length
+from distill.feature_capture import FeatureStaging
 from models.cache import MARKER, cache_root, publish_dir, write_marker
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a cut record's states see the whole conversation (1: only its window)
 SHARD_RECORDS = 64
 STORE_DTYPE = torch.bfloat16
 
@@ -71,9 +75,11 @@ def num_shards(n_records: int) -> int:
 
 
 def build_feature_cache(target, records: list[dict], layers: list[int], max_seq_len: int, batch_size: int,
-                        pad_id: int, out_dir: Path, process_index: int = 0, num_processes: int = 1) -> None:
+                        pad_id: int, out_dir: Path, process_index: int = 0, num_processes: int = 1,
+                        staging: FeatureStaging | None = None) -> None:
     """Compute this process's shards (index % num_processes == process_index) into the `.partial`
-    directory; the caller publishes it (`publish_feature_cache`) once every process is done."""
+    directory; the caller publishes it (`publish_feature_cache`) once every process is done. Records the
+    generator staged (`staging`) are read, not computed."""
     if (out_dir / MARKER).is_file():
         return
     partial = partial_dir(out_dir)
@@ -84,7 +90,8 @@ def build_feature_cache(target, records: list[dict], layers: list[int], max_seq_
         if (partial / shard_name(index)).is_file():
             continue  # finished by an earlier, interrupted run of the same key
         shard = records[index * SHARD_RECORDS:(index + 1) * SHARD_RECORDS]
-        write_shard(partial / shard_name(index), compute_shard(target, shard, layers, max_seq_len, batch_size, pad_id))
+        write_shard(partial / shard_name(index),
+                    compute_shard(target, shard, layers, max_seq_len, batch_size, pad_id, staging))
 
 
 def publish_feature_cache(out_dir: Path, key: str, target_fingerprint: str, n_records: int) -> None:
@@ -118,21 +125,42 @@ def check_layers(model, layers: list[int]) -> None:
 
 @torch.no_grad()
 def compute_shard(target, records: list[dict], layers: list[int], max_seq_len: int, batch_size: int,
-                  pad_id: int) -> list[FeatureRecord]:
+                  pad_id: int, staging: FeatureStaging | None = None) -> list[FeatureRecord]:
+    """Each record's window with the target's states over its whole conversation: the staged ones where
+    `staging` has them, the rest computed here in batches of similar length."""
     out: list[FeatureRecord | None] = [None] * len(records)
+    todo = []
+    for index, record in enumerate(records):
+        staged = staging.get(record["prompt_ids"], record["response_ids"]) if staging is not None else None
+        if staged is None:
+            todo.append(index)
+        else:
+            out[index] = window_of(record, *staged, max_seq_len)
     decoder = target.model.get_decoder()
-    for indices in batches_by_length(records, batch_size):
-        batch = collate([records[i] for i in indices], pad_id, max_seq_len).to(target.device)
+    for chunk in batches_by_length([records[i] for i in todo], batch_size):
+        indices = [todo[j] for j in chunk]
+        whole = max(len(records[i]["prompt_ids"]) + len(records[i]["response_ids"]) for i in indices)
+        batch = collate([records[i] for i in indices], pad_id, whole).to(target.device)  # uncut, right-padded
         result = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True)
         if getattr(result, "hidden_states", None) is None:
             raise ValueError(f"eagle3: the target's decoder ({type(decoder).__name__}) returned no hidden "
                              "states for output_hidden_states=True")
         features = torch.cat([result.hidden_states[i] for i in layers], dim=-1)  # [B, T, 3D]
         for row, (index, length) in enumerate(zip(indices, batch.attention_mask.sum(-1).tolist())):
-            out[index] = FeatureRecord(batch.input_ids[row, :length].cpu(), features[row, :length].to("cpu", STORE_DTYPE),
-                                       result.last_hidden_state[row, :length].to("cpu", STORE_DTYPE),
-                                       batch.loss_mask[row, :length].cpu())
+            out[index] = window_of(records[index], features[row, :length], result.last_hidden_state[row, :length],
+                                   max_seq_len)
     return out
+
+
+def window_of(record: dict, features: torch.Tensor, final: torch.Tensor, max_seq_len: int) -> FeatureRecord:
+    """The record's training window (fit_to_length's cut: the prompt's end and the response's start, one
+    contiguous span) out of the states of its whole sequence, features [T, 3D] and final [T, D]."""
+    prompt, response = list(record["prompt_ids"]), list(record["response_ids"])
+    kept_prompt, kept_response = fit_to_length(prompt, response, max_seq_len)
+    start, n = len(prompt) - len(kept_prompt), len(kept_prompt) + len(kept_response)
+    window = collate([record], 0, max_seq_len)  # the ids and loss mask exactly as training cuts them
+    return FeatureRecord(window.input_ids[0, :n], features[start:start + n].to("cpu", STORE_DTYPE),
+                         final[start:start + n].to("cpu", STORE_DTYPE), window.loss_mask[0, :n])
 
 
 def write_shard(path: Path, records: list[FeatureRecord]) -> None:
@@ -173,16 +201,20 @@ class FeatureCache:
 
 
 def open_or_build(target, records: list[dict], layers: list[int], max_seq_len: int, batch_size: int, pad_id: int,
-                  accelerator=None, root: str | Path | None = None) -> FeatureCache:
-    """The cache for these records, built first when absent (shards split across processes)."""
+                  accelerator=None, root: str | Path | None = None,
+                  staging: FeatureStaging | None = None) -> FeatureCache:
+    """The cache for these records, built first when absent (shards split across processes), from the states
+    the generator staged where it did (their staged copies are removed once the cache is published)."""
     key = feature_cache_key(target.fingerprint, records, layers, max_seq_len)
     out_dir = feature_cache_dir(key, root)
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
-    build_feature_cache(target, records, layers, max_seq_len, batch_size, pad_id, out_dir, rank, world)
+    build_feature_cache(target, records, layers, max_seq_len, batch_size, pad_id, out_dir, rank, world, staging)
     if accelerator is not None:
         accelerator.wait_for_everyone()
     if rank == 0:
         publish_feature_cache(out_dir, key, target.fingerprint, len(records))
+        if staging is not None:
+            staging.discard(records)
     if accelerator is not None:
         accelerator.wait_for_everyone()
     return FeatureCache(out_dir, key, target.fingerprint)

@@ -12,6 +12,8 @@ from collections.abc import Collection, Sequence
 import torch
 from transformers import GenerationConfig
 
+from distill.feature_capture import FeatureStaging, LayerCapture, feed_last_tokens, stage_rows
+from models.hf_compat import output_cache
 from models.q41_linear import MAX_ROWS, GreedyHead, greedy_head_for, q41_for_inference
 
 __all__ = ["generate_batch", "cut_at_eos", "left_pad", "pad_token_id"]
@@ -60,21 +62,31 @@ def generation_config(max_new_tokens: int, do_sample: bool, temperature: float, 
 @torch.inference_mode()
 def generate_batch(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, pad_id: int,
                    eos_token_ids: Collection[int], do_sample: bool = False, temperature: float = 1.0,
-                   top_p: float = 1.0) -> list[list[int]]:
+                   top_p: float = 1.0, staging: FeatureStaging | None = None) -> list[list[int]]:
     """New tokens per prompt, each cut after its first EOS (kept). Sampling draws from torch's global RNG
     (HF generate takes no generator): callers seed it, inside `torch.random.fork_rng` to leave theirs be.
     On CPU in fp32 the model generates through its packed inference copy (models.packed_linear), its exactly-Q4_1
     matrices (the default target's layers) on the Q4_1 kernel where it runs (models.q41_linear); greedy runs read
-    each token from the greedy head there (`ArgmaxLogits`: the same tokens, 1.14x faster; BENCHMARKS.md, stop 50)."""
+    each token from the greedy head there (`ArgmaxLogits`: the same tokens, 1.14x faster; BENCHMARKS.md, stop 50).
+    staging: also stage every row's hidden states at staging.layers (distill.feature_capture), read off this
+    generation's own forwards plus one of the last tokens; the tokens are the same either way."""
     device = next(model.parameters()).device
     greedy = None if do_sample or device.type != "cpu" else greedy_head_for(model.get_output_embeddings())
     model = q41_for_inference(model)
     input_ids, attention_mask = left_pad(prompts, pad_id, device)       # [B, T]
     config = generation_config(max_new_tokens, do_sample, temperature, top_p, pad_id, eos_token_ids)
-    with argmax_head(model, greedy):
+    config.return_dict_in_generate = staging is not None  # the generation's cache, for feed_last_tokens
+    with argmax_head(model, greedy), (LayerCapture(model, staging.layers) if staging else contextlib.nullcontext()) \
+            as capture:
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+        if staging is not None:
+            feed_last_tokens(model, out.sequences, attention_mask, output_cache(out))
+            out = out.sequences
     new = out[:, input_ids.shape[1]:].tolist()                         # [B, <= max_new_tokens]
-    return [cut_at_eos(row, eos_token_ids) for row in new]
+    responses = [cut_at_eos(row, eos_token_ids) for row in new]
+    if staging is not None:
+        stage_rows(staging, capture, prompts, responses, input_ids.shape[1])
+    return responses
 
 
 class ArgmaxLogits(torch.nn.Module):

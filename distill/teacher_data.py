@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from distill.feature_capture import FeatureStaging
 from distill.generation import generate_batch, pad_token_id
 from distill.teacher_vllm import BACKENDS, VllmTeacher, sample_seed
 from distill.prompts import Prompt
@@ -88,10 +89,13 @@ class TeacherDataSettings:
 
 def generate_teacher_data(target, prompts: Sequence[Prompt], settings: TeacherDataSettings,
                           out_dir: str | Path | None = None, process_index: int = 0, num_processes: int = 1,
-                          cache_root: str | Path | None = None) -> datasets.Dataset:
+                          cache_root: str | Path | None = None,
+                          staging: FeatureStaging | None = None) -> datasets.Dataset:
     """Make (or finish) the teacher data of `prompts`; return the rows of the shards this process owns,
     in order (all of them when num_processes == 1). With several processes, wait for all of them, then
-    `load_teacher_data(out_dir)` gives the whole dataset. `target` is a models.target.Target."""
+    `load_teacher_data(out_dir)` gives the whole dataset. `target` is a models.target.Target.
+    staging: the built-in generator also stages the hidden states of every row it generates here
+    (distill.feature_capture; EAGLE-3's feature cache takes them instead of a second pass)."""
     if not prompts:
         raise ValueError("no prompts to make teacher data from")
     if not 0 <= process_index < num_processes:
@@ -105,10 +109,13 @@ def generate_teacher_data(target, prompts: Sequence[Prompt], settings: TeacherDa
     if len(todo) < len(mine):
         log.info("teacher data %s: %d of %d shards already done", out, len(mine) - len(todo), len(mine))
     teacher = VllmTeacher(target) if settings.backend == "vllm" and todo else None
+    if teacher is not None and staging is not None:
+        log.info("teacher data %s: the vLLM backend gives no hidden states; the feature pass computes them", out)
     try:
         for shard in tqdm(todo, desc="teacher data", unit="shard", disable=process_index != 0):
             chunk = prompts[shard * settings.shard_size:(shard + 1) * settings.shard_size]
-            write_shard(generate_shard(target, chunk, settings, shard, teacher), out, shard, settings.topk > 0)
+            write_shard(generate_shard(target, chunk, settings, shard, teacher, staging), out, shard,
+                        settings.topk > 0)
     finally:
         if teacher is not None:
             teacher.close()
@@ -161,9 +168,10 @@ def shard_seed(seed: int, shard: int) -> int:
 
 
 def generate_shard(target, prompts: Sequence[Prompt], settings: TeacherDataSettings, shard: int,
-                   teacher: VllmTeacher | None = None) -> list[dict]:
+                   teacher: VllmTeacher | None = None, staging: FeatureStaging | None = None) -> list[dict]:
     """Rows of one shard, sorted by (prompt order, sample_idx); deterministic under (settings.seed, shard).
-    teacher: the vLLM worker of a `backend: vllm` job (started here for this shard when None)."""
+    teacher: the vLLM worker of a `backend: vllm` job (started here for this shard when None).
+    staging: the built-in generator stages each row's hidden states there (generate_teacher_data)."""
     tokenizer, model = target.tokenizer, target.model
     eos_ids = set(target.eos_token_ids)
     pad_id = pad_token_id(tokenizer, eos_ids)
@@ -181,7 +189,7 @@ def generate_shard(target, prompts: Sequence[Prompt], settings: TeacherDataSetti
         else:
             responses = vllm_responses(teacher, encoded, jobs, settings, shard)
     else:
-        responses = builtin_responses(model, encoded, jobs, settings, shard, pad_id, eos_ids)
+        responses = builtin_responses(model, encoded, jobs, settings, shard, pad_id, eos_ids, staging)
     rows = [{"prompt_id": prompts[i].id, "sample_idx": s, "prompt_ids": encoded[i], "response_ids": responses[(i, s)]}
             for i, s in sorted(responses)]
     if settings.topk:
@@ -190,7 +198,8 @@ def generate_shard(target, prompts: Sequence[Prompt], settings: TeacherDataSetti
 
 
 def builtin_responses(model, encoded: list[list[int]], jobs: list[tuple[int, int]], settings: TeacherDataSettings,
-                      shard: int, pad_id: int, eos_ids: set[int]) -> dict[tuple[int, int], list[int]]:
+                      shard: int, pad_id: int, eos_ids: set[int],
+                      staging: FeatureStaging | None = None) -> dict[tuple[int, int], list[int]]:
     """{(prompt index, sample_idx): answer} from the target itself, batched (distill.generation)."""
     # longest prompts first so each batch pads little; a stable sort keeps the order deterministic
     jobs = sorted(jobs, key=lambda job: -len(encoded[job[0]]))
@@ -204,7 +213,7 @@ def builtin_responses(model, encoded: list[list[int]], jobs: list[tuple[int, int
                 batch = batch_jobs[start:start + settings.batch_size]
                 outs = generate_batch(model, [encoded[i] for i, _ in batch], max_new_tokens=settings.max_new_tokens,
                                       pad_id=pad_id, eos_token_ids=eos_ids, do_sample=not greedy,
-                                      temperature=settings.temperature, top_p=settings.top_p)
+                                      temperature=settings.temperature, top_p=settings.top_p, staging=staging)
                 responses.update(zip(batch, outs))
     return responses
 

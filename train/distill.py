@@ -30,7 +30,7 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, se
 from tqdm.auto import tqdm  # noqa: E402
 
 from train.colbt import train_colbt  # noqa: E402
-from train.eagle3 import train_eagle3  # noqa: E402
+from train.eagle3 import feature_staging, train_eagle3  # noqa: E402
 from train.lookahead import train_lookahead  # noqa: E402
 from train.medusa import train_medusa  # noqa: E402
 from train.checkpoints import resume_or_start, save_checkpoint  # noqa: E402
@@ -50,6 +50,9 @@ OWN_LOOP_METHODS = {
     "lookahead": (train_lookahead, True),  # [LA] embeddings for the frozen target
     "eagle3": (train_eagle3, True),  # one decoder layer over the frozen target's hidden states
 }
+# Methods that read the target's hidden states: (cfg, target) -> the distill.feature_capture.FeatureStaging the
+# teacher generation stages them in as it computes them (no second pass of the target over the teacher data)
+TEACHER_STAGING = {"eagle3": feature_staging}
 
 
 def main(argv: list[str] | None = None) -> Path | None:
@@ -60,7 +63,8 @@ def main(argv: list[str] | None = None) -> Path | None:
     accelerator = make_accelerator(cfg, asked)
     set_seed(cfg.seed)
     target = steps.load_target_for(cfg, accelerator)
-    records = steps.teacher_records(cfg, target, accelerator)
+    staging = TEACHER_STAGING[cfg.method](cfg, target) if cfg.method in TEACHER_STAGING else None
+    records = steps.teacher_records(cfg, target, accelerator, staging)
     if cfg.method in OWN_LOOP_METHODS:
         trainer, measures = OWN_LOOP_METHODS[cfg.method]
         eval_prompts = steps.eval_prompt_ids(cfg, target) if measures and accelerator.is_main_process else []

@@ -25,6 +25,7 @@ from accelerate.utils import gather_object
 from torch.utils.data import DataLoader
 
 from distill.batching import Batch, collate, with_absent_column
+from distill.feature_capture import FeatureStaging
 from distill.followups import FOLLOW_UPS, follow_up_prompts, load_follow_ups
 from distill.generation import pad_token_id
 from distill.losses import TopK, distill_loss
@@ -152,11 +153,12 @@ def teacher_data_plan(cfg, target) -> tuple[list, TeacherDataSettings, Path]:
     return prompts, settings, teacher_data_dir(teacher_data_key(target, prompts, settings))
 
 
-def teacher_records(cfg, target, accelerator) -> list[dict]:
+def teacher_records(cfg, target, accelerator, staging: FeatureStaging | None = None) -> list[dict]:
     """The target's responses to the training prompts, generated once (split across processes,
-    resumable, cached by content) and read back whole by every process."""
+    resumable, cached by content) and read back whole by every process. staging: where the generator also
+    stages the hidden states of what it generates (EAGLE-3: distill.feature_capture)."""
     prompts, settings, out_dir = teacher_data_plan(cfg, target)
-    records = answered(target, prompts, settings, out_dir, accelerator)
+    records = answered(target, prompts, settings, out_dir, accelerator, staging)
     if cfg.follow_up_share > 0:  # second turns over the target's own first answers (distill.followups)
         requests = load_follow_ups(cfg.follow_ups) if cfg.follow_ups else FOLLOW_UPS
         second = follow_up_prompts(prompts, records, target.tokenizer, target.eos_token_ids, requests,
@@ -165,14 +167,15 @@ def teacher_records(cfg, target, accelerator) -> list[dict]:
             # the first answer is in the prompt, so a second turn may outgrow the window: training keeps its end
             wide = dataclasses.replace(settings, max_prompt_tokens=None)
             records += answered(target, second, wide, teacher_data_dir(teacher_data_key(target, second, wide)),
-                                accelerator)
+                                accelerator, staging)
     return records
 
 
-def answered(target, prompts, settings: TeacherDataSettings, out_dir: Path, accelerator) -> list[dict]:
+def answered(target, prompts, settings: TeacherDataSettings, out_dir: Path, accelerator,
+             staging: FeatureStaging | None = None) -> list[dict]:
     """The teacher data of `prompts` under `settings` (made, or finished, here), read back by every process."""
-    generate_teacher_data(target, prompts, settings, out_dir=out_dir,
-                          process_index=accelerator.process_index, num_processes=accelerator.num_processes)
+    generate_teacher_data(target, prompts, settings, out_dir=out_dir, process_index=accelerator.process_index,
+                          num_processes=accelerator.num_processes, staging=staging)
     accelerator.wait_for_everyone()
     records = [dict(r) for r in load_teacher_data(out_dir)]
     tokens = sum(len(r["response_ids"]) for r in records)

@@ -3,8 +3,9 @@
     train_eagle3(cfg, accelerator, target, records, eval_prompts) -> the drafter directory (kind "eagle3")
 
 Reads top to bottom: choose the draft vocabulary (the teacher responses' `draft_vocab` most frequent
-tokens); compute the target's states at the three layers for every record once (distill.feature_cache:
-on disk, content-addressed, streamed a shard at a time); build the drafter (models.eagle3); train it with
+tokens); the target's states at the three layers for every record, once (distill.feature_cache: on disk,
+content-addressed, streamed a shard at a time; read from what the teacher generation staged as it ran,
+distill.feature_capture, where it made the records in this job, else computed); build the drafter (models.eagle3); train it with
 the training-time test: each batch is unrolled `eagle3_steps` drafting steps (Eagle3Drafter.unroll), step j
 feeding the drafter its own step j-1 output with the token j further on, as decoding does, and its loss
 is the cross-entropy of the drafter's distribution against the target's next-token distribution (the
@@ -36,6 +37,7 @@ from decode.engine import SpeculativeEngine
 from decode.metrics import aggregate_stats
 from decode.proposers.eagle3 import Eagle3Proposer
 from distill.feature_cache import FeatureCache, FeatureRecord, open_or_build
+from distill.feature_capture import FeatureStaging
 from distill.generation import pad_token_id
 from models.drafters import save_drafter
 from models.eagle3 import Eagle3Drafter, default_target_layers
@@ -47,15 +49,25 @@ from train.medusa import average_gradients, candidate_vocab
 log = logging.getLogger("specdistill.eagle3")
 
 
+def target_layers(cfg, target) -> list[int]:
+    """The target layers whose inputs the drafter reads: eagle3_layers, else EAGLE-3's low, middle and high."""
+    return list(cfg.eagle3_layers or default_target_layers(target.model.config.get_text_config().num_hidden_layers))
+
+
+def feature_staging(cfg, target) -> FeatureStaging:
+    """Where the teacher generation stages the target's states at the drafter's layers (distill.feature_capture)."""
+    return FeatureStaging(target.fingerprint, target_layers(cfg, target))
+
+
 def train_eagle3(cfg, accelerator, target, records: list[dict], eval_prompts: list[list[int]]) -> Path:
     vocab_map = candidate_vocab(cfg, target, records)  # the draft_vocab most frequent response tokens, EOS in
-    layers = cfg.eagle3_layers or default_target_layers(target.model.config.get_text_config().num_hidden_layers)
-    drafter = Eagle3Drafter.for_target(target.model, vocab_map, layers, seed=cfg.seed,
+    drafter = Eagle3Drafter.for_target(target.model, vocab_map, target_layers(cfg, target), seed=cfg.seed,
                                        init=cfg.eagle3_init,
                                        intermediate_size=cfg.eagle3_intermediate_size).float().train()
     pad_id = pad_token_id(target.tokenizer, target.eos_token_ids)
+    staging = FeatureStaging(target.fingerprint, drafter.target_layers)
     cache = open_or_build(target, records, drafter.target_layers, cfg.max_seq_len, cfg.gen_batch_size, pad_id,
-                          accelerator)
+                          accelerator, staging=staging)
     plan = BatchPlan(cache, cfg.batch_size, cfg.seed)
     total = cfg.max_steps or cfg.epochs * -(-plan.batches_per_epoch // accelerator.num_processes)
     optimizer, scheduler = steps.make_optimizer(cfg, drafter, total)

@@ -119,9 +119,9 @@ def test_resume_regenerates_only_missing_shards(target, tmp_path, monkeypatch):
     made: list[int] = []
     real = teacher_data.generate_shard
 
-    def counting(target, prompts, settings, shard, teacher=None):
+    def counting(target, prompts, settings, shard, teacher=None, staging=None):
         made.append(shard)
-        return real(target, prompts, settings, shard, teacher)
+        return real(target, prompts, settings, shard, teacher, staging)
 
     monkeypatch.setattr(teacher_data, "generate_shard", counting)
     full = rows(generate_teacher_data(target, prompts, SETTINGS, out_dir=tmp_path))
