@@ -13,7 +13,9 @@ the feature pass with the model's own fp32 GEMMs: the same weights and precision
 
 Layout: $SPECDISTILL_CACHE/features/.staging/<target fingerprint>-<layers>/<record key>.safetensors, one file per
 record (written to a temporary name and renamed: a file is whole or absent), named by a hash of the record's tokens.
-A staged file whose shapes do not fit its record is not used (logged; the feature pass computes that record).
+A staged file whose shapes do not fit its record is not used (logged; the feature pass computes that record). The
+feature cache removes the files it took once it is published; a job stopped between the two leaves them for its
+rerun (the same records find them), and deleting `.staging` only costs that rerun its feature pass.
 """
 
 from __future__ import annotations
