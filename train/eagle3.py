@@ -5,8 +5,8 @@
 Reads top to bottom: choose the draft vocabulary (the teacher responses' `draft_vocab` most frequent
 tokens); the target's states at the three layers for every record, once (distill.feature_cache: on disk,
 content-addressed, streamed a shard at a time; read from what the teacher generation staged as it ran,
-distill.feature_capture, where it made the records in this job, else computed); build the drafter (models.eagle3); train it with
-the training-time test: each batch is unrolled `eagle3_steps` drafting steps (Eagle3Drafter.unroll), step j
+distill.feature_capture, where it made the records in this job, else computed); build the drafter
+(models.eagle3); train it with the training-time test: each batch is unrolled `eagle3_steps` drafting steps (Eagle3Drafter.unroll), step j
 feeding the drafter its own step j-1 output with the token j further on, as decoding does, and its loss
 is the cross-entropy of the drafter's distribution against the target's next-token distribution (the
 target's head on its final state, restricted to the draft vocabulary and renormalised) on the response
