@@ -2,19 +2,19 @@
 
     train_eagle3(cfg, accelerator, target, records, eval_prompts) -> the drafter directory (kind "eagle3")
 
-Reads top to bottom: choose the draft vocabulary (the teacher responses' `draft_vocab` most frequent
-tokens); the target's states at the three layers for every record, once (distill.feature_cache: on disk,
+Reads top to bottom: choose the draft vocabulary (the teacher responses' `draft_vocab` most frequent tokens);
+the target's states at the three layers for every record, once (distill.feature_cache: on disk,
 content-addressed, streamed a shard at a time; read from what the teacher generation staged as it ran,
 distill.feature_capture, where it made the records in this job, else computed); build the drafter
-(models.eagle3); train it with the training-time test: each batch is unrolled `eagle3_steps` drafting steps (Eagle3Drafter.unroll), step j
-feeding the drafter its own step j-1 output with the token j further on, as decoding does, and its loss
-is the cross-entropy of the drafter's distribution against the target's next-token distribution (the
-target's head on its final state, restricted to the draft vocabulary and renormalised) on the response
-positions (and the prompt's, weighted eagle3_prompt_weight; those where the target continues an earlier
-occurrence of the last two tokens, copying from its context, weighted eagle3_copy_weight times), weighted
-by eagle3_decay**j; with eagle3_feature_noise > 0 the target's features get Gaussian noise in training
-(`noisy_features`); only the positions some step counts are unrolled (`counted_rows`: every position is
-context, a response-only loss computes about half a batch's rows); every `eval_every` steps decode held-out
+(models.eagle3); train it with the training-time test: each batch is unrolled `eagle3_steps` drafting steps
+(Eagle3Drafter.unroll), step j feeding the drafter its own step j-1 output with the token j further on, as
+decoding does, and its loss is the cross-entropy of the drafter's distribution against the target's next-token
+distribution (the target's head on its final state, restricted to the draft vocabulary and renormalised) on
+the response positions (and the prompt's, weighted eagle3_prompt_weight; those where the target continues an
+earlier occurrence of the last two tokens, copying from its context, weighted eagle3_copy_weight times),
+weighted by eagle3_decay**j; with eagle3_feature_noise > 0 the target's features get Gaussian noise in
+training (`noisy_features`); only the positions some step counts are unrolled (`counted_rows`: every position
+is context, a response-only loss computes about half a batch's rows); every `eval_every` steps decode held-out
 prompts with the real engine (decode.proposers.eagle3, full depth, no adaptation) and keep the drafter of best
 measured tau, published atomically at the end. `--resume` continues exactly from the last checkpoint (data
 order is a function of the seed, the epoch and the batch index).
