@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from distill.batching import batches_by_length, collate, fit_to_length
-from distill.feature_capture import FeatureStaging
+from distill.feature_capture import FeatureStaging, check_layers
 from models.cache import MARKER, cache_root, publish_dir, write_marker
 
 FORMAT_VERSION = 2  # 2: a cut record's states see the whole conversation (1: only its window)
@@ -109,18 +109,6 @@ def publish_feature_cache(out_dir: Path, key: str, target_fingerprint: str, n_re
 
 def partial_dir(out_dir: Path) -> Path:
     return out_dir.parent / f".{out_dir.name}.partial"
-
-
-def check_layers(model, layers: list[int]) -> None:
-    """The target must expose per-layer hidden states, and every index must be a layer of it."""
-    config = model.config.get_text_config()
-    n = getattr(config, "num_hidden_layers", None)
-    if n is None:
-        raise ValueError(f"eagle3_layers: the target ({type(model).__name__}) has no num_hidden_layers in its "
-                         "config; EAGLE-3 needs a decoder whose per-layer hidden states it can read")
-    bad = [i for i in layers if not 0 <= int(i) < n]
-    if bad:
-        raise ValueError(f"eagle3_layers: {bad} out of range for a target of {n} layers (0..{n - 1})")
 
 
 @torch.no_grad()

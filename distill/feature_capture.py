@@ -91,19 +91,29 @@ class FeatureStaging:
             self.path(record["prompt_ids"], record["response_ids"]).unlink(missing_ok=True)
 
 
+def check_layers(model, layers: list[int]) -> None:
+    """The target must expose per-layer hidden states, and every index must be a layer of it."""
+    config = model.config.get_text_config()
+    n = getattr(config, "num_hidden_layers", None)
+    if n is None:
+        raise ValueError(f"eagle3_layers: the target ({type(model).__name__}) has no num_hidden_layers in its "
+                         "config; EAGLE-3 needs a decoder whose per-layer hidden states it can read")
+    bad = [i for i in layers if not 0 <= int(i) < n]
+    if bad:
+        raise ValueError(f"eagle3_layers: {bad} out of range for a target of {n} layers (0..{n - 1})")
+
+
 class LayerCapture:
     """While open, every forward of `model` (a causal LM, or its generating copy) keeps the inputs of its decoder
     layers `layers` and its final norm's output, per call; `columns()` concatenates the calls along time."""
 
     def __init__(self, model: torch.nn.Module, layers: Sequence[int]):
+        check_layers(model, layers)
         decoder = model.get_decoder()
         blocks, norm = getattr(decoder, "layers", None), getattr(decoder, "norm", None)
         if blocks is None or norm is None:
             raise ValueError(f"feature capture: the target's decoder ({type(decoder).__name__}) has no `layers` and "
                              "`norm` to read hidden states from")
-        bad = [i for i in layers if not 0 <= i < len(blocks)]
-        if bad:
-            raise ValueError(f"eagle3_layers: {bad} out of range for a target of {len(blocks)} layers")
         self.blocks, self.norm, self.layers = blocks, norm, list(layers)
         self.inputs: dict[int, list[torch.Tensor]] = {i: [] for i in self.layers}
         self.finals: list[torch.Tensor] = []

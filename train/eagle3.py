@@ -65,9 +65,8 @@ def train_eagle3(cfg, accelerator, target, records: list[dict], eval_prompts: li
                                        init=cfg.eagle3_init,
                                        intermediate_size=cfg.eagle3_intermediate_size).float().train()
     pad_id = pad_token_id(target.tokenizer, target.eos_token_ids)
-    staging = FeatureStaging(target.fingerprint, drafter.target_layers)
     cache = open_or_build(target, records, drafter.target_layers, cfg.max_seq_len, cfg.gen_batch_size, pad_id,
-                          accelerator, staging=staging)
+                          accelerator, staging=feature_staging(cfg, target))
     plan = BatchPlan(cache, cfg.batch_size, cfg.seed)
     total = cfg.max_steps or cfg.epochs * -(-plan.batches_per_epoch // accelerator.num_processes)
     optimizer, scheduler = steps.make_optimizer(cfg, drafter, total)
