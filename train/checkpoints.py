@@ -20,6 +20,7 @@ class TrainState:
     best_tau: float = -1.0
     best_step: int = -1
     history: list[dict] = field(default_factory=list)  # in-loop acceptance measurements
+    total_steps: int = 0  # the run's step count as max_minutes decided it (train.step_budget); 0: not decided
 
 
 def checkpoint_dir(work_dir: str | Path) -> Path:

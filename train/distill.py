@@ -37,6 +37,7 @@ from train.checkpoints import resume_or_start, save_checkpoint  # noqa: E402
 from train.config import ConfigError, load_config  # noqa: E402
 from train.distill_config import DistillConfig  # noqa: E402
 from train import distill_steps as steps  # noqa: E402
+from train.step_budget import start_job_clock  # noqa: E402
 
 log = logging.getLogger("specdistill.distill")
 
@@ -56,6 +57,7 @@ TEACHER_STAGING = {"eagle3": feature_staging}
 
 
 def main(argv: list[str] | None = None) -> Path | None:
+    start_job_clock()  # max_minutes counts the whole job: the teacher data and the target's states too
     cfg = load_config(DistillConfig, argv)
     asked = cfg.mixed_precision
     # what runs, not "auto", in every record of the run (the drafter's manifest, the summary, the tracker)

@@ -214,17 +214,33 @@ def make_loader(cfg, records: list[dict], target, vocab_map) -> DataLoader:
                       collate_fn=lambda rows: collate(rows, pad_id, cfg.max_seq_len, t2d))
 
 
+class WarmupCosine:
+    """The learning rate's factor at each step: linear warm-up over `warmup` steps, then cosine decay to 10% at
+    `total`. A callable object, not a function, so LambdaLR's state_dict carries `total` (a run whose length was
+    decided after its warm-up, train.step_budget, resumes with it)."""
+
+    def __init__(self, warmup: int, total: int):
+        self.warmup, self.total = warmup, total
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 def make_optimizer(cfg, model, total_steps: int):
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(cfg.warmup_steps, total_steps))
 
-    def schedule(step: int) -> float:  # linear warm-up, cosine decay to 10%
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+def set_schedule_length(scheduler, total_steps: int) -> None:
+    """Make the decay of `make_optimizer`'s schedule end at total_steps (accelerate's wrapper or the bare one);
+    steps already taken keep their rates (the warm-up's do not depend on the length)."""
+    bare = getattr(scheduler, "scheduler", scheduler)  # accelerate's AcceleratedScheduler wraps it
+    for schedule in bare.lr_lambdas:
+        schedule.total = total_steps
 
 
 def total_steps(cfg, num_batches: int, num_processes: int) -> int:

@@ -19,18 +19,23 @@ prompts with the real engine (decode.proposers.eagle3, full depth, no adaptation
 measured tau, published atomically at the end. `--resume` continues exactly from the last checkpoint (data
 order is a function of the seed, the epoch and the batch index).
 
+With max_minutes the step count is decided at the end of the warm-up from the measured costs
+(train.step_budget), at most max_steps.
+
 Config fields read here: eagle3_layers, eagle3_steps, eagle3_decay, eagle3_prompt_weight, eagle3_copy_weight,
 eagle3_feature_noise, eagle3_init, eagle3_depth, eagle3_topk, eagle3_tree_nodes, draft_vocab, and the common
-optimisation, eval_* and checkpoint fields.
+optimisation (max_minutes too), eval_* and checkpoint fields.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import time
 from pathlib import Path
 
 import torch
+from accelerate.utils import broadcast_object_list
 from tqdm.auto import tqdm
 
 from decode.engine import SpeculativeEngine
@@ -45,6 +50,7 @@ from train import distill_steps as steps
 from train.checkpoints import resume_or_start, save_checkpoint
 from train.colbt import config_dict
 from train.medusa import average_gradients, candidate_vocab
+from train.step_budget import StepBudget
 
 log = logging.getLogger("specdistill.eagle3")
 
@@ -74,21 +80,34 @@ def train_eagle3(cfg, accelerator, target, records: list[dict], eval_prompts: li
     steps.declare_micro_batch(accelerator, cfg.batch_size)  # DeepSpeed cannot read it from a dataloader here
     drafter, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
     state = resume_or_start(cfg, accelerator)
+    total = state.total_steps or total  # a resumed run whose length max_minutes decided keeps it
+    budget = StepBudget(cfg.max_minutes, cfg.warmup_steps, cfg.eval_every, total) if cfg.max_minutes else None
     head_rows = target_head_rows(target, vocab_map)
     if state.step == 0:  # the untrained start, to measure what training gained
         start = whole.of(drafter)  # every process: a collective gather under ZeRO-3
         if accelerator.is_main_process:
             save_snapshot(cfg, target, start, state, "initial")
     if cfg.eval_every and state.step == 0:  # its held-out tau, so that the gain is visible in the log
+        started = time.perf_counter()
         evaluate(cfg, accelerator, target, whole.of(drafter), state, eval_prompts)
+        if budget:
+            budget.observe_eval(time.perf_counter() - started)
     bar = tqdm(total=total, initial=state.step, desc="eagle3", disable=not accelerator.is_local_main_process)
     while state.step < total:
         index = state.step * accelerator.num_processes + accelerator.process_index
         batch = plan.batch(index)
+        started = time.perf_counter()
         loss, accuracy = train_step(cfg, accelerator, target, drafter, head_rows, batch, optimizer, scheduler,
                                     noise_seed=cfg.seed * 1_000_003 + index)
         state.step += 1
         bar.update(1)
+        if budget:
+            budget.observe_step(time.perf_counter() - started)
+            if not state.total_steps and state.step >= cfg.warmup_steps:  # the warm-up's last step: decide
+                total = state.total_steps = decided_steps(accelerator, budget, state.step)
+                steps.set_schedule_length(scheduler, total)
+                bar.total = total
+                bar.refresh()
         after_step(cfg, accelerator, target, drafter, state, eval_prompts, loss, accuracy, scheduler, total, whole)
         if state.step == cfg.stop_at_step and state.step < total:
             save_checkpoint(accelerator, state, cfg.work_dir)
@@ -99,6 +118,12 @@ def train_eagle3(cfg, accelerator, target, records: list[dict], eval_prompts: li
         evaluate(cfg, accelerator, target, whole.of(drafter), state, eval_prompts)  # the same on every rank)
     steps.write_summary(cfg, accelerator, drafter, state, True, whole)
     return steps.publish_best(cfg, accelerator, target, None, state)
+
+
+def decided_steps(accelerator, budget: StepBudget, done: int) -> int:
+    """The run's step count from the main process's measurements, the same on every process."""
+    decided = [budget.decide(done) if accelerator.is_main_process else 0]
+    return broadcast_object_list(decided, from_process=0)[0]
 
 
 def target_head_rows(target, vocab_map: torch.Tensor | None) -> torch.Tensor:

@@ -1,0 +1,126 @@
+"""Sizing a run's steps to a wall-clock budget (train.step_budget, config max_minutes): the arithmetic, the
+schedule whose length is set after the warm-up (and survives a checkpoint), the config's checks, and EAGLE-3
+training that stops where the budget says."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+import train.step_budget as step_budget
+from tests.train.support import greedy_records, peaked_tiny_target
+from tests.train.test_eagle3_train import VOCAB, eagle3_config
+from train.config import ConfigError
+from train.distill_config import DistillConfig
+from train.distill_steps import WarmupCosine, make_optimizer, set_schedule_length
+from train.eagle3 import train_eagle3
+from train.step_budget import StepBudget, evaluations_after, steps_within
+
+
+def cost(s, done, per_step, per_eval, every):
+    return (s - done) * per_step + evaluations_after(done, s, every) * per_eval
+
+
+@pytest.mark.parametrize("done,total,every,expected", [(0, 100, 25, 4), (0, 110, 25, 5), (20, 100, 25, 4),
+                                                       (25, 100, 25, 3), (99, 100, 0, 1), (100, 100, 25, 0),
+                                                       (20, 21, 25, 1)])
+def test_evaluations_after_counts_each_multiple_and_an_unaligned_end(done, total, every, expected):
+    assert evaluations_after(done, total, every) == expected
+
+
+@pytest.mark.parametrize("left", [0.0, 0.5, 3.0, 40.0, 99.5, 1e9])
+@pytest.mark.parametrize("per_eval", [0.0, 7.0])
+def test_steps_within_is_the_most_steps_that_fit(left, per_eval):
+    done, per_step, every, cap = 20, 0.9, 25, 400
+    s = steps_within(left, done, per_step, per_eval, every, cap)
+    assert done <= s <= cap
+    assert s == done or cost(s, done, per_step, per_eval, every) <= left
+    assert s == cap or cost(s + 1, done, per_step, per_eval, every) > left  # one more would not fit
+
+
+def test_steps_within_grows_with_the_time_left():
+    counts = [steps_within(left, 20, 1.0, 10.0, 50, 10_000) for left in range(0, 2000, 37)]
+    assert counts == sorted(counts) and counts[0] == 20 and counts[-1] > 1000
+
+
+def test_decide_prices_steps_by_their_mean_after_the_first_and_evaluations_by_the_slowest(monkeypatch):
+    monkeypatch.setattr(step_budget, "seconds_since_start", lambda: 60.0)  # one minute of ten gone
+    budget = StepBudget(max_minutes=10, warmup_steps=5, eval_every=100, cap=10_000)
+    for seconds in [30.0, 1.0, 2.0, 1.0, 2.0]:  # the first step is left out: 1.5 s a step
+        budget.observe_step(seconds)
+    budget.observe_eval(12.0)
+    budget.observe_eval(18.0)
+    total = budget.decide(done=5)
+    assert total == steps_within(540.0, 5, 1.5, 18.0, 100, 10_000)
+    assert cost(total, 5, 1.5, 18.0, 100) <= 540.0 < cost(total + 1, 5, 1.5, 18.0, 100)
+
+
+def test_the_schedule_keeps_its_warm_up_and_carries_its_length_through_a_checkpoint():
+    cfg = DistillConfig(method="eagle3", lr=1e-3, warmup_steps=4, prompts=["self:4"])
+    model = torch.nn.Linear(2, 2)
+    _, scheduler = make_optimizer(cfg, model, total_steps=1000)
+    warm = [scheduler.lr_lambdas[0](s) for s in range(4)]
+    set_schedule_length(scheduler, 40)
+    assert [scheduler.lr_lambdas[0](s) for s in range(4)] == warm  # the warm-up does not depend on the length
+    assert scheduler.lr_lambdas[0](40) == pytest.approx(0.1) and scheduler.lr_lambdas[0](39) > 0.1
+    state = scheduler.state_dict()
+    _, fresh = make_optimizer(cfg, torch.nn.Linear(2, 2), total_steps=1000)
+    fresh.load_state_dict(state)
+    assert isinstance(fresh.lr_lambdas[0], WarmupCosine) and fresh.lr_lambdas[0].total == 40
+
+
+@pytest.mark.parametrize("override, message", [(dict(max_minutes=-1.0), "max_minutes: must be >= 0"),
+                                               (dict(max_minutes=30.0, method="medusa"), "max_minutes: method medusa"),
+                                               (dict(max_minutes=30.0, warmup_steps=2), "warmup_steps must be >= 5")])
+def test_bad_budgets_name_the_field(override, message):
+    fields = dict(method="eagle3", prompts=["self:4"])
+    fields.update(override)
+    with pytest.raises(ConfigError, match=message):
+        DistillConfig(**fields)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return peaked_tiny_target(VOCAB, seed=1)
+
+
+@pytest.fixture(scope="module")
+def records(target):
+    return greedy_records(target, VOCAB, n=48, new_tokens=20)
+
+
+def run_with_clock(target, records, tmp_path, monkeypatch, minutes_gone: float, **overrides):
+    monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(step_budget, "seconds_since_start", lambda: 60.0 * minutes_gone)
+    cfg = eagle3_config(tmp_path, max_minutes=10.0, warmup_steps=5, max_steps=30, eval_every=0, **overrides)
+    out = train_eagle3(cfg, Accelerator(cpu=True), target, records[:40], [])
+    return out, json.loads((Path(cfg.work_dir) / "summary.json").read_text())
+
+
+def test_a_spent_budget_stops_training_after_the_warm_up_and_still_publishes(target, records, tmp_path, monkeypatch):
+    out, summary = run_with_clock(target, records, tmp_path, monkeypatch, minutes_gone=10.5)
+    assert summary["finished"] and summary["step"] == 5
+    assert (Path(out) / "manifest.json").is_file()
+
+
+def test_an_ample_budget_trains_to_max_steps(target, records, tmp_path, monkeypatch):
+    _, summary = run_with_clock(target, records, tmp_path, monkeypatch, minutes_gone=0.0)
+    assert summary["finished"] and summary["step"] == 30
+
+
+def test_a_resumed_run_keeps_the_step_count_it_decided(target, records, tmp_path, monkeypatch):
+    """Decided at the end of the warm-up (12 of max_steps 30), stopped at step 8: the resume trains to 12 with
+    the schedule of 12, whatever its own clock says."""
+    monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(step_budget.StepBudget, "decide", lambda self, done: 12)
+    short = dict(max_minutes=10.0, warmup_steps=5, max_steps=30, eval_every=0, checkpoint_every=4)
+    stopped = eagle3_config(tmp_path, stop_at_step=8, **short)
+    assert train_eagle3(stopped, Accelerator(cpu=True), target, records[:40], []) is None
+    monkeypatch.setattr(step_budget.StepBudget, "decide", lambda self, done: pytest.fail("decided again"))
+    cfg = eagle3_config(tmp_path, resume=True, **short)
+    train_eagle3(cfg, Accelerator(cpu=True), target, records[:40], [])
+    assert json.loads((Path(cfg.work_dir) / "summary.json").read_text())["step"] == 12
