@@ -369,7 +369,8 @@ def publish_best(cfg, accelerator, target, vocab_map, state) -> Path:
 
 
 def write_summary(cfg, accelerator, drafter, state, finished: bool, whole: WholeDrafter | None = None) -> None:
-    """work_dir/summary.json: the acceptance history, the best step, and a digest of every
+    """work_dir/summary.json: the acceptance history, the best step, the step count max_minutes decided (None
+    without it), and a digest of every
     process's final weights (replicas that disagree are an error: DDP must keep them equal; under ZeRO-3 the
     one gathered drafter's digest stands for every process)."""
     if whole is not None and whole.gathers:
@@ -384,7 +385,8 @@ def write_summary(cfg, accelerator, drafter, state, finished: bool, whole: Whole
     if accelerator.is_main_process:
         if len(set(digests)) != 1:
             raise RuntimeError(f"processes ended with different drafter weights: {digests}")
-        summary = {"finished": finished, "step": state.step, "best_step": state.best_step,
+        summary = {"finished": finished, "step": state.step, "decided_steps": state.total_steps or None,
+                   "best_step": state.best_step,
                    "best_tau": state.best_tau, "history": state.history,
                    "num_processes": accelerator.num_processes, "replica_weight_digests": digests,
                    "distributed_type": accelerator.distributed_type.value,

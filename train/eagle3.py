@@ -19,8 +19,8 @@ prompts with the real engine (decode.proposers.eagle3, full depth, no adaptation
 measured tau, published atomically at the end. `--resume` continues exactly from the last checkpoint (data
 order is a function of the seed, the epoch and the batch index).
 
-With max_minutes the step count is decided at the end of the warm-up from the measured costs
-(train.step_budget), at most max_steps.
+With max_minutes the step count is decided after the warm-up from the measured costs (train.step_budget), at
+most max_steps, and training stops early should the job still be about to overrun.
 
 Config fields read here: eagle3_layers, eagle3_steps, eagle3_decay, eagle3_prompt_weight, eagle3_copy_weight,
 eagle3_feature_noise, eagle3_init, eagle3_depth, eagle3_topk, eagle3_tree_nodes, draft_vocab, and the common
@@ -103,12 +103,17 @@ def train_eagle3(cfg, accelerator, target, records: list[dict], eval_prompts: li
         bar.update(1)
         if budget:
             budget.observe_step(time.perf_counter() - started)
-            if not state.total_steps and state.step >= cfg.warmup_steps:  # the warm-up's last step: decide
+            if not state.total_steps and budget.calibrated(state.step):
                 total = state.total_steps = decided_steps(accelerator, budget, state.step)
                 steps.set_schedule_length(scheduler, total)
-                bar.total = total
-                bar.refresh()
+            elif state.total_steps and state.step < total and budget_spent(accelerator, budget):
+                log.warning("max_minutes: stopping at step %d of %d, the budget is spent", state.step, total)
+                total = state.step
+            bar.total = total
+        started = time.perf_counter()
         after_step(cfg, accelerator, target, drafter, state, eval_prompts, loss, accuracy, scheduler, total, whole)
+        if budget and cfg.eval_every and state.step % cfg.eval_every == 0:  # it evaluated (and checkpointed)
+            budget.observe_eval(time.perf_counter() - started)
         if state.step == cfg.stop_at_step and state.step < total:
             save_checkpoint(accelerator, state, cfg.work_dir)
             log.info("stopped at step %d as asked; continue with --resume", state.step)
@@ -124,6 +129,12 @@ def decided_steps(accelerator, budget: StepBudget, done: int) -> int:
     """The run's step count from the main process's measurements, the same on every process."""
     decided = [budget.decide(done) if accelerator.is_main_process else 0]
     return broadcast_object_list(decided, from_process=0)[0]
+
+
+def budget_spent(accelerator, budget: StepBudget) -> bool:
+    """The main process's `out_of_time`, the same on every process."""
+    spent = [budget.out_of_time() if accelerator.is_main_process else False]
+    return broadcast_object_list(spent, from_process=0)[0]
 
 
 def target_head_rows(target, vocab_map: torch.Tensor | None) -> torch.Tensor:
@@ -267,9 +278,10 @@ def eagle3_loss(drafter: Eagle3Drafter, embed: torch.nn.Module, head_rows: torch
     counted = weight > 0
     with torch.no_grad():
         embeds = [embed(shifted(ids, 1 + j)).float() for j in range(num_steps)]  # per step [B, T, D]
-        target_logp = torch.log_softmax(final[counted] @ head_rows.T, dim=-1)  # [N, M] once: every step reads it
+        target_p = torch.softmax(final[counted] @ head_rows.T, dim=-1)  # [N, M] once: every step reads it
+        target_best = target_p.argmax(-1)  # [N]: the target's token, for the accuracy
         row_of = torch.full(mask.shape, -1, dtype=torch.long, device=device)  # [B, T] position -> its row
-        row_of[counted] = torch.arange(target_logp.shape[0], device=device)
+        row_of[counted] = torch.arange(target_p.shape[0], device=device)
     if every_row:
         rows, in_rows = torch.arange(mask.shape[1], device=device).expand_as(mask), torch.ones_like(mask)
     else:
@@ -285,12 +297,12 @@ def eagle3_loss(drafter: Eagle3Drafter, embed: torch.nn.Module, head_rows: torch
         response = (mask.gather(1, ahead) & inside)[valid]  # [N_j]: rows that predict a response token
         if not response.any():
             break
-        target = target_logp[row_of.gather(1, ahead)[valid]]  # [N_j, M]
+        at = row_of.gather(1, ahead)[valid]  # [N_j]: each row's target distribution
         logq = torch.log_softmax(drafter.logits(out[valid]).float(), dim=-1)  # [N_j, M]
         w = row_weight[valid]  # [N_j]
-        loss = (-(target.exp() * logq).sum(-1) * w).sum() / w.sum()
+        loss = (-(target_p[at] * logq).sum(-1) * w).sum() / w.sum()
         total = total + decay ** j * loss
-        hits = logq.argmax(-1) == target.argmax(-1)
+        hits = logq.detach().argmax(-1) == target_best[at]
         accuracy.append(float(hits[response].float().mean()))
     return total, accuracy
 

@@ -47,6 +47,24 @@ def test_steps_within_grows_with_the_time_left():
     assert counts == sorted(counts) and counts[0] == 20 and counts[-1] > 1000
 
 
+def test_the_decision_waits_for_the_warm_up_and_the_calibration_steps_unless_the_cap_comes_first(monkeypatch):
+    monkeypatch.setattr(step_budget, "CALIBRATION_STEPS", 50)
+    assert [StepBudget(10, 20, 0, 4000).calibrated(s) for s in (20, 49, 50)] == [False, False, True]
+    assert [StepBudget(10, 80, 0, 4000).calibrated(s) for s in (50, 79, 80)] == [False, False, True]
+    assert StepBudget(10, 20, 0, cap=12).calibrated(12)
+
+
+def test_out_of_time_when_a_step_and_the_last_evaluation_would_pass_the_budget(monkeypatch):
+    budget = StepBudget(max_minutes=1, warmup_steps=5, eval_every=0, cap=100)
+    for seconds in [9.0, 2.0, 2.0]:
+        budget.observe_step(seconds)
+    budget.observe_eval(5.0)
+    monkeypatch.setattr(step_budget, "seconds_since_start", lambda: 52.0)
+    assert not budget.out_of_time()  # 52 + 2 + 5 = 59
+    monkeypatch.setattr(step_budget, "seconds_since_start", lambda: 54.0)
+    assert budget.out_of_time()  # 61
+
+
 def test_decide_prices_steps_by_their_mean_after_the_first_and_evaluations_by_the_slowest(monkeypatch):
     monkeypatch.setattr(step_budget, "seconds_since_start", lambda: 60.0)  # one minute of ten gone
     budget = StepBudget(max_minutes=10, warmup_steps=5, eval_every=100, cap=10_000)
@@ -93,6 +111,12 @@ def records(target):
     return greedy_records(target, VOCAB, n=48, new_tokens=20)
 
 
+@pytest.fixture(autouse=True)
+def decide_after_the_warm_up(monkeypatch):
+    """The tiny runs below decide at the end of their 5 warm-up steps."""
+    monkeypatch.setattr(step_budget, "CALIBRATION_STEPS", 0)
+
+
 def run_with_clock(target, records, tmp_path, monkeypatch, minutes_gone: float, **overrides):
     monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(step_budget, "seconds_since_start", lambda: 60.0 * minutes_gone)
@@ -103,13 +127,33 @@ def run_with_clock(target, records, tmp_path, monkeypatch, minutes_gone: float, 
 
 def test_a_spent_budget_stops_training_after_the_warm_up_and_still_publishes(target, records, tmp_path, monkeypatch):
     out, summary = run_with_clock(target, records, tmp_path, monkeypatch, minutes_gone=10.5)
-    assert summary["finished"] and summary["step"] == 5
+    assert summary["finished"] and summary["step"] == 5 and summary["decided_steps"] == 5
     assert (Path(out) / "manifest.json").is_file()
 
 
 def test_an_ample_budget_trains_to_max_steps(target, records, tmp_path, monkeypatch):
     _, summary = run_with_clock(target, records, tmp_path, monkeypatch, minutes_gone=0.0)
-    assert summary["finished"] and summary["step"] == 30
+    assert summary["finished"] and summary["step"] == 30 and summary["decided_steps"] == 30
+
+
+def test_a_machine_that_slows_after_the_decision_stops_early_and_still_publishes(target, records, tmp_path,
+                                                                                monkeypatch):
+    clock = {"seconds": 0.0}
+    monkeypatch.setattr(step_budget, "seconds_since_start", lambda: clock["seconds"])
+    decide = StepBudget.decide
+
+    def decide_then_slow_down(self, done):
+        total = decide(self, done)
+        clock["seconds"] = 60.0 * 10.5  # the rest of the budget gone at once
+        return total
+
+    monkeypatch.setattr(StepBudget, "decide", decide_then_slow_down)
+    monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
+    cfg = eagle3_config(tmp_path, max_minutes=10.0, warmup_steps=5, max_steps=30, eval_every=0)
+    out = train_eagle3(cfg, Accelerator(cpu=True), target, records[:40], [])
+    summary = json.loads((Path(cfg.work_dir) / "summary.json").read_text())
+    assert summary["finished"] and summary["step"] == 6  # decided 30 at step 5, stopped after the next
+    assert (Path(out) / "manifest.json").is_file()
 
 
 def test_a_resumed_run_keeps_the_step_count_it_decided(target, records, tmp_path, monkeypatch):
