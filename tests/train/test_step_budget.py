@@ -12,8 +12,7 @@ import torch
 from accelerate import Accelerator
 
 import train.step_budget as step_budget
-from tests.train.support import greedy_records, peaked_tiny_target
-from tests.train.test_eagle3_train import VOCAB, eagle3_config
+from tests.train.test_eagle3_train import eagle3_config, records, target  # noqa: F401 (the tiny target's fixtures)
 from train.config import ConfigError
 from train.distill_config import DistillConfig
 from train.distill_steps import WarmupCosine, make_optimizer, set_schedule_length
@@ -99,16 +98,6 @@ def test_bad_budgets_name_the_field(override, message):
     fields.update(override)
     with pytest.raises(ConfigError, match=message):
         DistillConfig(**fields)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return peaked_tiny_target(VOCAB, seed=1)
-
-
-@pytest.fixture(scope="module")
-def records(target):
-    return greedy_records(target, VOCAB, n=48, new_tokens=20)
 
 
 @pytest.fixture(autouse=True)
