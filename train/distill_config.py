@@ -125,9 +125,10 @@ class DistillConfig:
     grad_accum: int = _f(1, "micro-batches per optimizer step")
     epochs: int = _f(1, "passes over the teacher data (max_steps wins when set)")
     max_steps: int = _f(0, "optimizer steps; 0 = run the epochs")
-    max_minutes: float = _f(0.0, "eagle3: the whole job's wall-clock budget in minutes (0: none): at the end of the "
-                                 "warm-up the step count is set to what fits the time left at the measured cost "
-                                 "of a step and of an evaluation, at most max_steps (train.step_budget)")
+    max_minutes: float = _f(0.0, "eagle3: the whole job's wall-clock budget in minutes (0: none): after the warm-up "
+                                 "and 50 timed steps the step count is set to what fits the time left at the "
+                                 "measured cost of a step and of an evaluation, at most max_steps, and training "
+                                 "stops early should the job still be about to overrun (train.step_budget)")
     max_seq_len: int = _f(384, "prompt + response tokens per sequence (the prompt is cut from the left)")
     seed: int = _f(0, "seed for data order, teacher sampling and initialization")
     mixed_precision: str = _f("auto", "no, bf16, fp16, or auto (bf16 on CUDA, and for eagle3 on CPUs with native "
@@ -176,9 +177,6 @@ class DistillConfig:
         if self.max_minutes and self.method not in BUDGETED_METHODS:
             raise ConfigError(f"max_minutes: method {self.method} trains a fixed number of steps; only "
                               f"{', '.join(BUDGETED_METHODS)} sizes its steps to a time budget")
-        if self.max_minutes and self.warmup_steps < 5:
-            raise ConfigError(f"max_minutes: the step count is decided from the warm-up's timed steps; warmup_steps "
-                              f"must be >= 5 with it, got {self.warmup_steps}")
         if not 0.0 <= self.on_policy_lambda <= 1.0:
             raise ConfigError(f"on_policy_lambda: must be in [0, 1], got {self.on_policy_lambda}")
         if not 0.0 <= self.jsd_beta <= 1.0:
