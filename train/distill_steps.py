@@ -370,9 +370,8 @@ def publish_best(cfg, accelerator, target, vocab_map, state) -> Path:
 
 def write_summary(cfg, accelerator, drafter, state, finished: bool, whole: WholeDrafter | None = None) -> None:
     """work_dir/summary.json: the acceptance history, the best step, the step count max_minutes decided (None
-    without it), and a digest of every
-    process's final weights (replicas that disagree are an error: DDP must keep them equal; under ZeRO-3 the
-    one gathered drafter's digest stands for every process)."""
+    without it), and a digest of every process's final weights (replicas that disagree are an error: DDP must keep
+    them equal; under ZeRO-3 the one gathered drafter's digest stands for every process)."""
     if whole is not None and whole.gathers:
         model = whole.of(drafter)
         digest = weights_fingerprint(model) if accelerator.is_main_process else None

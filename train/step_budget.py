@@ -101,14 +101,14 @@ class StepBudget:
 
     def decide(self, done: int) -> int:
         """The run's total steps, from the costs measured so far and the job's seconds left."""
-        left = self.max_seconds - seconds_since_start()
-        total = steps_within(left, done, self.per_step(), self.per_eval(), self.eval_every, self.cap)
+        left, per_step, per_eval = self.max_seconds - seconds_since_start(), self.per_step(), self.per_eval()
+        total = steps_within(left, done, per_step, per_eval, self.eval_every, self.cap)
         if total == done:
             log.warning("max_minutes: %.1f of %.1f minutes are gone after %d steps; training stops here",
-                        seconds_since_start() / 60, self.max_seconds / 60, done)
+                        (self.max_seconds - left) / 60, self.max_seconds / 60, done)
         else:
             log.info("max_minutes: %d steps fit the %.1f minutes left (%.2f s a step, %.1f s an evaluation; "
-                     "cap %d)", total, left / 60, self.per_step(), self.per_eval(), self.cap)
+                     "cap %d)", total, left / 60, per_step, per_eval, self.cap)
         return total
 
     def out_of_time(self) -> bool:
