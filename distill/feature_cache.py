@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
@@ -181,6 +182,13 @@ class FeatureCache:
 
     def shard_size(self, index: int) -> int:
         return min(SHARD_RECORDS, self.num_records - index * SHARD_RECORDS)
+
+    def response_counts(self, index: int) -> list[tuple[int, int]]:
+        """Per record of shard `index`: (its window's length, its response positions), read without loading
+        the states (what prices a training step before it runs: train.eagle3.BatchPlan.work)."""
+        with safe_open(str(self.directory / shard_name(index)), framework="pt") as f:
+            return [(f.get_slice(f"{i}.ids").get_shape()[0], int(f.get_tensor(f"{i}.mask").sum()))
+                    for i in range(self.shard_size(index))]
 
     def shard(self, index: int) -> list[FeatureRecord]:
         tensors = load_file(str(self.directory / shard_name(index)))

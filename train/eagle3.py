@@ -81,7 +81,10 @@ def train_eagle3(cfg, accelerator, target, records: list[dict], eval_prompts: li
     drafter, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
     state = resume_or_start(cfg, accelerator)
     total = state.total_steps or total  # a resumed run whose length max_minutes decided keeps it
-    budget = StepBudget(cfg.max_minutes, cfg.warmup_steps, cfg.eval_every, total) if cfg.max_minutes else None
+    budget = None
+    if cfg.max_minutes:  # a step priced by the main process's batch (the one it times)
+        budget = StepBudget(cfg.max_minutes, cfg.warmup_steps, cfg.eval_every, total,
+                            lambda step: plan.work(step * accelerator.num_processes, cfg.eagle3_prompt_weight))
     head_rows = target_head_rows(target, vocab_map)
     if state.step == 0:  # the untrained start, to measure what training gained
         start = whole.of(drafter)  # every process: a collective gather under ZeRO-3
@@ -102,11 +105,11 @@ def train_eagle3(cfg, accelerator, target, records: list[dict], eval_prompts: li
         state.step += 1
         bar.update(1)
         if budget:
-            budget.observe_step(time.perf_counter() - started)
+            budget.observe_step(time.perf_counter() - started, state.step - 1)
             if not state.total_steps and budget.calibrated(state.step):
                 total = state.total_steps = decided_steps(accelerator, budget, state.step)
                 steps.set_schedule_length(scheduler, total)
-            elif state.total_steps and state.step < total and budget_spent(accelerator, budget):
+            elif state.total_steps and state.step < total and budget_spent(accelerator, budget, state.step):
                 log.warning("max_minutes: stopping at step %d of %d, the budget is spent", state.step, total)
                 total = state.step
             bar.total = total
@@ -131,9 +134,9 @@ def decided_steps(accelerator, budget: StepBudget, done: int) -> int:
     return broadcast_object_list(decided, from_process=0)[0]
 
 
-def budget_spent(accelerator, budget: StepBudget) -> bool:
+def budget_spent(accelerator, budget: StepBudget, done: int) -> bool:
     """The main process's `out_of_time`, the same on every process."""
-    spent = [budget.out_of_time() if accelerator.is_main_process else False]
+    spent = [budget.out_of_time(done) if accelerator.is_main_process else False]
     return broadcast_object_list(spent, from_process=0)[0]
 
 
@@ -156,6 +159,7 @@ class BatchPlan:
         self.per_shard = [-(-cache.shard_size(i) // batch_size) for i in range(cache.num_shards)]
         self.batches_per_epoch = sum(self.per_shard)
         self.loaded: tuple[int, list[FeatureRecord]] | None = None
+        self.sizes: dict[int, list[tuple[int, int]]] = {}  # shard -> its records' (length, response positions)
 
     def locate(self, index: int) -> tuple[int, list[int]]:
         """Batch `index` -> (shard, the record indices within it)."""
@@ -169,6 +173,16 @@ class BatchPlan:
                 return shard, order[within * self.batch_size:(within + 1) * self.batch_size]
             within -= self.per_shard[shard]
         raise AssertionError("unreachable: within < batches_per_epoch")
+
+    def work(self, index: int, prompt_weight: float = 0.0) -> int:
+        """Batch `index`'s positions that the loss counts, known before it is read: its records' response
+        positions, or every position that has a next token when prompt tokens are weighted too. A training
+        step's time grows with it (measured: 0.39 s + 0.63 ms a position, correlation 0.90 over 120 steps)."""
+        shard, rows = self.locate(index)
+        if shard not in self.sizes:
+            self.sizes[shard] = self.cache.response_counts(shard)
+        return sum(length - 1 if prompt_weight > 0 else response
+                   for length, response in (self.sizes[shard][i] for i in rows))
 
     def batch(self, index: int) -> list[FeatureRecord]:
         shard, rows = self.locate(index)

@@ -12,16 +12,22 @@ import torch
 from accelerate import Accelerator
 
 import train.step_budget as step_budget
-from tests.train.test_eagle3_train import eagle3_config, records, target  # noqa: F401 (the tiny target's fixtures)
+from tests.train.test_eagle3_train import LAYERS, eagle3_config, records, target  # noqa: F401 (tiny fixtures)
 from train.config import ConfigError
 from train.distill_config import DistillConfig
 from train.distill_steps import WarmupCosine, make_optimizer, set_schedule_length
-from train.eagle3 import train_eagle3
-from train.step_budget import StepBudget, evaluations_after, steps_within
+from train.eagle3 import BatchPlan, train_eagle3
+from train.step_budget import StepBudget, evaluations_after, fit_step_price, steps_within
 
 
 def cost(s, done, per_step, per_eval, every):
-    return (s - done) * per_step + evaluations_after(done, s, every) * per_eval
+    """What s steps from `done` cost when every step costs per_step (a number) or step i costs per_step(i)."""
+    steps = sum(per_step(i) for i in range(done, s)) if callable(per_step) else (s - done) * per_step
+    return steps + evaluations_after(done, s, every) * per_eval
+
+
+def alike(per_step, done, cap):
+    return [per_step] * (cap - done)
 
 
 @pytest.mark.parametrize("done,total,every,expected", [(0, 100, 25, 4), (0, 110, 25, 5), (20, 100, 25, 4),
@@ -35,14 +41,14 @@ def test_evaluations_after_counts_each_multiple_and_an_unaligned_end(done, total
 @pytest.mark.parametrize("per_eval", [0.0, 7.0])
 def test_steps_within_is_the_most_steps_that_fit(left, per_eval):
     done, per_step, every, cap = 20, 0.9, 25, 400
-    s = steps_within(left, done, per_step, per_eval, every, cap)
+    s = steps_within(left, done, alike(per_step, done, cap), per_eval, every, cap)
     assert done <= s <= cap
     assert s == done or cost(s, done, per_step, per_eval, every) <= left
     assert s == cap or cost(s + 1, done, per_step, per_eval, every) > left  # one more would not fit
 
 
 def test_steps_within_grows_with_the_time_left():
-    counts = [steps_within(left, 20, 1.0, 10.0, 50, 10_000) for left in range(0, 2000, 37)]
+    counts = [steps_within(left, 20, alike(1.0, 20, 10_000), 10.0, 50, 10_000) for left in range(0, 2000, 37)]
     assert counts == sorted(counts) and counts[0] == 20 and counts[-1] > 1000
 
 
@@ -55,25 +61,74 @@ def test_the_decision_waits_for_the_warm_up_and_the_calibration_steps_unless_the
 
 def test_out_of_time_when_a_step_and_the_last_evaluation_would_pass_the_budget(monkeypatch):
     budget = StepBudget(max_minutes=1, warmup_steps=5, eval_every=0, cap=100)
-    for seconds in [9.0, 2.0, 2.0]:
-        budget.observe_step(seconds)
+    for step, seconds in enumerate([9.0, 2.0, 2.0]):
+        budget.observe_step(seconds, step)
     budget.observe_eval(5.0)
     monkeypatch.setattr(step_budget, "seconds_since_start", lambda: 52.0)
-    assert not budget.out_of_time()  # 52 + 2 + 5 = 59
+    assert not budget.out_of_time(3)  # 52 + 2 + 5 = 59
     monkeypatch.setattr(step_budget, "seconds_since_start", lambda: 54.0)
-    assert budget.out_of_time()  # 61
+    assert budget.out_of_time(3)  # 61
+
+
+def test_out_of_time_prices_the_next_step_by_its_batch(monkeypatch):
+    work = [10.0, 10.0, 20.0, 10.0, 20.0, 10.0, 50.0]  # 0.1 s a unit; the next step's batch is long
+    budget = StepBudget(max_minutes=1, warmup_steps=5, eval_every=0, cap=100, work_of=work.__getitem__)
+    for step, seconds in enumerate([9.0, 1.0, 2.0, 1.0, 2.0, 1.0]):
+        budget.observe_step(seconds, step)
+    budget.observe_eval(5.0)
+    monkeypatch.setattr(step_budget, "seconds_since_start", lambda: 52.0)
+    assert budget.out_of_time(6)  # 52 + 5 + 5 = 62, where the mean step (1.4 s) would say 58.4
 
 
 def test_decide_prices_steps_by_their_mean_after_the_first_and_evaluations_by_the_slowest(monkeypatch):
     monkeypatch.setattr(step_budget, "seconds_since_start", lambda: 60.0)  # one minute of ten gone
     budget = StepBudget(max_minutes=10, warmup_steps=5, eval_every=100, cap=10_000)
-    for seconds in [30.0, 1.0, 2.0, 1.0, 2.0]:  # the first step is left out: 1.5 s a step
-        budget.observe_step(seconds)
+    for step, seconds in enumerate([30.0, 1.0, 2.0, 1.0, 2.0]):  # the first step is left out: 1.5 s a step
+        budget.observe_step(seconds, step)
     budget.observe_eval(12.0)
     budget.observe_eval(18.0)
     total = budget.decide(done=5)
-    assert total == steps_within(540.0, 5, 1.5, 18.0, 100, 10_000)
+    assert total == steps_within(540.0, 5, alike(1.5, 5, 10_000), 18.0, 100, 10_000)
     assert cost(total, 5, 1.5, 18.0, 100) <= 540.0 < cost(total + 1, 5, 1.5, 18.0, 100)
+
+
+def test_steps_still_to_come_are_priced_by_their_own_batches(monkeypatch):
+    """Calibration on short batches (100 positions: 1.0 s) and a few long ones (300: 2.0 s) fits 0.5 s + 5 ms a
+    position; a future of long batches (400 positions: 2.5 s) then buys the steps that fit at 2.5 s, where the
+    calibration's mean (about 1.1 s) would have promised more than twice as many."""
+    work = lambda step: 100.0 if step < 50 and step % 10 else (300.0 if step < 50 else 400.0)  # noqa: E731
+    budget = StepBudget(max_minutes=10, warmup_steps=5, eval_every=0, cap=10_000, work_of=work)
+    for step in range(50):
+        budget.observe_step(0.5 + 0.005 * work(step), step)
+    budget.observe_eval(40.0)
+    assert budget.price() == pytest.approx((0.5, 0.005))
+    monkeypatch.setattr(step_budget, "seconds_since_start", lambda: 60.0)
+    total = budget.decide(done=50)
+    assert cost(total, 50, lambda i: 2.5, 40.0, 0) <= 540.0 < cost(total + 1, 50, lambda i: 2.5, 40.0, 0)
+    assert total == 50 + 200
+
+
+@pytest.mark.parametrize("seconds, work, expected", [
+    ([1.0, 2.0, 3.0], [10.0, 20.0, 30.0], (0.0, 0.1)),  # exactly proportional
+    ([1.5, 1.5, 1.5], [10.0, 20.0, 30.0], (1.5, 0.0)),  # the work explains nothing: the mean
+    ([3.0, 2.0, 1.0], [10.0, 20.0, 30.0], (2.0, 0.0)),  # longer batches faster (noise): the mean, never a discount
+    ([1.0, 1.0, 2.0], [1.0, 1.0, 1.0], (4 / 3, 0.0)),  # every batch alike: the mean
+    ([0.5, 2.0, 3.5], [10.0, 20.0, 30.0], (0.0, 6.0 / 60.0)),  # the fit's fixed part negative: the sums' ratio
+    ([], [], (0.0, 0.0))])
+def test_fit_step_price(seconds, work, expected):
+    assert fit_step_price(seconds, work) == pytest.approx(expected)
+
+
+def test_the_plan_knows_each_batch_s_counted_positions_before_reading_it(target, records, tmp_path, monkeypatch):
+    """BatchPlan.work equals the counted positions of the batch BatchPlan.batch then reads."""
+    from distill.feature_cache import open_or_build
+    monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
+    cache = open_or_build(target, records[:40], LAYERS, 48, 8, 0)
+    plan = BatchPlan(cache, 4, seed=3)
+    for index in range(plan.batches_per_epoch + 3):
+        batch = plan.batch(index)
+        assert plan.work(index) == sum(int(r.mask.sum()) for r in batch)
+        assert plan.work(index, prompt_weight=0.5) == sum(r.ids.numel() - 1 for r in batch)
 
 
 def test_the_schedule_keeps_its_warm_up_and_carries_its_length_through_a_checkpoint():
