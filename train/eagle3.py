@@ -98,8 +98,8 @@ def train_eagle3(cfg, accelerator, target, records: list[dict], eval_prompts: li
     bar = tqdm(total=total, initial=state.step, desc="eagle3", disable=not accelerator.is_local_main_process)
     while state.step < total:
         index = state.step * accelerator.num_processes + accelerator.process_index
+        started = time.perf_counter()  # a step's price includes reading its batch (a new shard every 8 steps)
         batch = plan.batch(index)
-        started = time.perf_counter()
         loss, accuracy = train_step(cfg, accelerator, target, drafter, head_rows, batch, optimizer, scheduler,
                                     noise_seed=cfg.seed * 1_000_003 + index)
         state.step += 1

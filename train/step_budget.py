@@ -150,9 +150,10 @@ class StepBudget:
             log.warning("max_minutes: %.1f of %.1f minutes are gone after %d steps; training stops here",
                         (self.max_seconds - left) / 60, self.max_seconds / 60, done)
         else:
-            log.info("max_minutes: %d steps fit the %.1f minutes left (a step %.2f s + %.3g s per unit of its "
-                     "batch's work, %.2f s on average to come; %.1f s an evaluation; cap %d)", total, left / 60,
-                     *price, statistics.fmean(costs[:total - done]), per_eval, self.cap)
+            fixed, per_unit = price
+            log.info("max_minutes: %d steps fit the %.1f minutes left (a step %.2f s + %.3f ms per unit of its "
+                     "batch's work: %.2f s on average to come; %.1f s an evaluation; cap %d)", total, left / 60,
+                     fixed, 1e3 * per_unit, statistics.fmean(costs[:total - done]), per_eval, self.cap)
         return total
 
     def out_of_time(self, done: int) -> bool:
