@@ -177,7 +177,8 @@ class BatchPlan:
     def work(self, index: int, prompt_weight: float = 0.0) -> int:
         """Batch `index`'s positions that the loss counts, known before it is read: its records' response
         positions, or every position that has a next token when prompt tokens are weighted too. A training
-        step's time grows with it (measured: 0.39 s + 0.63 ms a position, correlation 0.90 over 120 steps)."""
+        step's time grows with it (the shipped recipe: 0.39 s + 0.63 ms a position, correlation 0.90 over 120
+        steps; BENCHMARKS.md, stop 53)."""
         shard, rows = self.locate(index)
         if shard not in self.sizes:
             self.sizes[shard] = self.cache.response_counts(shard)
