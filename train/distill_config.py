@@ -126,9 +126,10 @@ class DistillConfig:
     epochs: int = _f(1, "passes over the teacher data (max_steps wins when set)")
     max_steps: int = _f(0, "optimizer steps; 0 = run the epochs")
     max_minutes: float = _f(0.0, "eagle3: the whole job's wall-clock budget in minutes (0: none): after the warm-up "
-                                 "and 50 timed steps the step count is set to what fits the time left at the "
-                                 "measured cost of a step and of an evaluation, at most max_steps, and training "
-                                 "stops early should the job still be about to overrun (train.step_budget)")
+                                 "and 50 timed steps the step count is set to what fits the time left, each step "
+                                 "priced by its batch's counted positions and each evaluation at the slowest "
+                                 "measured, at most max_steps, and training stops early should the job still be "
+                                 "about to overrun (train.step_budget)")
     max_seq_len: int = _f(384, "prompt + response tokens per sequence (the prompt is cut from the left)")
     seed: int = _f(0, "seed for data order, teacher sampling and initialization")
     mixed_precision: str = _f("auto", "no, bf16, fp16, or auto (bf16 on CUDA, and for eagle3 on CPUs with native "

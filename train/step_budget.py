@@ -89,7 +89,7 @@ def fit_step_price(seconds: Sequence[float], work: Sequence[float]) -> tuple[flo
     return (fixed, slope) if fixed >= 0 else (0.0, sum(seconds) / sum(work))
 
 
-CALIBRATION_STEPS = 50  # steps timed before deciding, at least (a step's cost varies by about 15% with its batch)
+CALIBRATION_STEPS = 50  # steps timed before deciding, at least: enough batch sizes for fit_step_price's line
 
 
 class StepBudget:
