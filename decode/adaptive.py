@@ -12,8 +12,12 @@ has not by interpolating between measured ones, or beyond them by the tree's wid
 of depth) and the drafting time per token. k = 0 is plain decoding:
 a drafter that is almost never right should not slow the target down. While k = 0 wins it still
 drafts one token every `probe_every` steps, so that a drafter that starts agreeing is noticed; each
-probe that is rejected doubles the interval (up to `max_probe_every`), an accepted one resets it, so a
-useless drafter costs about 1% of the steps instead of one in eight. Likewise, the estimate a_j only
+probe that is rejected doubles the interval (up to `max_probe_every`), one after which drafting pays
+resets it, and one accepted without making drafting pay halves it (down to `probe_every`): the interval
+drifts up where fewer than half the probes are accepted, down where more are. A useless drafter costs
+about 1% of the steps instead of one in eight, and so does one right less than half the time whose
+drafts cost more than they bring (an [LA] drafter on a CPU where each verified row is dear), which
+resetting on every accepted probe kept probing every 8-16 steps. Likewise, the estimate a_j only
 moves when a step drafts j deep, so a controller settled at depth k would never learn that position
 k + 1 got better (a prompt-lookup chain that starts matching): every `deeper_every` steps at a depth
 k > 0 below the limit it drafts k + 1 once.
@@ -121,9 +125,6 @@ class DraftLengthController:
 
     def observe(self, depth: int, n_accepted: int, tree_nodes: int, draft_s: float, verify_s: float) -> None:
         """Learn from one verification step."""
-        if self.probing:  # back off while probes keep failing; start over when one succeeds
-            failed = n_accepted == 0
-            self.probe_interval = min(2 * self.probe_interval, self.max_probe_every) if failed else self.probe_every
         for j in range(min(depth, n_accepted + 1)):  # positions that were reached
             self.accept[j] = self._ema(self.accept[j], float(j < n_accepted))
         if depth > 0:
@@ -135,6 +136,17 @@ class DraftLengthController:
             self.draft_at[depth] = draft_s if old_draft is None else self._ema(old_draft, draft_s)
         old = self.verify_cost.get(tree_nodes)
         self.verify_cost[tree_nodes] = verify_s if old is None else self._ema(old, verify_s)
+        if self.probing:
+            self.probe_interval = self.next_probe_interval(n_accepted)
+
+    def next_probe_interval(self, n_accepted: int) -> int:
+        """After a probe (its evidence already in the estimates): start over if drafting now pays, else
+        twice as far apart if it was rejected, half as far if it was accepted."""
+        if self.best_depth(self.max_depth) > 0:
+            return self.probe_every
+        if n_accepted == 0:
+            return min(2 * self.probe_interval, self.max_probe_every)
+        return max(self.probe_interval // 2, self.probe_every)
 
     def _ema(self, old: float, new: float) -> float:
         return self.decay * old + (1 - self.decay) * new

@@ -19,7 +19,9 @@ Where chains go. A verification forward over a chain of drafts (root at depth 0,
 min(K, b) and b is how deep the next step can draft: under the adaptive depth the controller's present
 choice, one more when its deeper probe is due (DraftLengthController.next_step_bound), else d + 1.
 The trained LA_j beyond the first are rarely right (measured on MT-bench: 0.29 acceptance at LA_1, 0.04
-at LA_2), so the controller settles at depth 1 and rows the next step would not use are not computed.
+at LA_2), so the controller settles at depth 1 and rows the next step would not use are not computed;
+where it settles at depth 0 (drafting does not pay on the machine at hand) no [LA] rows are computed at
+all but before its probes, and those forwards are plain ones.
 The shallow nodes are the likely last accepted ones (P(stop at depth i) = a^i (1 - a) for acceptance
 a < 1). After verification the next proposals come from the chain under the last accepted node a; if a
 has none, from the chain under a's deepest ancestor o that has one, shifted: LA_j of o predicts position
@@ -99,12 +101,16 @@ class LookaheadProposer(Proposer):
         sees = torch.ones(1, prompt_len, dtype=torch.bool)  # [1, T]
         return lookahead_rows(self.embeds, [prompt_len - 1], sees)
 
-    def verification_rows(self, tree: TokenTree, depth: int | None = None) -> ExtraRows:
-        """[LA] chains under the tree's `chains` shallowest nodes, each LA_1..LA_d with d = min(depth, K)
-        (at least 1): the engine passes how deep the next step can draft, so rows it would not use are
-        not computed. LA_j attends only to LA_1..LA_j of its chain, so a shorter chain's rows are
-        exactly the first rows of a full one."""
-        self.active = self.k if depth is None else max(1, min(depth, self.k))
+    def verification_rows(self, tree: TokenTree, depth: int | None = None) -> ExtraRows | None:
+        """[LA] chains under the tree's `chains` shallowest nodes, each LA_1..LA_d with d = min(depth, K):
+        the engine passes how deep the next step can draft, so rows it would not use are not computed.
+        LA_j attends only to LA_1..LA_j of its chain, so a shorter chain's rows are exactly the first rows
+        of a full one. depth 0 (the adaptive depth will decode the next step plainly): no rows at all,
+        and nothing to propose next; the forward is a plain one (the engine's greedy head, no logits)."""
+        if depth == 0:
+            self.drafts, self.alternates, self.owner_row = [], [], {}
+            return None
+        self.active = self.k if depth is None else min(depth, self.k)
         owners = sorted(range(len(tree)), key=lambda i: (tree.depths[i], i))[: self.chains]
         self.owner_row = {node: i for i, node in enumerate(owners)}
         self.parents, self.depths = tree.parents, tree.depths

@@ -31,12 +31,35 @@ def test_useless_drafter_mostly_does_not_draft_but_probes():
     assert ctl.probe_interval == ctl.max_probe_every
 
 
-def test_an_accepted_probe_resets_the_interval():
+def test_a_probe_that_makes_drafting_pay_resets_the_interval():
     ctl = trained(accept_prob=0.0, draft_s=0.015, verify_1=0.05, per_node=0.004)
-    ctl.probe_interval = 64
+    ctl.probe_interval, ctl.accept[0] = 64, 0.9  # the drafter started agreeing: this probe tips the balance
     ctl.probing = True
     ctl.observe(1, 1, 2, 0.015, 0.054)
-    assert ctl.probe_interval == ctl.probe_every
+    assert ctl.best_depth(ctl.max_depth) > 0 and ctl.probe_interval == ctl.probe_every
+
+
+def test_accepted_probes_that_do_not_make_drafting_pay_back_off_when_most_are_rejected():
+    """Right a third of the time, and a drafted token costs more than it brings (rows dear, drafting
+    slow): an accepted probe halves the interval, a rejected one doubles it, so it drifts to the longest."""
+    ctl = trained(accept_prob=0.0, draft_s=0.04, verify_1=0.05, per_node=0.03)
+    depths = []
+    for i in range(600):
+        depth = ctl.choose(100)
+        depths.append(depth)
+        n_acc = depth if depths.count(1) % 3 == 0 else 0  # every third probe accepted
+        ctl.observe(depth, n_acc, depth + 1, 0.04 * depth, 0.05 + 0.03 * depth)
+        if depth:
+            assert ctl.best_depth(ctl.max_depth) == 0  # these probes never make drafting pay
+    assert ctl.accept[0] > 0.2  # the accepted probes were learned
+    assert ctl.probe_interval >= ctl.max_probe_every // 2 and depths[-300:].count(1) <= 300 / 24
+
+
+def test_accepted_probes_halve_the_interval():
+    ctl = trained(accept_prob=0.0, draft_s=0.015, verify_1=0.05, per_node=0.004)
+    ctl.probe_interval, ctl.probing = 64, True
+    ctl.observe(1, 1, 2, 0.015, 0.054)  # accepted, but one acceptance does not make drafting pay
+    assert ctl.best_depth(ctl.max_depth) == 0 and ctl.probe_interval == 32
 
 
 def test_limit_caps_depth():

@@ -6,6 +6,7 @@ import torch
 
 from tests.conftest import make_tiny_llama
 from tests.decode.test_self_draft import chi2_pvalue, exact_marginals, sample_second_and_third, target_greedy
+from decode.adaptive import DraftLengthController
 from decode.engine import SpeculativeEngine
 from decode.proposers.lookahead import LookaheadProposer
 from decode.runner import ModelRunner
@@ -198,3 +199,50 @@ def test_sampling_follows_the_targets_distribution(branches):
     with torch.no_grad():
         sharper = torch.softmax(2.0 * torch.log(p3.float()), -1).double()
     assert chi2_pvalue(third, sharper) < 1e-3
+
+
+class ScriptedController(DraftLengthController):
+    """Decodes plainly but for a one-token probe every `every` steps; learns nothing (no timing)."""
+
+    def __init__(self, every: int):
+        super().__init__(max_depth=3)
+        self.every, self.calls = every, 0
+
+    def choose(self, limit: int) -> int:
+        self.calls += 1
+        return 1 if limit > 0 and self.calls % self.every == 0 else 0
+
+    def observe(self, *args) -> None:
+        pass
+
+
+def test_a_controller_settled_at_plain_decoding_feeds_la_rows_only_before_its_probes():
+    """Where the adaptive depth decodes plainly, a forward carries [LA] rows only when the next step will
+    draft (a probe): the other forwards are plain ones, and the probes still draft from the rows."""
+    target = make_tiny_llama(seed=2, vocab_size=16, peak=3.0)
+    engine = SpeculativeEngine(target, LookaheadProposer(random_tokens(target), target, chains=2))
+    engine.controllers[None] = engine.controller = ScriptedController(every=4)
+    with_rows, drafted = [], []
+    forward, propose = engine.target.forward, engine.proposer.propose
+
+    def spy_forward(*args, extra=None, **kwargs):
+        with_rows.append(extra is not None)
+        return forward(*args, extra=extra, **kwargs)
+
+    def spy_propose(seq, max_depth, *args):
+        tree = propose(seq, max_depth, *args)
+        drafted.append(tree.max_depth)
+        return tree
+
+    def spy_greedy(*args, **kwargs):
+        with_rows.append(False)
+        return greedy(*args, **kwargs)
+
+    greedy = engine.target.forward_greedy
+    engine.target.forward, engine.target.forward_greedy = spy_forward, spy_greedy
+    engine.proposer.propose = spy_propose
+    gen = engine.generate(PROMPTS[0], 30)
+    assert gen.tokens == target_greedy(target, PROMPTS[0], 30)
+    # the prefill's chain, then rows only in the forward before each probe, and every probe drafted from them
+    assert with_rows[0] and sum(with_rows[1:]) == len(drafted) >= 5 and drafted == [1] * len(drafted)
+    assert len(with_rows) == gen.stats.target_forwards and sum(with_rows) <= 1 + len(with_rows) // 4
