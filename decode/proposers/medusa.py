@@ -84,8 +84,10 @@ class MedusaProposer(Proposer):
         self.observe_accepted(hidden)
 
     def observe_verification(self, hidden: torch.Tensor, verdict: Verdict) -> None:
-        # the accepted nodes' states, root first (without a prefix layer only the last one is read)
-        self.observe_accepted(hidden[verdict.path if self.prefix is not None else verdict.path[-1:]])
+        # the accepted nodes' states, root first; without a prefix layer only the last one is read, as a
+        # view (a list index copies, 0.15 ms a step on a 2-core CPU, paid by steps that draft nothing)
+        last = verdict.path[-1]
+        self.observe_accepted(hidden[verdict.path] if self.prefix is not None else hidden[last:last + 1])
 
     @torch.no_grad()
     def observe_accepted(self, rows: torch.Tensor) -> None:
