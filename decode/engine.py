@@ -58,8 +58,8 @@ class SpeculativeEngine:
         self.self_drafting = bool(getattr(proposer, "self_drafting", False))
         # an EAGLE-3 proposer (decode.proposers.eagle3) reads the inputs of some target layers, not the last state
         self.target.feature_layers = list(getattr(proposer, "feature_layers", None) or [])
-        # a lookahead proposer (decode.proposers.lookahead) adds rows fed by embedding to every target forward
-        # and reads the next proposals from them: `prefill_rows`, `verification_rows`, `observe_rows`
+        # a lookahead proposer (decode.proposers.lookahead) adds rows fed by embedding to the target forwards
+        # whose next step may draft, and reads the next proposals from them: `prefill_rows`, `verification_rows`, `observe_rows`
         self.lookahead = hasattr(proposer, "verification_rows")
         # one controller per drafting regime (see regime()); `controller` is the proposer's only or default one
         self.controllers: dict[str | None, DraftLengthController] = {}

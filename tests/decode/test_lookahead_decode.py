@@ -223,7 +223,7 @@ def test_a_controller_settled_at_plain_decoding_feeds_la_rows_only_before_its_pr
     engine = SpeculativeEngine(target, LookaheadProposer(random_tokens(target), target, chains=2))
     engine.controllers[None] = engine.controller = ScriptedController(every=4)
     with_rows, drafted = [], []
-    forward, propose = engine.target.forward, engine.proposer.propose
+    forward, greedy, propose = engine.target.forward, engine.target.forward_greedy, engine.proposer.propose
 
     def spy_forward(*args, extra=None, **kwargs):
         with_rows.append(extra is not None)
@@ -238,7 +238,6 @@ def test_a_controller_settled_at_plain_decoding_feeds_la_rows_only_before_its_pr
         with_rows.append(False)
         return greedy(*args, **kwargs)
 
-    greedy = engine.target.forward_greedy
     engine.target.forward, engine.target.forward_greedy = spy_forward, spy_greedy
     engine.proposer.propose = spy_propose
     gen = engine.generate(PROMPTS[0], 30)
