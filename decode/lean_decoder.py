@@ -7,13 +7,13 @@ rotary broadcasting, separate q/k/v and gate/up projections). This forward compu
 with about 30 operations each: q, k and v in one packed GEMM, gate and up in one, fused RMSNorm, the
 rotary embedding for the forward's positions computed once for all layers, grouped-query attention
 over the unrepeated key/value cache (the query heads of a group folded into rows, as decode.attention
-does), and the inputs of the layers EAGLE-3 reads captured as they pass. BENCHMARKS.md, "The engine's
-own speed", has the measured gain (`scripts/bench_engine.py`). On the CPU in fp32 the RMSNorms and the rotary
-embedding are one call each into the kernel library (models.q41_linear: `rms_norm_rows`, and `rope_qk`, which reads
+does), and the inputs of the layers EAGLE-3 reads captured as they pass. docs/journal.md, "The engine's
+own speed", has the measured gain (`benchmarks/engine.py`). On the CPU in fp32 the RMSNorms and the rotary
+embedding are one call each into the kernel library (models.kernels: `rms_norm_rows`, and `rope_qk`, which reads
 q and k from the fused projection's rows and writes them rotated in the attention's layout, bit for bit
-transformers' RoPE): 1.15x a forward at 1-16 rows (BENCHMARKS.md, stop 47). So is the attention of forwards of
-up to MAX_ROWS rows under the engine's masks (`attend`: each (head, row) alone over the keys it sees, where torch's
-CPU flash attention spent about 60 us a layer on setup for one row; BENCHMARKS.md, stop 49); prefill and other
+transformers' RoPE): 1.15x a forward at 1-16 rows (docs/journal.md, stop 47). So is the attention of forwards of
+up to MAX_ROWS rows under the engine's masks (`attention_rows`: each (head, row) alone over the keys it sees, where torch's
+CPU flash attention spent about 60 us a layer on setup for one row; docs/journal.md, stop 49); prefill and other
 masks keep torch's SDPA, and $SPECDISTILL_SDPA_ATTENTION switches the kernel off for comparisons. Where every
 projection is on the library's FMA form, a layer's decode-time rows run in two library calls (`FusedLayer`: the same
 functions in the same order as LeanLayer's Python, so the same bits; $SPECDISTILL_UNFUSED_LAYERS runs the Python).
@@ -39,14 +39,17 @@ import torch
 import torch.nn.functional as F
 
 from models.packed_linear import cached_copy, gemm_padding, packed_class, packing_supported, weights_signature
-from models.q41_linear import (MAX_ROWS, KernelLinear, Q41Linear, Q41Matrix, amx_unavailable, attend, kernel_library,
-                               kernel_unavailable, q41_or_packed, rms_norm_rows, rope_qk)
+from models import kernels
+from models.kernel_linear import KernelLinear, Q41Linear, q41_or_packed
+from models.kernels import MAX_ROWS, amx_unavailable
 
 log = logging.getLogger("specdistill.lean")
 
 __all__ = ["LeanDecoder", "lean_decoder", "lean_supported"]
 
-LEAN_MODEL_TYPES = ("llama",)  # decoder layers laid out and computed exactly as LlamaDecoderLayer
+# decoder layers laid out and computed exactly as LlamaDecoderLayer; Qwen2's is that layer with q/k/v biases (carried
+# by the fused projection's bias) and, where configured, sliding-window layers (refused: `sliding_window_used`)
+LEAN_MODEL_TYPES = ("llama", "qwen2")
 DISABLE_ENV = "SPECDISTILL_NO_LEAN_DECODER"  # switch for side-by-side measurements and as an escape hatch
 SDPA_ENV = "SPECDISTILL_SDPA_ATTENTION"  # torch's SDPA in place of the library's attention (comparisons, escape hatch)
 UNFUSED_ENV = "SPECDISTILL_UNFUSED_LAYERS"  # every layer through LeanLayer's Python, not FusedLayer (the same bits)
@@ -63,7 +66,7 @@ def lean_supported(model: torch.nn.Module) -> str | None:
         return f"model type {getattr(config, 'model_type', None)!r} is not one of {LEAN_MODEL_TYPES}"
     if getattr(config, "hidden_act", None) != "silu":
         return f"activation {getattr(config, 'hidden_act', None)!r} (the lean forward computes silu)"
-    if getattr(config, "sliding_window", None) or getattr(config, "pretraining_tp", 1) != 1:
+    if sliding_window_used(config) or getattr(config, "pretraining_tp", 1) != 1:
         return "sliding-window attention or pretraining_tp"
     decoder = model.get_decoder()
     if next(decoder.parameters()).device.type != "cuda" and not packing_supported(decoder):
@@ -78,6 +81,15 @@ def lean_supported(model: torch.nn.Module) -> str | None:
     return None
 
 
+def sliding_window_used(config) -> bool:
+    """Whether any layer attends over a sliding window: Qwen2 configs carry a `sliding_window` size even where
+    `use_sliding_window` is off and every layer type is full attention (Qwen2.5's), Llama's only when it applies."""
+    if getattr(config, "model_type", None) == "qwen2":
+        layer_types = getattr(config, "layer_types", None) or []
+        return bool(getattr(config, "use_sliding_window", False)) or any(t != "full_attention" for t in layer_types)
+    return bool(getattr(config, "sliding_window", None))
+
+
 def lean_decoder(model: torch.nn.Module, weights: str) -> "LeanDecoder | None":
     """The lean forward of `model`'s decoder with linear weights in `weights` format, or None where
     lean_supported says no. Cached until the weights change."""
@@ -85,7 +97,7 @@ def lean_decoder(model: torch.nn.Module, weights: str) -> "LeanDecoder | None":
         return None
     decoder = model.get_decoder()
     # the norms' weights are read in place; their identity joins the linears' signature
-    key = (weights, gemm_padding(), kernel_unavailable(), amx_unavailable(), sdpa_asked(), unfused_asked(),
+    key = (weights, gemm_padding(), kernels.unavailable(), amx_unavailable(), sdpa_asked(), unfused_asked(),
            weights_signature(decoder), tuple(p.data_ptr() for p in decoder.parameters()))
     return cached_copy(_cache, decoder, key, lambda: built_decoder(decoder, weights))
 
@@ -96,7 +108,7 @@ def built_decoder(decoder: torch.nn.Module, weights: str) -> "LeanDecoder":
     if next(decoder.parameters()).device.type == "cpu" and weights == "float32":
         linears = [m for layer in lean.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         on_q41 = sum(isinstance(m, Q41Linear) for m in linears)
-        reason = kernel_unavailable()
+        reason = kernels.unavailable()
         if reason is None and on_q41 < len(linears):
             reason = "the others are not on a 4-bit grid of 32"
         forms = Counter(m.codes.form for m in linears if isinstance(m, Q41Linear))
@@ -107,11 +119,11 @@ def built_decoder(decoder: torch.nn.Module, weights: str) -> "LeanDecoder":
 
 def linear_class(decoder: torch.nn.Module, weights: str):
     """What the fused projections become: on the CPU in fp32, the Q4_1 kernel's matrices where they are exactly
-    Q4_1 (models.q41_linear), else packed copies (models.packed_linear); on CUDA the fused nn.Linear itself
+    Q4_1 (models.kernel_linear), else packed copies (models.packed_linear); on CUDA the fused nn.Linear itself
     (cuBLAS reads it as it is)."""
     if next(decoder.parameters()).device.type == "cuda":
         return lambda linear: linear
-    if weights == "float32" and kernel_unavailable() is None:
+    if weights == "float32" and kernels.unavailable() is None:
         return q41_or_packed
     return packed_class(weights)
 
@@ -128,16 +140,17 @@ def fused_linear(linears: list[torch.nn.Linear], packed_class) -> torch.nn.Modul
 
 class FusedLayer:
     """A LeanLayer's forward over at most MAX_ROWS rows after the committed prefix in two calls into the kernel
-    library (models.q41_linear: `layer_rows_attention` up to the MLP's gate and up projections, `layer_rows_down`
+    library (models.kernels: `layer_rows_attention` up to the MLP's gate and up projections, `layer_rows_down`
     after torch's SiLU and product) instead of thirty-odd tensor operations: the same functions in the same order,
-    so the same bits (tests compare them), about 1.5 ms less a forward of the default target on 2 cores (BENCHMARKS.md,
-    stop 49). Its keys and values go straight into the cache's rows. Where it runs: every projection on the FMA form
-    (AMX hosts keep LeanLayer's Python: not measured there), the library's attention, no fixed-shape slots."""
+    so the same bits (tests compare them), about 1.5 ms less a forward of the default target on 2 cores
+    (docs/journal.md, stop 49). Its keys and values go straight into the cache's rows. Where it runs: every
+    projection on the FMA form (AMX hosts keep LeanLayer's Python: not measured there), the library's attention, no
+    fixed-shape slots."""
 
     def __init__(self, layer: LeanLayer, work: torch.Tensor):
         self.lib, self.work = layer.native, work  # work: shared by a decoder's layers, sized by `work_floats`
         # pointers into the layer's matrices, which the layer (this FusedLayer's owner) keeps alive
-        self.matrices = [Q41Matrix.of(m.codes) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        self.matrices = [m.matrix for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]  # the library's Q41Matrix
         self.norm_in, self.norm_post = layer.norm_in, layer.norm_post
         self.heads, self.kv_heads = layer.q_size // layer.head_dim, layer.kv_size // layer.head_dim
         self.head_dim, self.scaling, self.intermediate = layer.head_dim, layer.scaling, layer.intermediate
@@ -151,29 +164,24 @@ class FusedLayer:
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_layer,
                  visible: torch.Tensor) -> torch.Tensor:
         """As LeanLayer.__call__ with `visible`: x [1, N, D] -> [1, N, D]."""
-        n, d = x.shape[1], x.shape[2]
+        n = x.shape[1]
         owner = cache_layer.owner
         start, keys, values = owner.length, cache_layer.keys, cache_layer.values  # [1, Hkv, max_len, hd]
         if start + n > owner.max_len:
             raise RuntimeError(f"KV cache overflow: {start + n} positions needed, {owner.max_len} allocated")
         x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
         qkv, o, gate_up, down = self.matrices
-        out, both = torch.empty(1, n, d), torch.empty(n, gate_up.N)
-        lib, threads = self.lib, torch.get_num_threads()
-        if lib.layer_rows_attention(x.data_ptr(), n, d, self.norm_in[0].data_ptr(), self.norm_in[1], qkv, self.heads,
-                                    self.kv_heads, self.head_dim, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
-                                    values.data_ptr(), keys.stride(1), start, visible.shape[1], visible.data_ptr(),
-                                    self.scaling, o, self.norm_post[0].data_ptr(), self.norm_post[1], gate_up,
-                                    out.data_ptr(), both.data_ptr(), self.work.data_ptr(), threads) != 0:
-            raise MemoryError(f"layer_rows_attention: no memory for the scores of {visible.shape[1]} keys")
+        out, both = self.lib.layer_rows_attention(x, self.norm_in[0], self.norm_in[1], qkv, self.heads, self.kv_heads,
+                                                  self.head_dim, cos, sin, keys[0], values[0], start, visible,
+                                                  self.scaling, o, self.norm_post[0], self.norm_post[1], gate_up,
+                                                  self.work)  # [1, N, D], [N, 2I]
         activated = F.silu(both[:, :self.intermediate]) * both[:, self.intermediate:]  # [N, I], as LeanLayer
-        lib.layer_rows_down(out.data_ptr(), n, d, activated.data_ptr(), self.intermediate, down, self.work.data_ptr(),
-                            threads)
+        self.lib.layer_rows_down(out, activated, down, self.work)  # out += down(activated)
         return out
 
 
 def direct_call(linear: torch.nn.Module):
-    """What computes `linear` in the lean forward: a kernel matrix's `rows` (models.q41_linear.KernelLinear: the
+    """What computes `linear` in the lean forward: a kernel matrix's `rows` (models.kernel_linear.KernelLinear: the
     same GEMM without nn.Module's dispatch, about 4 us a call, 120 calls a forward), else the module itself."""
     return linear.rows if isinstance(linear, KernelLinear) else linear
 
@@ -218,8 +226,8 @@ class LeanLayer:
         qkv = self.project_qkv(self.rms_norm(x, self.norm_in))  # [1, N, (H + 2 Hkv) hd]
         v = qkv[..., self.q_size + self.kv_size:].view(1, n, -1, self.head_dim).transpose(1, 2)  # [1, Hkv, N, hd]
         if self.native is not None:
-            q, k = rope_qk(self.native, qkv, self.q_size // self.head_dim, self.kv_size // self.head_dim,
-                           self.head_dim, cos, sin)
+            q, k = self.native.rope_qk(qkv.contiguous(), self.q_size // self.head_dim, self.kv_size // self.head_dim,
+                                       self.head_dim, cos.contiguous(), sin.contiguous())
             q, k = q[None], k[None]  # [1, H, N, hd], [1, Hkv, N, hd]
         else:
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -229,7 +237,8 @@ class LeanLayer:
         # [1, Hkv, T, hd]
         keys, values = cache_layer.update(k, v) if slots is None else cache_layer.write(k, v, slots)
         if visible is not None:
-            out = attend(self.native, q[0], keys[0], values[0], visible, self.scaling)[None]  # [1, N, H*hd]
+            out = self.native.attention_rows(q[0], keys[0], values[0], visible.contiguous(),
+                                              self.scaling)[None]  # [1, N, H*hd]
         else:
             out = self.sdpa(q, keys, values, mask)
         x = x + self.project_o(out)
@@ -254,7 +263,7 @@ def rms_norm_rows_or_torch(native, x: torch.Tensor, norm: tuple[torch.Tensor, fl
     kernel library (a few ulps from torch's order), else torch's."""
     if native is None:
         return F.rms_norm(x, x.shape[-1:], *norm)
-    return rms_norm_rows(native, x.contiguous(), *norm)
+    return native.rms_norm_rows(x.contiguous(), *norm)
 
 
 def row_ops_library(decoder: torch.nn.Module, hidden: int, head_dim: int):
@@ -263,7 +272,7 @@ def row_ops_library(decoder: torch.nn.Module, hidden: int, head_dim: int):
     param = next(decoder.parameters())
     if param.device.type != "cpu" or param.dtype != torch.float32 or hidden % 16 or head_dim % 32:
         return None
-    return kernel_library()
+    return kernels.library()
 
 
 def sdpa_asked() -> bool:
@@ -277,7 +286,7 @@ def unfused_asked() -> bool:
 
 
 def kernel_visibility(mask: torch.Tensor) -> torch.Tensor | None:
-    """The keys each row sees, [N, T] bool, for the kernel library's attention (`attend`): from an additive mask
+    """The keys each row sees, [N, T] bool, for the kernel library's attention (`attention_rows`): from an additive mask
     [1, 1, N, T] of the engine's kind (decode.tree.attention_bias: 0 where a row sees a key, the dtype's most
     negative value where not) over at most MAX_ROWS rows, else None (longer forwards, prefill, and any other mask
     go to torch's SDPA)."""
@@ -306,7 +315,7 @@ class LeanDecoder:
         config = decoder.config
         self.native = row_ops_library(decoder, config.hidden_size, decoder.layers[0].self_attn.head_dim)
         self.layers = [LeanLayer(layer, packed_class, self.native) for layer in decoder.layers]
-        # decode-time attention in the library too (models.q41_linear.attend) where its head size fits
+        # decode-time attention in the library too (models.kernels' attention_rows) where its head size fits
         self.kernel_attention = self.native is not None and self.layers[0].head_dim <= 256 and not sdpa_asked()
         if self.kernel_attention and not unfused_asked() and all(
                 layer.fusable() for layer in self.layers):  # each layer's rows in two library calls (FusedLayer)

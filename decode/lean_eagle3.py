@@ -12,7 +12,7 @@ the same values), q and k rotated together, and grouped-query attention over the
 query heads folded into rows, as the target's lean forward does). Weights are packed copies
 (models.packed_linear: fp16 under `drafting_weights`' float16); the drafter's own parameters are untouched. Its
 RMSNorms and RoPE are the target's lean forward's one-call kernels where they run (decode.lean_decoder).
-Measured in BENCHMARKS.md, "Lean EAGLE-3 drafting rows".
+Measured in docs/journal.md, "Lean EAGLE-3 drafting rows".
 
 Used by the proposer's dynamic (depth by depth) path wherever the drafter packs on the CPU; the fixed-shape
 steps (decode.draft_steps, CUDA graphs) keep the drafter's own modules. Tests pin its outputs to the
@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from decode.lean_decoder import fused_linear, rms_norm_rows_or_torch, row_ops_library, sdpa_asked, unfused_asked
 from models.eagle3 import DraftCache, Eagle3Drafter
 from models.packed_linear import packed_class, packing_supported
-from models.q41_linear import (MAX_ROWS, Int8Matrix, Q8Int8Linear, attend, int8_inference_copy, q80_inference_copy,
-                               rope_qk)
+from models.kernel_linear import Q8Int8Linear, int8_inference_copy, q80_inference_copy
+from models.kernels import MAX_ROWS
 
 __all__ = ["DISABLE_ENV", "LeanEagle3", "lean_eagle3", "lean_eagle3_runs"]
 
@@ -40,7 +40,7 @@ DISABLE_ENV = "SPECDISTILL_NO_LEAN_DRAFTER"  # switch for side-by-side measureme
 
 def lean_eagle3(drafter: Eagle3Drafter, weights: str) -> "LeanEagle3 | None":
     """The lean rows of `drafter` with linear weights in `weights` format ("q8_0": rounded to Q8_0 on the kernel
-    library, models.q41_linear.q80_inference_copy; "int8": the same weights times rows rounded to int8 on its
+    library, models.kernel_linear.q80_inference_copy; "int8": the same weights times rows rounded to int8 on its
     AVX512-VNNI kernel, int8_inference_copy), or None where it does not pack (not fp32 on the CPU) or the
     environment switches it off."""
     if not lean_eagle3_runs(drafter):
@@ -123,7 +123,7 @@ class LeanEagle3:
         qkv = fused.view(n, h + 2 * hkv, hd).transpose(0, 1)  # [H + 2 Hkv, n, hd]
         cos, sin = self.rotary(positions)  # [n, hd]
         if self.native is not None:
-            q, k = rope_qk(self.native, fused, h, hkv, hd, cos, sin)
+            q, k = self.native.rope_qk(fused.contiguous(), h, hkv, hd, cos.contiguous(), sin.contiguous())
         else:
             qk = qkv[:h + hkv]
             half = hd // 2
@@ -131,7 +131,7 @@ class LeanEagle3:
             q, k = qk[:h], qk[h:]
         keys, values = cache.append(k, qkv[h + hkv:])  # [Hkv, L + n, hd]
         if self.kernel_attention and n <= MAX_ROWS:  # longer (a prompt's context rows): SDPA's blocking
-            attended = attend(self.native, q, keys, values, visible, hd ** -0.5)  # [n, H hd]
+            attended = self.native.attention_rows(q, keys, values, visible.contiguous(), hd ** -0.5)  # [n, H hd]
         else:
             groups = h // hkv
             folded = q.reshape(hkv, groups * n, hd)  # row g*n + i: query head hkv*G + g, row i
@@ -144,7 +144,7 @@ class LeanEagle3:
 
 
 class FusedRows:
-    """LeanEagle3's rows and head on int8 matrices in one library call each (models.q41_linear: `eagle3_rows`,
+    """LeanEagle3's rows and head on int8 matrices in one library call each (models.kernels: `eagle3_rows`,
     `eagle3_top`): the same operations in the same order as LeanEagle3.rows / logits + log_softmax + topk, without
     the twenty-odd tensor operations and their dispatch a drafting depth costs in Python (SiLU from the library's
     exp: a few ulps from torch's). Decode-time calls (at most MAX_ROWS rows); longer ones keep the Python.
@@ -152,7 +152,7 @@ class FusedRows:
 
     def __init__(self, lean: LeanEagle3):
         self.lean, self.lib = lean, lean.native
-        self.matrices = {name: Int8Matrix.of(getattr(lean, name).codes)
+        self.matrices = {name: getattr(lean, name).matrix  # the library's Int8Matrix
                          for name in ("qkv", "o", "gate_up", "down", "lm_head")}
 
     @staticmethod
@@ -173,25 +173,17 @@ class FusedRows:
         lean.grow_rotary(int(positions.max()) + 1)
         embeds, states = embeds.contiguous(), states.contiguous()
         positions, visible = positions.to(torch.int64).contiguous(), visible.contiguous()
-        out = torch.empty(n, d)
         (w_embed, e_embed), (w_state, e_state), (w_post, e_post) = lean.norm_embed, lean.norm_state, lean.norm_post
-        if self.lib.eagle3_rows(embeds.data_ptr(), states.data_ptr(), n, d, w_embed.data_ptr(), e_embed,
-                                w_state.data_ptr(), e_state, m["qkv"], lean.heads, lean.kv_heads, lean.head_dim,
-                                lean.cos.data_ptr(), lean.sin.data_ptr(), positions.data_ptr(), cache.keys.data_ptr(),
-                                cache.values.data_ptr(), cache.keys.stride(0), start, visible.data_ptr(),
-                                lean.head_dim ** -0.5, m["o"], w_post.data_ptr(), e_post, m["gate_up"],
-                                lean.intermediate, m["down"], out.data_ptr(), torch.get_num_threads()) != 0:
-            raise MemoryError(f"eagle3_rows: no memory for {n} rows")
+        out = self.lib.eagle3_rows(embeds, states, w_embed, e_embed, w_state, e_state, m["qkv"], lean.heads,
+                                   lean.kv_heads, lean.head_dim, lean.cos, lean.sin, positions, cache.keys,
+                                   cache.values, start, visible, lean.head_dim ** -0.5, m["o"], w_post, e_post,
+                                   m["gate_up"], m["down"])  # [n, D]
         cache.used = end
         return out
 
     def top(self, out: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """As LeanEagle3.top."""
-        n, d = out.shape
         k = min(k, self.lean.lm_head.out_features)
-        values, indices = torch.empty(n, k), torch.empty(n, k, dtype=torch.int64)
         weight, eps = self.lean.norm_out
-        if self.lib.eagle3_top(out.contiguous().data_ptr(), n, d, weight.data_ptr(), eps, self.matrices["lm_head"], k,
-                               values.data_ptr(), indices.data_ptr(), torch.get_num_threads()) != 0:
-            raise MemoryError(f"eagle3_top: no memory for {n} rows")
+        values, indices = self.lib.eagle3_top(out.contiguous(), weight, eps, self.matrices["lm_head"], k)
         return values, indices

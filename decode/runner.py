@@ -14,7 +14,8 @@ from decode.step_graphs import BUCKETS, StepSet, graphs_supported
 from decode.tree import attention_bias
 from models.hf_compat import cache_argument
 from models.packed_linear import inference_weights, packed_for_inference
-from models.q41_linear import MAX_ROWS, greedy_head_for, head_for_inference
+from models.kernel_linear import greedy_head_for, head_for_inference
+from models.kernels import MAX_ROWS
 
 
 @dataclass
@@ -57,9 +58,9 @@ class ModelRunner:
         # the hand-written Llama forward where it applies (decode.lean_decoder), else transformers' decoder
         self.lean = lean_decoder(model, weights)
         self.decoder = None if self.lean is not None else packed_for_inference(model.get_decoder(), weights)
-        head = model.get_output_embeddings()  # fp32: on the Q8_0 kernel where it is exactly Q8_0 (models.q41_linear)
+        head = model.get_output_embeddings()  # fp32: on the Q8_0 kernel where it is exactly Q8_0 (models.kernel_linear)
         self.head = head_for_inference(head) if weights == "float32" else packed_for_inference(head, weights)
-        # greedy steps' next tokens without every logit, where the head is the Q8_0 kernel's (models.q41_linear)
+        # greedy steps' next tokens without every logit, where the head is the Q8_0 kernel's (models.kernel_linear)
         self.greedy_head = greedy_head_for(head) if weights == "float32" and head.weight.is_cpu else None
         self.num_layers = model.config.get_text_config().num_hidden_layers
         param = next(model.parameters())
@@ -112,7 +113,7 @@ class ModelRunner:
                        logits_rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """forward (no extra rows), then each head row's most probable next token: (hidden [N, D], tokens [n_rows]
         int64), the argmax of forward's logits, ties to the first. On the greedy head where it runs (the exact
-        argmax without computing every logit: models.q41_linear.GreedyHead), else from the logits."""
+        argmax without computing every logit: models.kernel_linear.GreedyHead), else from the logits."""
         hidden, rows, logits = self.run(tokens, depths, ancestors, logits_rows, None)
         if logits is None and self.greedy_head is not None and rows.shape[0] <= MAX_ROWS:
             best, _ = self.greedy_head.tokens(rows)

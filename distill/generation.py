@@ -14,7 +14,8 @@ from transformers import GenerationConfig
 
 from distill.feature_capture import FeatureStaging, LayerCapture, feed_last_tokens, stage_rows
 from models.hf_compat import output_cache
-from models.q41_linear import MAX_ROWS, GreedyHead, greedy_head_for, q41_for_inference
+from models.kernel_linear import GreedyHead, greedy_head_for, q41_for_inference
+from models.kernels import MAX_ROWS
 
 __all__ = ["generate_batch", "cut_at_eos", "left_pad", "pad_token_id"]
 
@@ -66,8 +67,8 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
     """New tokens per prompt, each cut after its first EOS (kept). Sampling draws from torch's global RNG
     (HF generate takes no generator): callers seed it, inside `torch.random.fork_rng` to leave theirs be.
     On CPU in fp32 the model generates through its packed inference copy (models.packed_linear), its exactly-Q4_1
-    matrices (the default target's layers) on the Q4_1 kernel where it runs (models.q41_linear); greedy runs read
-    each token from the greedy head there (`ArgmaxLogits`: the same tokens, 1.14x faster; BENCHMARKS.md, stop 50).
+    matrices (the default target's layers) on the Q4_1 kernel where it runs (models.kernel_linear); greedy runs read
+    each token from the greedy head there (`ArgmaxLogits`: the same tokens, 1.14x faster; docs/journal.md, stop 50).
     staging: also stage every row's hidden states at staging.layers (distill.feature_capture), read off this
     generation's own forwards plus one of the last tokens; the tokens are the same either way."""
     device = next(model.parameters()).device
@@ -91,7 +92,7 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
 
 class ArgmaxLogits(torch.nn.Module):
     """An inference head whose logits keep each row's argmax alone (0 there, -inf elsewhere), taken by the greedy
-    head (models.q41_linear.GreedyHead: exactly the argmax of `head`'s logits, ties to the first, without computing
+    head (models.kernel_linear.GreedyHead: exactly the argmax of `head`'s logits, ties to the first, without computing
     them all): greedy decoding reads the same token from them as from `head`'s. Rows past MAX_ROWS, and a row the
     greedy head gives no token (a NaN), get `head`'s own logits."""
 

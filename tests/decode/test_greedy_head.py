@@ -1,4 +1,4 @@
-"""The greedy head in the engine (models.q41_linear.GreedyHead through ModelRunner.forward_greedy): greedy steps
+"""The greedy head in the engine (models.kernel_linear.GreedyHead through ModelRunner.forward_greedy): greedy steps
 emit what the argmax of every logit gives, and it is used only where the head is the Q8_0 kernel's FMA form."""
 
 import pytest
@@ -7,7 +7,9 @@ import torch
 from decode.engine import SpeculativeEngine
 from decode.proposers import PromptLookupProposer
 from decode.runner import ModelRunner
-from models.q41_linear import FULL_HEAD_ENV, amx_unavailable, q80_rounded, vnni_unavailable
+from models.kernel_linear import FULL_HEAD_ENV
+from models.kernels import amx_unavailable, vnni_unavailable
+from models.quant_formats import q80_rounded
 from tests.conftest import make_tiny_llama
 from tests.decode.test_engine import PROMPT, target_greedy
 
@@ -58,7 +60,7 @@ def test_no_greedy_head_where_the_head_is_not_exactly_q80():
 @needs_greedy_head
 def test_batched_greedy_generation_reads_the_same_tokens_from_the_argmax_head(monkeypatch):
     from distill.generation import ArgmaxLogits, argmax_head, generate_batch
-    from models.q41_linear import greedy_head_for
+    from models.kernel_linear import greedy_head_for
     target = q80_target()
     prompts = [[1, 5, 9, 12], [1, 7], [1, 3, 3, 3, 8, 20]]
     fast = generate_batch(target, prompts, max_new_tokens=24, pad_id=0, eos_token_ids={2})

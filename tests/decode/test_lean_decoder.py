@@ -22,9 +22,11 @@ from decode.runner import ExtraRows, ModelRunner
 from decode.tree import attention_bias
 from models.packed_linear import (PackedLinear, PackedLinearFP16, float16_weights_supported, inference_weights,
                                   packed_for_inference, set_inference_weights)
-from models.q41_linear import DISABLE_ENV as NO_Q41_ENV
-from models.q41_linear import (Q41Linear, Q80Linear, amx_unavailable, grid_codes, kernel_unavailable, q41_for_inference,
-                               q80_codes)
+from models.kernel_linear import Q41Linear, Q80Linear, q41_for_inference
+from models.kernels import DISABLE_ENV as NO_Q41_ENV
+from models.kernels import amx_unavailable
+from models.kernels import unavailable as kernel_unavailable
+from models.quant_formats import grid_codes, q80_codes
 from models.target import PRECISIONS, cpu_has_native_bf16, resolve_precision
 from tests.conftest import make_tiny_llama
 
@@ -272,7 +274,54 @@ def test_a_q80_head_runs_on_its_kernel_and_greedy_output_does_not_change():
     assert_greedy_output_is_the_same_without_the_kernels_and_with_speculation(model)
 
 
+def make_tiny_qwen2(seed: int = 0, sliding: bool = False):
+    """A seeded random Qwen2 (attention biases made non-zero, an untied head, grouped-query attention)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False, use_sliding_window=sliding, sliding_window=16, max_window_layers=0,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+        model.lm_head.weight.mul_(4.0)
+    return model
+
+
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_lean_forward_computes_what_transformers_does_for_qwen2_with_its_biases(static_shapes):
+    model = make_tiny_qwen2(seed=3)
+    assert lean_supported(model) is None
+    with torch.inference_mode():
+        lean = forwards(runner(model, True, static_shapes))
+        reference = forwards(runner(model, False, static_shapes))
+    for a, b in zip(lean, reference):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    unbiased = make_tiny_qwen2(seed=3)
+    with torch.no_grad():
+        unbiased.model.layers[0].self_attn.k_proj.bias.zero_()
+    with torch.inference_mode():
+        assert not torch.allclose(forwards(runner(unbiased, True, static_shapes))[0], lean[0])  # the biases are read
+
+
+def test_greedy_speculation_on_qwen2_with_the_lean_forward_equals_transformers_generate():
+    target, drafter = make_tiny_qwen2(seed=0), make_tiny_qwen2(seed=1)
+    prompt = [1, 5, 9, 14, 5, 9]
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        expected = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    for proposer in (None, DraftModelProposer(drafter, gamma=4), PromptLookupProposer(num_tokens=3)):
+        engine = SpeculativeEngine(target, proposer)
+        assert engine.target.lean is not None
+        assert engine.generate(prompt, 24).tokens == expected
+
+
 def test_lean_forward_declines_what_it_does_not_compute():
+    assert "sliding-window" in lean_supported(make_tiny_qwen2(sliding=True))
     model = make_tiny_llama(layers=1)
     assert lean_supported(model) is None
     adapted = get_peft_model(make_tiny_llama(layers=1), LoraConfig(r=2, target_modules=["q_proj"]))

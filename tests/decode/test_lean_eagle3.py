@@ -10,7 +10,8 @@ from decode.proposers.eagle3 import Eagle3Proposer
 from models.eagle3 import DraftCache
 from models.packed_linear import float16_weights_supported, packed_for_inference
 from decode.lean_decoder import UNFUSED_ENV
-from models.q41_linear import kernel_unavailable, vnni_unavailable
+from models.kernels import unavailable as kernel_unavailable
+from models.kernels import vnni_unavailable
 from tests.conftest import make_tiny_llama
 from tests.decode.test_eagle3_decode import tiny_eagle
 

@@ -1,0 +1,131 @@
+"""The engine's CPU kernel library: native C++ sources in `csrc/`, built by torch's cpp_extension into the cache
+(`build.py`: verified before every load), exposed as checked functions (`csrc/bindings.cpp`).
+
+What it holds (AVX-512; the design note docs/design/exact-kernels.md says why each exists):
+- exact GEMMs over the default target's own grids: Q4_1 layer matrices (`Q41Matrix.gemm`, `q41_amx`) and its Q8_0
+  head (`q80_gemm`, `q80_amx`), fp32 activations and accumulation, every row computed alike whatever the row count;
+- the lean forwards' row operations (`rms_norm_rows`, `rope_qk`) and decode-time attention (`attention_rows`);
+- a decoder layer's decode-time rows in two calls (`layer_rows_attention`, `layer_rows_down`);
+- on AVX512-VNNI, int8 drafting GEMMs (`Int8Matrix.gemm`), an EAGLE-3 drafting depth in two calls (`eagle3_rows`,
+  `eagle3_top`) and the greedy head's exact argmax (`q8_argmax`).
+
+`library()` is the loaded module, or None where it cannot run (`unavailable()` says why). Every fallback from a
+fast path is a WARNING once per process naming the reason and its cost (`warn_fallback`), and `fallbacks()` lists
+them for the reports.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+from models.cache import cache_root
+from models.kernels import build
+
+log = logging.getLogger("specdistill.kernels")
+
+DISABLE_ENV = "SPECDISTILL_NO_Q41"  # the whole library off (comparisons)
+NO_AMX_ENV = "SPECDISTILL_NO_AMX"  # the FMA forms everywhere (comparisons)
+AMX_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16", "avx512bw")
+MAX_ROWS = 64  # decode-time calls (trees, chains, single rows); longer calls are prefill, left to oneDNN
+LIBRARY_COST = "the engine falls back to oneDNN's packed fp32 GEMMs and torch's attention: plain decoding about 1.5x slower"
+_fallbacks: dict[str, str] = {}
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo), read once; empty where there is no such file."""
+    try:
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return frozenset()
+
+
+def avx512_available() -> bool:
+    return "avx512f" in cpu_flags()
+
+
+def kernel_directory() -> Path:
+    """Content-addressed by the sources, flags and torch version (build.source_digest)."""
+    return cache_root() / "kernels" / f"cpu-{build.source_digest()}"
+
+
+def warn_fallback(what: str, reason: str, cost: str) -> None:
+    """A WARNING, once per process and `what`, that a fast path is not taken; kept for the reports."""
+    if what not in _fallbacks:
+        _fallbacks[what] = f"{reason}; {cost}"
+        log.warning("%s: not used (%s); %s", what, reason, cost)
+
+
+def fallbacks() -> dict[str, str]:
+    """Every fast path this process fell back from so far: {what: "reason; cost"}."""
+    return dict(_fallbacks)
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> tuple[ModuleType | None, str | None]:
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        return None, "no C++ compiler (c++ or g++) on PATH"
+    if not avx512_available():
+        return None, "this CPU has no avx512f"
+    try:
+        path = build.verified_library(kernel_directory(), warn=log.warning)
+        return build.import_library(path), None
+    except (RuntimeError, OSError, ImportError) as error:
+        return None, str(error)
+
+
+def unavailable() -> str | None:
+    """None when the engine may use the library, else why not (a failed build's WARNING is logged once)."""
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return f"${DISABLE_ENV} is set"
+    reason = _load()[1]
+    if reason is not None:
+        warn_fallback("the CPU kernel library", reason, LIBRARY_COST)
+    return reason
+
+
+def library() -> ModuleType | None:
+    """The loaded library where the engine may use it, else None (see `unavailable`)."""
+    return _load()[0] if unavailable() is None else None
+
+
+@functools.lru_cache(maxsize=1)
+def _amx_granted() -> str | None:
+    """Asks Linux once for this process's tile state; None when granted, else why not."""
+    missing = [f for f in AMX_FLAGS if f not in cpu_flags()]
+    if missing:
+        return f"this CPU has no {', '.join(missing)}"
+    if _load()[0].amx_request() != 0:
+        reason = "Linux refused the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+        warn_fallback("the AMX kernel forms", reason, "a 14-row verification's GEMMs run on the FMA form, about 2x "
+                      "costlier")
+        return reason
+    return None
+
+
+def amx_unavailable() -> str | None:
+    """None when the AMX forms may run in this process, else why not ($SPECDISTILL_NO_AMX keeps the FMA forms)."""
+    if (why := unavailable()) is not None:
+        return why
+    if os.environ.get(NO_AMX_ENV, "") not in ("", "0"):
+        return f"${NO_AMX_ENV} is set"
+    return _amx_granted()
+
+
+def vnni_unavailable() -> str | None:
+    """None when the int8 kernels (drafting GEMMs, the greedy head) may run here, else why not."""
+    missing = [f for f in ("avx512bw", "avx512_vnni") if f not in cpu_flags()]
+    return unavailable() or (f"this CPU has no {', '.join(missing)}" if missing else None)
+
+
+def describe() -> dict:
+    """What this process's kernels are, for reports: the library's state, the GEMM form, the int8 kernels."""
+    return {"library": "loaded" if unavailable() is None else f"unavailable: {unavailable()}",
+            "form": None if unavailable() else ("amx" if amx_unavailable() is None else "fma"),
+            "amx_unavailable": amx_unavailable(), "int8_unavailable": vnni_unavailable(),
+            "fallbacks": fallbacks()}

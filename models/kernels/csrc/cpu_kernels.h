@@ -1,0 +1,99 @@
+// The engine's CPU kernels (AVX-512): exact GEMMs over the default target's own 4- and 8-bit weights, the lean
+// forward's row operations and decode-time attention, a decoder layer's rows in two calls, int8 drafting GEMMs and
+// the greedy head. Raw-pointer functions: every caller goes through bindings.cpp, which checks dtype, shape and
+// contiguity at the boundary. Threads: `threads` OpenMP threads of the runtime torch itself loaded (the library
+// links libgomp.so.1, the soname torch's bundled copy carries, so one pool serves both).
+#pragma once
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {  // a Q4_1 matrix in the FMA form: packed [N][K/2], d and m [N][K/32]
+    const uint8_t *packed;
+    const float *d, *m;
+    int N;
+} q41_matrix;
+
+typedef struct {  // an int8 matrix (Q8Int8Weight): codes [N/16][K/32][8][16][4], d and bias [N/16][K/32][16]
+    const int8_t *codes;
+    const float *d;
+    const int32_t *bias;
+    int N;
+} int8_matrix;
+
+// gemm_fma.cpp
+void q41_gemm(const float *x, int R, int K, const uint8_t *packed, const float *d, const float *m, int N, float *y,
+              int threads);
+void q80_gemm(const float *x, int R, int K, const int8_t *codes, const float *d, int N, float *y, int threads);
+
+// row_ops.cpp
+void rms_norm_rows(const float *x, int R, int D, const float *w, float eps, float *y);
+void rope_qk(const float *qkv, int N, int H, int Hkv, int hd, const float *cos, const float *sin, float *q,
+             float *k);
+int attention_rows(const float *q, int H, int Hkv, int N, int hd, const float *k, const float *v, long head_stride,
+                   int T, const uint8_t *visible, float scale, float *out, int threads);
+void append_keys_values(const float *k, const float *qkv, int N, int H, int Hkv, int hd, float *keys,
+                        float *values, long head_stride, int start);
+int layer_rows_attention(const float *x, int N, int D, const float *norm_in, float eps_in, q41_matrix qkv, int H,
+                         int Hkv, int hd, const float *cos, const float *sin, float *keys, float *values,
+                         long head_stride, int start, int T, const uint8_t *visible, float scale, q41_matrix o,
+                         const float *norm_post, float eps_post, q41_matrix gate_up, float *y, float *gate_up_out,
+                         float *work, int threads);
+void layer_rows_down(float *y, int N, int D, const float *activated, int I, q41_matrix down, float *work,
+                     int threads);
+
+// gemm_amx.cpp
+int amx_request(void);
+int q41_amx(const float *x, int R, int K, const uint8_t *packed, const uint16_t *d, const uint16_t *m, int N,
+            float *y, int threads);
+int q80_amx(const float *x, int R, int K, const int8_t *codes, const uint16_t *d, int N, float *y, int threads);
+
+// int8.cpp
+int q8_int8_gemm(const float *x, int R, int K, const int8_t *codes, const float *d, const int32_t *bias, int N,
+                 float *y, int threads);
+int eagle3_rows(const float *embeds, const float *states, int N, int D, const float *norm_embed, float eps_embed,
+                const float *norm_state, float eps_state, int8_matrix qkv, int H, int Hkv, int hd,
+                const float *cos_table, const float *sin_table, const int64_t *positions, float *keys, float *values,
+                long head_stride, int start, const uint8_t *visible, float scale, int8_matrix o,
+                const float *norm_post, float eps_post, int8_matrix gate_up, int I, int8_matrix down, float *out,
+                int threads);
+int eagle3_top(const float *out, int N, int D, const float *norm_out, float eps_out, int8_matrix head, int topk,
+               float *values, int64_t *indices, int threads);
+int q8_argmax(const float *x, int R, int K, const int8_t *codes, const float *d, const int32_t *bias,
+              const float *slack, int N, int64_t *tokens, int32_t *candidates, int threads);
+
+static inline __m512 exp_nonpositive(__m512 x) {  // x <= 0
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), ln2_hi = _mm512_set1_ps(0.693359375f),
+                 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+    __mmask16 alive = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33654f), _CMP_GE_OQ);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
+    r = _mm512_fnmadd_ps(n, ln2_lo, r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_maskz_mov_ps(alive, _mm512_scalef_ps(p, n));
+}
+
+static inline __m512 sums_of_16(__m512 a[16]) {  // lane j: the sum of a[j]'s 16 lanes (a fixed order)
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++)  // per 128-bit lane: [a0 + a2, b0 + b2, a1 + a3, b1 + b3] of a = a[2i], b = a[2i+1]
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++)  // per 128-bit lane: that lane's sum of a[4i], ..., a[4i + 3]
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 lo = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 hi = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+

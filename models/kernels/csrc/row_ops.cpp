@@ -1,0 +1,183 @@
+#include "cpu_kernels.h"
+
+// ---- Row-wise operations of the engine's lean forward (decode.lean_decoder): one call each instead of the 5-8
+// tensor operations (and their dispatch) that RMSNorm and the rotary embedding take in torch. Each row alone. ----
+// y[r] = (x[r] * (1 / sqrt(mean(x[r]^2) + eps))) * w, as transformers' LlamaRMSNorm orders it. D % 16 == 0.
+void rms_norm_rows(const float *x, int R, int D, const float *w, float eps, float *y) {
+    for (int r = 0; r < R; r++) {
+        const float *row = x + (size_t)r * D;
+        __m512 squares = _mm512_setzero_ps();
+        for (int k = 0; k < D; k += 16) {
+            __m512 v = _mm512_loadu_ps(row + k);
+            squares = _mm512_fmadd_ps(v, v, squares);
+        }
+        __m512 scale = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)D + eps));
+        for (int k = 0; k < D; k += 16)
+            _mm512_storeu_ps(y + (size_t)r * D + k,
+                             _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(row + k), scale), _mm512_loadu_ps(w + k)));
+    }
+}
+
+// The rotary embedding of q and k straight from the fused projection's rows: qkv [N][(H + Hkv + Hkv) hd] (q heads,
+// k heads, v heads), cos and sin [N][hd] -> q [H][N][hd], k [Hkv][N][hd], each x * cos + rotate_half(x) * sin with
+// rotate_half(x) = (-x2, x1): the same products and sum, each rounded, as transformers' apply_rotary_pos_emb.
+// hd % 32 == 0.
+static inline __m512 negated(__m512 x, __m512i sign) {  // -x (its sign bit flipped)
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), sign));
+}
+
+void rope_qk(const float *qkv, int N, int H, int Hkv, int hd, const float *cos, const float *sin, float *q,
+             float *k) {
+    int half = hd / 2, width = (H + 2 * Hkv) * hd;
+    __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    for (int n = 0; n < N; n++) {
+        const float *c = cos + (size_t)n * hd, *s = sin + (size_t)n * hd;
+        for (int h = 0; h < H + Hkv; h++) {
+            const float *x = qkv + (size_t)n * width + (size_t)h * hd;
+            float *out = h < H ? q + ((size_t)h * N + n) * hd : k + ((size_t)(h - H) * N + n) * hd;
+            for (int i = 0; i < half; i += 16) {
+                __m512 x1 = _mm512_loadu_ps(x + i), x2 = _mm512_loadu_ps(x + half + i);
+                __m512 first = _mm512_add_ps(_mm512_mul_ps(x1, _mm512_loadu_ps(c + i)),
+                                             _mm512_mul_ps(negated(x2, sign), _mm512_loadu_ps(s + i)));
+                __m512 second = _mm512_add_ps(_mm512_mul_ps(x2, _mm512_loadu_ps(c + half + i)),
+                                              _mm512_mul_ps(x1, _mm512_loadu_ps(s + half + i)));
+                _mm512_storeu_ps(out + i, first);
+                _mm512_storeu_ps(out + half + i, second);
+            }
+        }
+    }
+}
+
+// ---- Decode-time attention (decode.lean_decoder, decode.lean_eagle3): a few query rows over the cache. ----
+// torch's CPU flash attention costs about 75 us a layer for one row over 300 keys on 2 cores (SDPA's setup and
+// blocking, made for long queries), about 2 ms of a 16 ms forward; this is a few microseconds. Each (head, row)
+// alone, keys in order: a row's numbers depend only on its query and what it sees, whatever the number of rows.
+// exp as Cephes' expf (range reduction by ln 2, degree-6 polynomial, about 1 ulp); arguments below -87.3 (the
+// scores far under their maximum) and keys the mask hides contribute exactly 0.
+static inline __attribute__((always_inline)) void attend_row(const float *q, const float *k, const float *v, int T,
+                                                              int hd, const uint8_t *visible, float scale,
+                                                              float *scores, float *out) {
+    // scores [T rounded up to 16]: scratch. out [hd] = sum_t p_t v_t / sum_t p_t over the visible t. Keys in blocks
+    // of 16: their dot products summed lane-wise, then the 16 sums at once (sums_of_16); a block the row cannot see
+    // at all is skipped (a static-shape cache's unused tail).
+    const __m512 hidden = _mm512_set1_ps(-INFINITY), scaling = _mm512_set1_ps(scale);
+    __m512 top = hidden;
+    for (int t0 = 0; t0 < T; t0 += 16) {
+        int count = T - t0 < 16 ? T - t0 : 16;
+        __mmask16 lanes = count == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1);
+        uint8_t flags[16] = {0};
+        memcpy(flags, visible + t0, (size_t)count);  // not past the row's T bytes
+        __mmask16 seen = _mm512_mask_cmpneq_epi32_mask(
+            lanes, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)flags)), _mm512_setzero_si512());
+        if (!seen) {
+            _mm512_storeu_ps(scores + t0, hidden);
+            continue;
+        }
+        __m512 dots[16];
+        for (int j = 0; j < 16; j++) {
+            if (j >= count) {
+                dots[j] = _mm512_setzero_ps();
+                continue;
+            }
+            const float *key = k + (size_t)(t0 + j) * hd;
+            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(key));
+            for (int i = 16; i < hd; i += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(key + i), s);
+            dots[j] = s;
+        }
+        __m512 block = _mm512_mask_blend_ps(seen, hidden, _mm512_mul_ps(sums_of_16(dots), scaling));
+        _mm512_storeu_ps(scores + t0, block);
+        top = _mm512_max_ps(top, block);
+    }
+    __m512 total = _mm512_setzero_ps(), shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    for (int t0 = 0; t0 < T; t0 += 16) {  // hidden keys: exp(-inf) flushed to exactly 0
+        __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + t0), shift));
+        _mm512_storeu_ps(scores + t0, p);
+        total = _mm512_add_ps(total, p);
+    }
+    __m512 acc[16];
+    int chunks = hd / 16;
+    for (int c = 0; c < chunks; c++) acc[c] = _mm512_setzero_ps();
+    for (int t = 0; t < T; t++) {
+        if (scores[t] == 0.0f) continue;  // hidden, or too small to count
+        __m512 p = _mm512_set1_ps(scores[t]);
+        const float *value = v + (size_t)t * hd;
+        for (int c = 0; c < chunks; c++) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(value + 16 * c), acc[c]);
+    }
+    __m512 sum = _mm512_set1_ps(_mm512_reduce_add_ps(total));
+    for (int c = 0; c < chunks; c++) _mm512_storeu_ps(out + 16 * c, _mm512_div_ps(acc[c], sum));
+}
+
+// q [H][N][hd] (contiguous); head j's keys and values: row t at k + j * head_stride + t * hd (j = h / (H / Hkv));
+// visible [N][T] bytes (nonzero: row n attends to key t; every row sees at least one key); out [N][H * hd], the
+// layout the output projection reads. hd % 16 == 0, hd <= 256. 0, or -1 without scratch memory (out unwritten).
+int attention_rows(const float *q, int H, int Hkv, int N, int hd, const float *k, const float *v, long head_stride,
+                   int T, const uint8_t *visible, float scale, float *out, int threads) {
+    int padded = (T + 15) / 16 * 16, group = H / Hkv, units = H * N;
+    if (threads > units) threads = units;
+    if (threads < 1) threads = 1;
+    float *scratch = (float *)malloc(sizeof(float) * (size_t)padded * threads);
+    if (scratch == NULL) return -1;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int u = 0; u < units; u++) {  // (head, row) pairs, a key/value head's rows side by side
+        int h = u / N, n = u % N;
+        size_t kv = (size_t)(h / group) * head_stride;
+        const float *row_q = q + (size_t)u * hd, *row_k = k + kv, *row_v = v + kv;
+        const uint8_t *seen = visible + (size_t)n * T;
+        float *scores = scratch + (size_t)omp_get_thread_num() * padded, *row_out = out + (size_t)n * H * hd + h * hd;
+        switch (hd) {  // the common head sizes with their loops unrolled (the accumulators in registers)
+            case 64: attend_row(row_q, row_k, row_v, T, 64, seen, scale, scores, row_out); break;
+            case 128: attend_row(row_q, row_k, row_v, T, 128, seen, scale, scores, row_out); break;
+            case 32: attend_row(row_q, row_k, row_v, T, 32, seen, scale, scores, row_out); break;
+            default: attend_row(row_q, row_k, row_v, T, hd, seen, scale, scores, row_out);
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
+// The rows' rotated keys k [Hkv][N][hd] and their values (the v heads of the fused projection's rows qkv
+// [N][(H + 2 Hkv) hd]) into the cache at rows start..start+N-1 (head j's row t at keys + j * head_stride + t * hd).
+void append_keys_values(const float *k, const float *qkv, int N, int H, int Hkv, int hd, float *keys,
+                               float *values, long head_stride, int start) {
+    int width = (H + 2 * Hkv) * hd;
+    for (int j = 0; j < Hkv; j++)
+        for (int n = 0; n < N; n++) {
+            size_t row = (size_t)j * head_stride + (size_t)(start + n) * hd;
+            memcpy(keys + row, k + ((size_t)j * N + n) * hd, sizeof(float) * hd);
+            memcpy(values + row, qkv + (size_t)n * width + (size_t)(H + Hkv + j) * hd, sizeof(float) * hd);
+        }
+}
+
+// ---- A decoder layer's decode-time rows in two calls (decode.lean_decoder.FusedLayer): the same functions in the
+// same order as the lean forward's Python (so the same bits), without its thirty-odd tensor operations a layer. ----
+// y [N][D] = x + o(attention(rope(qkv(rms_norm(x))))); gate_up [N][2I] = gate_up(rms_norm(y)); the rows' keys and
+// values written to the cache at rows start..start+N-1 of each head (head j's row t at keys + j * head_stride +
+// t * hd). work: N * (D + Q + (H + Hkv) * hd + H * hd) floats, Q = (H + 2 Hkv) * hd. 0, or -1 (no memory).
+int layer_rows_attention(const float *x, int N, int D, const float *norm_in, float eps_in, q41_matrix qkv, int H,
+                         int Hkv, int hd, const float *cos, const float *sin, float *keys, float *values,
+                         long head_stride, int start, int T, const uint8_t *visible, float scale, q41_matrix o,
+                         const float *norm_post, float eps_post, q41_matrix gate_up, float *y, float *gate_up_out,
+                         float *work, int threads) {
+    int width = (H + 2 * Hkv) * hd;
+    float *normed = work, *fused = normed + (size_t)N * D, *q = fused + (size_t)N * width;
+    float *k = q + (size_t)H * N * hd, *attended = k + (size_t)Hkv * N * hd;
+    rms_norm_rows(x, N, D, norm_in, eps_in, normed);
+    q41_gemm(normed, N, D, qkv.packed, qkv.d, qkv.m, width, fused, threads);
+    rope_qk(fused, N, H, Hkv, hd, cos, sin, q, k);
+    append_keys_values(k, fused, N, H, Hkv, hd, keys, values, head_stride, start);
+    if (attention_rows(q, H, Hkv, N, hd, keys, values, head_stride, T, visible, scale, attended, threads) != 0)
+        return -1;
+    q41_gemm(attended, N, H * hd, o.packed, o.d, o.m, D, y, threads);  // o(attended), then x + it, as torch adds
+    for (size_t i = 0; i < (size_t)N * D; i++) y[i] = x[i] + y[i];
+    rms_norm_rows(y, N, D, norm_post, eps_post, normed);
+    q41_gemm(normed, N, D, gate_up.packed, gate_up.d, gate_up.m, gate_up.N, gate_up_out, threads);
+    return 0;
+}
+
+// y [N][D] += down(activated [N][I]); work: N * D floats.
+void layer_rows_down(float *y, int N, int D, const float *activated, int I, q41_matrix down, float *work,
+                     int threads) {
+    q41_gemm(activated, N, I, down.packed, down.d, down.m, D, work, threads);
+    for (size_t i = 0; i < (size_t)N * D; i++) y[i] = y[i] + work[i];
+}
+
