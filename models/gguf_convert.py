@@ -52,8 +52,12 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> None:
     config_dict.pop("quantization_config", None)  # the weights saved below are plain fp32
     config_dict.pop("_model_name_or_path", None)
     config = AutoConfig.for_model(**config_dict)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(gguf_model.state_dict(), strict=True)
+    # built without storage and handed the loaded tensors themselves (assign): one copy of the weights in memory, not
+    # two (peak RSS measured: Qwen2.5-Coder-0.5B 5.4 -> 3.9 GB; the 1.5B 9.0 GB, its fp32 weights 7.1 GB). Its
+    # non-persistent buffers (rotary inv_freq) stay on meta: nothing saves them.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict(), strict=True, assign=True)
     model.generation_config = gguf_model.generation_config
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

