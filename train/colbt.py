@@ -9,20 +9,19 @@ weight the training records by what the earlier members miss (distill.boosting),
 weighted token-level CE, measure its coverage (teacher-forced, on the training records for the next
 member's weights and on the held-out ones for the log), save it as `member-i/`; measure the members
 and the merged ensemble with the engine on `eval_prompts`; publish the directory with its manifest.
-With `colbt_strength: 0` every weight is 1 and each member trains exactly as it would alone: the
+With `colbt.strength: 0` every weight is 1 and each member trains exactly as it would alone: the
 baseline that makes the effect of boosting measurable.
 
-Config fields read here (besides the Seq-KD ones of train.distill_config): colbt_members, colbt_rule,
-colbt_m, colbt_strength, colbt_scheme, colbt_holdout, max_tree_nodes, colbt_branches (see train.distill_config).
+Config: the `colbt:` section (ColbtConfig), besides the Seq-KD ones of train.distill_config.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import logging
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,35 +40,74 @@ from models.drafters import MANIFEST, build_manifest, save_drafter
 from train import distill_steps as steps
 from train.acceptance import measure_acceptance
 from train.checkpoints import TrainState
+from train.config import ConfigError, check_choice, option, to_dict
+from train.methods import Method, register_method
 
 log = logging.getLogger("specdistill.colbt")
 
 MEMBER_DIR = "member-{}"
 
 
+@dataclass
+class ColbtConfig:
+    """Method colbt: collective boost-tuning of several drafters, saved as one ensemble."""
+
+    members: list[str] = option(["truncated:2", "truncated:3", "small:layers=2,hidden=256"],
+                                "the member drafters, trained in this order (specs as in `drafter`)")
+    rule: str = option("top1", "a member covers a target token when it is its argmax (top1) or in its top-m (topm)")
+    m: int = option(4, "m of the topm coverage rule")
+    strength: float = option(1.0, "boosting strength; 0 trains every member independently (no boosting)")
+    scheme: str = option("linear", "weight = 1 + strength * missed_by_all (linear) or exp(strength * misses) (exp)")
+    holdout: int = option(8, "prompts whose teacher records are held out to measure coverage")
+    max_tree_nodes: int = option(16, "cap on the merged token tree's nodes (root included) when the ensemble decodes")
+    branches: int = option(1, "greedy decoding offers each member's top-b tokens at every depth of its chain; the "
+                              "tree keeps the most probable up to max_tree_nodes (1: chains only)")
+
+    def __post_init__(self):
+        if not self.members:
+            raise ConfigError("colbt.members: at least one member drafter spec is needed")
+        check_choice("colbt.rule", self.rule, ("top1", "topm"))
+        check_choice("colbt.scheme", self.scheme, ("linear", "exp"))
+        if self.m < 1:
+            raise ConfigError(f"colbt.m: must be >= 1, got {self.m}")
+        if self.strength < 0:
+            raise ConfigError(f"colbt.strength: must be >= 0, got {self.strength}")
+        if self.holdout < 1:
+            raise ConfigError(f"colbt.holdout: must be >= 1 (coverage is measured on held-out prompts), got {self.holdout}")
+        if self.branches < 1:
+            raise ConfigError(f"colbt.branches: must be >= 1 (1: each member's chain only), got {self.branches}")
+        if self.max_tree_nodes < 2:
+            raise ConfigError(f"colbt.max_tree_nodes: must be >= 2 (the root and one draft), got {self.max_tree_nodes}")
+
+
+def check_job(cfg) -> None:
+    """The common fields a colbt job needs as they are."""
+    if cfg.loss != "ce":
+        raise ConfigError(f"loss: colbt trains each member with weighted ce on the target's tokens, got {cfg.loss!r}")
+
+
 def train_colbt(cfg, accelerator, target, records: list[dict], eval_prompts: list[list[int]] | None = None) -> Path:
-    check_colbt_config(cfg)
-    train_records, held_out = split_held_out(records, cfg.colbt_holdout, cfg.seed)
+    train_records, held_out = split_held_out(records, cfg.colbt.holdout, cfg.seed)
     log.info("colbt: %d members, %d training records, %d held-out records, rule %s, strength %g (%s)",
-             len(cfg.colbt_members), len(train_records), len(held_out), cfg.colbt_rule, cfg.colbt_strength,
-             cfg.colbt_scheme)
+             len(cfg.colbt.members), len(train_records), len(held_out), cfg.colbt.rule, cfg.colbt.strength,
+             cfg.colbt.scheme)
     out = Path(cfg.output_dir).expanduser().absolute()
     tmp = make_temp_sibling(out) if accelerator.is_main_process else None
     covered_train: list[list[list[bool]]] = []  # [member][record][position]
     covered_held: list[list[list[bool]]] = []
     members, summaries = [], []
-    for i, spec in enumerate(cfg.colbt_members):
+    for i, spec in enumerate(cfg.colbt.members):
         member_cfg = member_config(cfg, spec)
         weighted = with_boost_weights(train_records, covered_train, cfg)
         model, vocab_map, losses = train_member(member_cfg, accelerator, target, weighted, name=f"member {i}")
         covered_held.append(coverage_of(cfg, model, vocab_map, held_out, target))
-        if i + 1 < len(cfg.colbt_members) and cfg.colbt_strength > 0:
+        if i + 1 < len(cfg.colbt.members) and cfg.colbt.strength > 0:
             covered_train.append(coverage_of(cfg, model, vocab_map, train_records, target))
         summaries.append(member_summary(i, spec, weighted, covered_held, losses))
         log_coverage(accelerator, summaries[-1])
         members.append((model, vocab_map))
         if accelerator.is_main_process:
-            save_drafter(tmp / MEMBER_DIR.format(i), model, target, "draft_model", config=config_dict(member_cfg),
+            save_drafter(tmp / MEMBER_DIR.format(i), model, target, "draft_model", config=to_dict(member_cfg),
                          vocab_map=vocab_map, extra={"colbt": summaries[-1]})
         accelerator.wait_for_everyone()
     acceptance = measure_all(cfg, target, members, eval_prompts) if accelerator.is_main_process and eval_prompts else {}
@@ -83,28 +121,6 @@ def train_colbt(cfg, accelerator, target, records: list[dict], eval_prompts: lis
 
 # ---- configuration and data -----------------------------------------------------------------------
 
-def check_colbt_config(cfg) -> None:
-    """The colbt fields, checked with errors naming the key (also fit for DistillConfig.__post_init__)."""
-    if not cfg.colbt_members:
-        raise ValueError("colbt_members: at least one member drafter spec is needed")
-    if cfg.colbt_rule not in ("top1", "topm"):
-        raise ValueError(f"colbt_rule: must be top1 or topm, got {cfg.colbt_rule!r}")
-    if cfg.colbt_scheme not in ("linear", "exp"):
-        raise ValueError(f"colbt_scheme: must be linear or exp, got {cfg.colbt_scheme!r}")
-    if cfg.colbt_m < 1:
-        raise ValueError(f"colbt_m: must be >= 1, got {cfg.colbt_m}")
-    if cfg.colbt_strength < 0:
-        raise ValueError(f"colbt_strength: must be >= 0, got {cfg.colbt_strength}")
-    if cfg.colbt_holdout < 1:
-        raise ValueError(f"colbt_holdout: must be >= 1 (coverage is measured on held-out prompts), got {cfg.colbt_holdout}")
-    if cfg.colbt_branches < 1:
-        raise ValueError(f"colbt_branches: must be >= 1 (1: each member's chain only), got {cfg.colbt_branches}")
-    if cfg.max_tree_nodes < 2:
-        raise ValueError(f"max_tree_nodes: must be >= 2 (the root and one draft), got {cfg.max_tree_nodes}")
-    if getattr(cfg, "loss", "ce") != "ce":
-        raise ValueError(f"loss: colbt trains each member with weighted ce on the target's tokens, got {cfg.loss!r}")
-
-
 def member_config(cfg, spec: str):
     """The job's config with `drafter` set to this member (a copy: the caller's config is not changed)."""
     member = copy.copy(cfg)
@@ -112,16 +128,14 @@ def member_config(cfg, spec: str):
     return member
 
 
-def config_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(vars(cfg))
-
-
-def split_held_out(records: list[dict], n_prompts: int, seed: int) -> tuple[list[dict], list[dict]]:
-    """(training, held-out) records; every record of a held-out prompt is held out (seeded choice)."""
+def split_held_out(records: list[dict], n_prompts: int, seed: int,
+                   key: str = "colbt.holdout") -> tuple[list[dict], list[dict]]:
+    """(training, held-out) records; every record of a held-out prompt is held out (seeded choice).
+    key: the config key that asked for n_prompts, named in the error when they leave none to train on."""
     prompt_of = [r.get("prompt_id", str(i)) for i, r in enumerate(records)]
     prompts = sorted(set(prompt_of))
     if n_prompts >= len(prompts):
-        raise ValueError(f"colbt_holdout: {n_prompts} held-out prompts leave none of the {len(prompts)} to train on")
+        raise ValueError(f"{key}: {n_prompts} held-out prompts leave none of the {len(prompts)} to train on")
     held = set(random.Random(seed).sample(prompts, n_prompts))
     return ([r for r, p in zip(records, prompt_of) if p not in held],
             [r for r, p in zip(records, prompt_of) if p in held])
@@ -129,11 +143,11 @@ def split_held_out(records: list[dict], n_prompts: int, seed: int) -> tuple[list
 
 def with_boost_weights(records: list[dict], covered: list[list[list[bool]]], cfg) -> list[dict]:
     """Copies of the records with per-token "weights" from the earlier members' coverage (none: all 1)."""
-    if not covered or cfg.colbt_strength == 0:
+    if not covered or cfg.colbt.strength == 0:
         return [dict(r, weights=None) for r in records]
     lengths = [len(row) for row in covered[0]]
     flat = torch.tensor([[hit for row in member for hit in row] for member in covered], dtype=torch.bool)  # [K, N]
-    weights = boost_weights(flat, cfg.colbt_strength, cfg.colbt_scheme).tolist()  # [N], mean 1
+    weights = boost_weights(flat, cfg.colbt.strength, cfg.colbt.scheme).tolist()  # [N], mean 1
     out, start = [], 0
     for record, n in zip(records, lengths):
         out.append(dict(record, weights=weights[start:start + n]))
@@ -142,7 +156,7 @@ def with_boost_weights(records: list[dict], covered: list[list[list[bool]]], cfg
 
 
 def coverage_of(cfg, model, vocab_map, records: list[dict], target) -> list[list[bool]]:
-    return teacher_forced_coverage(model, records, cfg.colbt_rule, cfg.colbt_m, vocab_map, pad_id_of(target),
+    return teacher_forced_coverage(model, records, cfg.colbt.rule, cfg.colbt.m, vocab_map, pad_id_of(target),
                                    cfg.max_seq_len, batch_size=cfg.batch_size)
 
 
@@ -240,9 +254,9 @@ def measure_all(cfg, target, members, prompts: list[list[int]]) -> dict:
                                                                 cfg.eval_max_new_tokens, cfg.eval_gamma))
     v_target = target.model.get_output_embeddings().weight.shape[0]
     proposer = EnsembleProposer([DraftModelProposer(m, cfg.eval_gamma, vm, target.eos_token_ids, v_target)
-                                 for m, vm in members], cfg.max_tree_nodes, cfg.colbt_branches)
+                                 for m, vm in members], cfg.colbt.max_tree_nodes, cfg.colbt.branches)
     engine = SpeculativeEngine(target.model, proposer, target.eos_token_ids,
-                               max_tree_nodes=max(64, cfg.max_tree_nodes), adaptive=False)
+                               max_tree_nodes=max(64, cfg.colbt.max_tree_nodes), adaptive=False)
     result["ensemble"] = brief(aggregate_stats([engine.generate(p, cfg.eval_max_new_tokens).stats for p in prompts]))
     log.info("held-out tau: %s", ", ".join(f"{k} {v['tau']:.3f}" for k, v in result.items()))
     return result
@@ -255,10 +269,13 @@ def brief(stats: dict) -> dict:
 def write_manifest(directory: Path, cfg, target, summaries: list[dict], acceptance: dict) -> None:
     """manifest.json of kind ensemble: the members (paths relative to the directory, in source order),
     the target, the resolved config, the tree cap, and the coverage/acceptance measured here."""
-    manifest = build_manifest(target, "ensemble", config_dict(cfg), has_vocab_map=False, has_model=False,
+    manifest = build_manifest(target, "ensemble", to_dict(cfg), has_vocab_map=False, has_model=False,
                               extra={"coverage": [{k: v for k, v in s.items() if k != "losses"} for s in summaries],
                                      "held_out_tau": acceptance})
     manifest["members"] = [MEMBER_DIR.format(i) for i in range(len(summaries))]
-    manifest["max_tree_nodes"] = cfg.max_tree_nodes
-    manifest["branches"] = cfg.colbt_branches
+    manifest["max_tree_nodes"] = cfg.colbt.max_tree_nodes
+    manifest["branches"] = cfg.colbt.branches
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2))
+
+
+register_method(Method("colbt", train_colbt, ColbtConfig, check=check_job))

@@ -40,6 +40,7 @@ from models.fingerprint import weights_fingerprint
 
 from models.target import load_target
 from train.acceptance import measure_acceptance
+from train.config import to_dict
 
 log = logging.getLogger("specdistill.distill")
 
@@ -345,7 +346,7 @@ def measure(cfg, target, model, vocab_map, prompt_ids) -> dict:
 
 def save_best(cfg, target, model, vocab_map, state) -> Path:
     """The best drafter so far, as a complete drafter directory under work_dir/best."""
-    return save_drafter(Path(cfg.work_dir) / "best", plain_model(model), target, "draft_model", config=vars(cfg),
+    return save_drafter(Path(cfg.work_dir) / "best", plain_model(model), target, "draft_model", config=to_dict(cfg),
                         vocab_map=vocab_map, extra={"step": state.step, "held_out_tau": state.best_tau,
                                                     "history": state.history})
 

@@ -6,13 +6,13 @@ Reads top to bottom: choose the draft vocabulary (the teacher responses' `draft_
 the target's states at the three layers for every record, once (distill.feature_cache: on disk,
 content-addressed, streamed a shard at a time; read from what the teacher generation staged as it ran,
 distill.feature_capture, where it made the records in this job, else computed); build the drafter
-(models.eagle3); train it with the training-time test: each batch is unrolled `eagle3_steps` drafting steps
+(models.eagle3); train it with the training-time test: each batch is unrolled `eagle3.steps` drafting steps
 (Eagle3Drafter.unroll), step j feeding the drafter its own step j-1 output with the token j further on, as
 decoding does, and its loss is the cross-entropy of the drafter's distribution against the target's next-token
 distribution (the target's head on its final state, restricted to the draft vocabulary and renormalised) on
-the response positions (and the prompt's, weighted eagle3_prompt_weight; those where the target continues an
-earlier occurrence of the last two tokens, copying from its context, weighted eagle3_copy_weight times),
-weighted by eagle3_decay**j; with eagle3_feature_noise > 0 the target's features get Gaussian noise in
+the response positions (and the prompt's, weighted eagle3.prompt_weight; those where the target continues an
+earlier occurrence of the last two tokens, copying from its context, weighted eagle3.copy_weight times),
+weighted by eagle3.decay**j; with eagle3.feature_noise > 0 the target's features get Gaussian noise in
 training (`noisy_features`); only the positions some step counts are unrolled (`counted_rows`: every position
 is context, a response-only loss computes about half a batch's rows); every `eval_every` steps decode held-out
 prompts with the real engine (decode.proposers.eagle3, full depth, no adaptation) and keep the drafter of best
@@ -22,9 +22,8 @@ order is a function of the seed, the epoch and the batch index).
 With max_minutes the step count is decided after the warm-up from the measured costs (train.step_budget), at
 most max_steps, and training stops early should the job still be about to overrun.
 
-Config fields read here: eagle3_layers, eagle3_steps, eagle3_decay, eagle3_prompt_weight, eagle3_copy_weight,
-eagle3_feature_noise, eagle3_init, eagle3_depth, eagle3_topk, eagle3_tree_nodes, draft_vocab, and the common
-optimisation (max_minutes too), eval_* and checkpoint fields.
+Config: the `eagle3:` section (Eagle3Config), draft_vocab, and the common optimisation (max_minutes too),
+eval_* and checkpoint fields.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,16 +48,72 @@ from models.drafters import save_drafter
 from models.eagle3 import Eagle3Drafter, default_target_layers
 from train import distill_steps as steps
 from train.checkpoints import resume_or_start, save_checkpoint
-from train.colbt import config_dict
+from train.config import ConfigError, check_choice, option, to_dict
 from train.medusa import average_gradients, candidate_vocab
+from train.methods import Method, register_method
 from train.step_budget import StepBudget
 
 log = logging.getLogger("specdistill.eagle3")
 
 
+@dataclass
+class Eagle3Config:
+    """Method eagle3: one decoder layer over the frozen target's hidden states at three layers."""
+
+    layers: list[int] = option([], "the three target layers whose inputs are fused (low, middle, high); empty: "
+                                   "EAGLE-3's choice, 2, L // 2 and L - 3 of an L-layer target")
+    steps: int = option(7, "drafting steps unrolled per position in training (the training-time test)")
+    decay: float = option(0.8, "step j's loss weight is decay**j")
+    prompt_weight: float = option(0.0, "loss weight of positions whose next token is a prompt token (the target's "
+                                       "distribution there is as real; 0: response positions only)")
+    copy_weight: float = option(1.0, "loss weight, times the position's, where the target's next token continues an "
+                                     "earlier occurrence of the last two tokens (it copies from its context; 1: as "
+                                     "any other position)")
+    feature_noise: float = option(0.0, "std of the Gaussian noise added to the target's features in training, as a "
+                                       "share of each dimension's median |value| (0: none; EAGLE trains on noised "
+                                       "features)")
+    init: str = option("target_layer", "how the layer and fc start: target_layer (the target's high layer over its "
+                                       "own high feature) or random (Llama's init)")
+    intermediate_size: int = option(0, "the drafter layer's MLP width (0: the target's); a wider one starts as the "
+                                       "target's layer with the new units' outputs at zero")
+    depth: int = option(0, "decoding's deepest draft (stored in the drafter); 0: the per-device default")
+    topk: int = option(0, "decoding's top-k per expanded node and nodes expanded per depth; 0: the default")
+    tree_nodes: int = option(0, "decoding's tree size (nodes besides the root); 0: the per-device default")
+
+    def __post_init__(self):
+        if self.layers and len(self.layers) != 3:
+            raise ConfigError(f"eagle3.layers: three target layers (low, middle, high) or none, got {self.layers}")
+        if any(int(i) < 0 for i in self.layers):
+            raise ConfigError(f"eagle3.layers: layer indices must be >= 0, got {self.layers}")
+        if self.steps < 1:
+            raise ConfigError(f"eagle3.steps: must be >= 1, got {self.steps}")
+        if not 0 < self.decay <= 1:
+            raise ConfigError(f"eagle3.decay: must be in (0, 1], got {self.decay}")
+        if not 0 <= self.prompt_weight <= 1:
+            raise ConfigError(f"eagle3.prompt_weight: must be in [0, 1], got {self.prompt_weight}")
+        if not 0 < self.copy_weight <= 100:
+            raise ConfigError(f"eagle3.copy_weight: must be in (0, 100], got {self.copy_weight}")
+        if not 0 <= self.feature_noise < 1:
+            raise ConfigError(f"eagle3.feature_noise: must be in [0, 1), got {self.feature_noise}")
+        check_choice("eagle3.init", self.init, ("target_layer", "random"))  # models.eagle3.EAGLE3_INITS
+        if self.intermediate_size < 0:
+            raise ConfigError(f"eagle3.intermediate_size: must be >= 0 (0: the target's), got {self.intermediate_size}")
+        for name in ("depth", "topk", "tree_nodes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"eagle3.{name}: must be >= 0 (0: the default), got {getattr(self, name)}")
+
+
+def check_job(cfg) -> None:
+    """The common fields an eagle3 job needs as they are."""
+    if cfg.loss != "ce":
+        raise ConfigError(f"loss: eagle3 trains with ce against the target's distribution, got {cfg.loss!r}")
+    if cfg.lora_r:
+        raise ConfigError("lora_r: eagle3 trains its own layer fully, the target stays frozen; set lora_r: 0")
+
+
 def target_layers(cfg, target) -> list[int]:
-    """The target layers whose inputs the drafter reads: eagle3_layers, else EAGLE-3's low, middle and high."""
-    return list(cfg.eagle3_layers or default_target_layers(target.model.config.get_text_config().num_hidden_layers))
+    """The target layers whose inputs the drafter reads: eagle3.layers, else EAGLE-3's low, middle and high."""
+    return list(cfg.eagle3.layers or default_target_layers(target.model.config.get_text_config().num_hidden_layers))
 
 
 def feature_staging(cfg, target) -> FeatureStaging:
@@ -68,8 +124,8 @@ def feature_staging(cfg, target) -> FeatureStaging:
 def train_eagle3(cfg, accelerator, target, records: list[dict], eval_prompts: list[list[int]]) -> Path:
     vocab_map = candidate_vocab(cfg, target, records)  # the draft_vocab most frequent response tokens, EOS in
     drafter = Eagle3Drafter.for_target(target.model, vocab_map, target_layers(cfg, target), seed=cfg.seed,
-                                       init=cfg.eagle3_init,
-                                       intermediate_size=cfg.eagle3_intermediate_size).float().train()
+                                       init=cfg.eagle3.init,
+                                       intermediate_size=cfg.eagle3.intermediate_size).float().train()
     pad_id = pad_token_id(target.tokenizer, target.eos_token_ids)
     cache = open_or_build(target, records, drafter.target_layers, cfg.max_seq_len, cfg.gen_batch_size, pad_id,
                           accelerator, staging=feature_staging(cfg, target))
@@ -84,7 +140,7 @@ def train_eagle3(cfg, accelerator, target, records: list[dict], eval_prompts: li
     budget = None
     if cfg.max_minutes:  # a step priced by the main process's batch (the one it times)
         budget = StepBudget(cfg.max_minutes, cfg.warmup_steps, cfg.eval_every, total,
-                            lambda step: plan.work(step * accelerator.num_processes, cfg.eagle3_prompt_weight))
+                            lambda step: plan.work(step * accelerator.num_processes, cfg.eagle3.prompt_weight))
     head_rows = target_head_rows(target, vocab_map)
     if state.step == 0:  # the untrained start, to measure what training gained
         start = whole.of(drafter)  # every process: a collective gather under ZeRO-3
@@ -328,8 +384,8 @@ def train_step(cfg, accelerator, target, drafter, head_rows, records, optimizer,
     noise = torch.Generator(device=module.fc.weight.device).manual_seed(noise_seed)
     with accelerator.autocast():  # the loss calls the drafter's parts, not the prepared forward accelerate wraps
         loss, accuracy = eagle3_loss(module, target.model.get_input_embeddings(), head_rows, records,
-                                     cfg.eagle3_steps, cfg.eagle3_decay, cfg.eagle3_prompt_weight,
-                                     copy_weight=cfg.eagle3_copy_weight, feature_noise=cfg.eagle3_feature_noise,
+                                     cfg.eagle3.steps, cfg.eagle3.decay, cfg.eagle3.prompt_weight,
+                                     copy_weight=cfg.eagle3.copy_weight, feature_noise=cfg.eagle3.feature_noise,
                                      noise=noise)
     accelerator.backward(loss)  # under DeepSpeed: also averages the gradients over processes, clips, steps
     if not steps.deepspeed(accelerator):
@@ -372,8 +428,8 @@ def measure_acceptance(cfg, target, drafter: Eagle3Drafter, prompts: list[list[i
 
 def decoding_options(cfg) -> dict:
     """The tree shape stored with the drafter (0: the proposer's per-device default)."""
-    return {"depth": cfg.eagle3_depth or None, "topk": cfg.eagle3_topk or None,
-            "tree_nodes": cfg.eagle3_tree_nodes or None}
+    return {"depth": cfg.eagle3.depth or None, "topk": cfg.eagle3.topk or None,
+            "tree_nodes": cfg.eagle3.tree_nodes or None}
 
 
 def evaluate(cfg, accelerator, target, module: Eagle3Drafter | None, state, eval_prompts) -> None:
@@ -400,6 +456,12 @@ def save_snapshot(cfg, target, drafter: Eagle3Drafter, state, name: str) -> Path
     copy = Eagle3Drafter(drafter.config)
     copy.load_state_dict(drafter.state_dict())
     return save_drafter(Path(cfg.work_dir) / name, copy.to(target.dtype), target, "eagle3",
-                        config={**drafter.config, **config_dict(cfg)},
+                        config={**drafter.config, **to_dict(cfg)},
                         extra={"decoding": options, "step": state.step, "held_out_tau": state.best_tau,
                                "history": state.history})
+
+
+# mixed_precision auto trains EAGLE-3 under bf16 autocast on a CPU with native bf16 GEMMs: a step 1.5x faster and
+# drafters as fast as fp32's (BENCHMARKS.md, "EAGLE-3 training in bf16 on the CPU")
+register_method(Method("eagle3", train_eagle3, Eagle3Config, check=check_job, staging=feature_staging,
+                       deepspeed_stages=(2, 3), budgeted=True, cpu_bf16=True))

@@ -17,8 +17,7 @@ distribution for that token is its output at the real position t + j, which the 
 computed (real rows never attend to [LA] rows, so it is the plain target's), weighted by decay**(j-1).
 Backpropagation runs through the [LA] rows only: the first pass holds no graph.
 
-Config fields read here: lookahead_tokens, lookahead_insertions, lookahead_decay, lookahead_kl_weight,
-lookahead_chains, lookahead_branches, lookahead_init_noise, and the common optimisation and eval_* fields.
+Config: the `lookahead:` section (LookaheadConfig), and the common optimisation and eval_* fields.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from __future__ import annotations
 import copy
 import logging
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,14 +41,48 @@ from models.drafters import save_drafter
 from models.hf_compat import cache_argument, output_cache
 from models.lookahead import LookaheadTokens
 from train import distill_steps as steps
-from train.colbt import config_dict
+from train.config import ConfigError, option, to_dict
 from train.medusa import average_gradients
+from train.methods import Method, register_method
 
 log = logging.getLogger("specdistill.lookahead")
 
 
+@dataclass
+class LookaheadConfig:
+    """Method lookahead: [LA] embeddings for the frozen target (PaSS)."""
+
+    tokens: int = option(4, "number k of [LA] embeddings; LA_j predicts the token j+1 after the last real one")
+    insertions: int = option(16, "insertion points per training sequence, each a group of k [LA] rows in one forward")
+    decay: float = option(0.8, "LA_j's loss weight is decay**(j-1)")
+    kl_weight: float = option(1.0, "weight of KL(target || LA) beside the CE on the target's tokens")
+    chains: int = option(2, "when decoding, the shallowest tree nodes that get an [LA] chain in each verification "
+                            "forward (stored in the drafter)")
+    branches: int = option(1, "when decoding, the first draft's b most likely tokens go into the tree as siblings "
+                              "(1: a chain; stored in the drafter)")
+    init_noise: float = option(0.1, "initial noise around the mean token embedding, in units of its per-dimension std")
+
+    def __post_init__(self):
+        for name in ("tokens", "insertions", "chains", "branches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"lookahead.{name}: must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.decay <= 1:
+            raise ConfigError(f"lookahead.decay: must be in (0, 1], got {self.decay}")
+        for name in ("kl_weight", "init_noise"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"lookahead.{name}: must be >= 0, got {getattr(self, name)}")
+
+
+def check_job(cfg) -> None:
+    """The common fields a lookahead job needs as they are."""
+    if cfg.loss != "ce":
+        raise ConfigError(f"loss: lookahead trains with ce + lookahead.kl_weight * KL, got {cfg.loss!r}")
+    if cfg.lora_r:
+        raise ConfigError("lora_r: lookahead trains only the [LA] embeddings, the target stays frozen; set lora_r: 0")
+
+
 def train_lookahead(cfg, accelerator, target, records: list[dict], eval_prompts: list[list[int]]) -> Path:
-    tokens = LookaheadTokens.from_target(target.model, cfg.lookahead_tokens, cfg.seed, cfg.lookahead_init_noise)
+    tokens = LookaheadTokens.from_target(target.model, cfg.lookahead.tokens, cfg.seed, cfg.lookahead.init_noise)
     tokens = tokens.float().train().requires_grad_(True)
     shard = records[accelerator.process_index::accelerator.num_processes]
     # the same step count on every process (shards may differ by one record)
@@ -85,8 +119,8 @@ def batches(records: list[dict], cfg, pad_id: int, rng: random.Random, total: in
 def train_step(cfg, accelerator, target, tokens, batch: Batch, optimizer, scheduler, rng) -> float:
     module = accelerator.unwrap_model(tokens)
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
-    groups = sample_insertions(batch, cfg.lookahead_insertions, module.num_tokens, gen)
-    loss = lookahead_loss(target.model, module(), batch, groups, cfg.lookahead_decay, cfg.lookahead_kl_weight)
+    groups = sample_insertions(batch, cfg.lookahead.insertions, module.num_tokens, gen)
+    loss = lookahead_loss(target.model, module(), batch, groups, cfg.lookahead.decay, cfg.lookahead.kl_weight)
     accelerator.backward(loss)
     average_gradients(accelerator, module)
     accelerator.clip_grad_norm_(tokens.parameters(), 1.0)
@@ -198,8 +232,8 @@ def measure_and_keep(cfg, accelerator, target, tokens, prompts, step: int, best:
         module = accelerator.unwrap_model(tokens)
         tau = None
         if prompts:
-            result = measure_acceptance(target, module, prompts, cfg.eval_max_new_tokens, cfg.lookahead_chains,
-                                        cfg.lookahead_branches)
+            result = measure_acceptance(target, module, prompts, cfg.eval_max_new_tokens, cfg.lookahead.chains,
+                                        cfg.lookahead.branches)
             tau = result["tau"]
             best.history.append({"step": step, "tau": tau, "alpha": result["alpha"]})
             log.info("step %d held-out tau %.3f alpha %.3f", step, tau, result["alpha"] or 0.0)
@@ -211,12 +245,15 @@ def measure_and_keep(cfg, accelerator, target, tokens, prompts, step: int, best:
 def save_best(cfg, accelerator, target, best: BestTokens, losses: list) -> Path:
     out = Path(cfg.output_dir)
     if accelerator.is_main_process:
-        tokens = LookaheadTokens(cfg.lookahead_tokens, target.model.get_input_embeddings().weight.shape[1])
+        tokens = LookaheadTokens(cfg.lookahead.tokens, target.model.get_input_embeddings().weight.shape[1])
         tokens.load_state_dict(best.state)
-        save_drafter(out, tokens.to(target.dtype), target, "lookahead", config={**tokens.config, **config_dict(cfg)},
-                     extra={"chains": cfg.lookahead_chains, "branches": cfg.lookahead_branches,
+        save_drafter(out, tokens.to(target.dtype), target, "lookahead", config={**tokens.config, **to_dict(cfg)},
+                     extra={"chains": cfg.lookahead.chains, "branches": cfg.lookahead.branches,
                             "best_step": best.step, "held_out_tau": best.tau, "history": best.history,
                             "loss_history": losses})
         log.info("lookahead drafter written to %s (step %d, held-out tau %s)", out, best.step, best.tau)
     accelerator.wait_for_everyone()
     return out
+
+
+register_method(Method("lookahead", train_lookahead, LookaheadConfig, check=check_job))

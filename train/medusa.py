@@ -15,11 +15,10 @@ With `draft_vocab` M > 0 the drafter also stores a candidate vocabulary (the tra
 frequent tokens): decoding projects the heads onto those rows only (V / M times cheaper per step), and
 training and calibration use the same restriction (CE and KL over the M candidates: what decoding ranks),
 which also makes a training step about V / M times cheaper.
-`medusa_sequential: true` trains sequential (Hydra-style) heads, `medusa_prefix_layer: true` adds
+`medusa.sequential: true` trains sequential (Hydra-style) heads, `medusa.prefix_layer: true` adds
 Hydra++'s prefix attention layer under them (trained jointly, over each record's whole sequence of
 target states), see models.medusa.
-Config fields read here: medusa_heads, medusa_layers, medusa_sequential, medusa_prefix_layer, medusa_decay,
-medusa_kl_weight, medusa_tree_nodes, medusa_topk, medusa_calibration, draft_vocab (see train.distill_config).
+Config: the `medusa:` section (MedusaConfig), draft_vocab, and the common optimisation fields.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from __future__ import annotations
 import copy
 import logging
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,9 +40,51 @@ from distill.vocab import count_response_tokens, coverage, select_draft_vocab
 from models.drafters import save_drafter
 from models.medusa import MedusaHeads
 from train import distill_steps as steps
-from train.colbt import config_dict, split_held_out
+from train.colbt import split_held_out
+from train.config import ConfigError, option, to_dict
+from train.methods import Method, register_method
 
 log = logging.getLogger("specdistill.medusa")
+
+
+@dataclass
+class MedusaConfig:
+    """Method medusa: K heads on the frozen target's last hidden state, with a calibrated sparse tree."""
+
+    heads: int = option(4, "number of heads; head k predicts the token k+1 positions ahead")
+    layers: int = option(1, "residual blocks per head")
+    sequential: bool = option(False, "sequential (Hydra-style) heads that also read the tree's tokens before their own")
+    prefix_layer: bool = option(False, "a causal decoder layer over the target's states under the heads (Hydra++'s "
+                                       "prefix attention), trained with them")
+    decay: float = option(0.8, "head k's loss weight is decay**(k-1)")
+    kl_weight: float = option(1.0, "weight of KL(target || head) beside the CE on the target's tokens")
+    tree_nodes: int = option(24, "draft nodes of the calibrated sparse tree (root excluded)")
+    topk: int = option(8, "ranks per head measured in calibration (the tree's widest branching)")
+    calibration: int = option(16, "prompts held out to measure per-head top-k accuracy")
+    untrained_dir: str = option("", "also write the heads as initialised (calibrated on the same held-out prompts) "
+                                    "here, the starting point a run's gain is measured against; '' = no")
+
+    def __post_init__(self):
+        for name in ("heads", "tree_nodes", "topk", "calibration"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"medusa.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.layers < 0:
+            raise ConfigError(f"medusa.layers: must be >= 0, got {self.layers}")
+        if not 0 < self.decay <= 1:
+            raise ConfigError(f"medusa.decay: must be in (0, 1], got {self.decay}")
+        if self.kl_weight < 0:
+            raise ConfigError(f"medusa.kl_weight: must be >= 0, got {self.kl_weight}")
+
+
+def check_job(cfg) -> None:
+    """The common fields a medusa job needs as they are."""
+    if cfg.loss != "ce":
+        raise ConfigError(f"loss: medusa trains with ce + medusa.kl_weight * KL, got {cfg.loss!r}")
+    if cfg.lora_r:
+        raise ConfigError("lora_r: Medusa-2 (LoRA on the target) is not implemented; set lora_r: 0")
+    untrained = cfg.medusa.untrained_dir
+    if untrained and Path(untrained).resolve() == Path(cfg.output_dir).resolve():
+        raise ConfigError(f"medusa.untrained_dir: must differ from output_dir ({cfg.output_dir})")
 
 # hidden [T, D]: the target's states at a record's positions up to the last one that predicts a response
 # token; its last R rows are the positions predicting the response, labels [R] (the response tokens)
@@ -50,17 +92,18 @@ Example = tuple[torch.Tensor, torch.Tensor]
 PREFIX_BATCH = 16  # records per prefix-layer forward outside training (calibration)
 
 
-def train_medusa(cfg, accelerator, target, records: list[dict]) -> Path:
-    train_records, calibration = split_held_out(records, cfg.medusa_calibration, cfg.seed)
+def train_medusa(cfg, accelerator, target, records: list[dict], eval_prompts: list[list[int]] | None = None) -> Path:
+    """eval_prompts: unused; the heads are measured on held-out records (`medusa.calibration`), not decoded."""
+    train_records, calibration = split_held_out(records, cfg.medusa.calibration, cfg.seed, key="medusa.calibration")
     train_set = target_hidden_states(cfg, target, train_records, "train")
     calib_set = target_hidden_states(cfg, target, calibration, "calibration")
-    heads = MedusaHeads.from_target(target.model, cfg.medusa_heads, cfg.medusa_layers,
-                                    sequential=cfg.medusa_sequential,
-                                    prefix_layer=cfg.medusa_prefix_layer).float().train()
+    heads = MedusaHeads.from_target(target.model, cfg.medusa.heads, cfg.medusa.layers,
+                                    sequential=cfg.medusa.sequential,
+                                    prefix_layer=cfg.medusa.prefix_layer).float().train()
     heads.requires_grad_(True)
     vocab_map = candidate_vocab(cfg, target, train_records)
-    if cfg.medusa_untrained_dir:
-        calibrate_and_save(cfg, accelerator, target, heads.eval(), calib_set, vocab_map, Path(cfg.medusa_untrained_dir),
+    if cfg.medusa.untrained_dir:
+        calibrate_and_save(cfg, accelerator, target, heads.eval(), calib_set, vocab_map, Path(cfg.medusa.untrained_dir),
                            {"untrained": True, "calibration_records": len(calibration)})
         heads.train()
     total = cfg.max_steps or cfg.epochs * -(-len(train_set) // (cfg.batch_size * accelerator.num_processes))
@@ -79,11 +122,11 @@ def calibrate_and_save(cfg, accelerator, target, heads, calib_set: list[Example]
     """Choose the sparse tree from the heads' top-k accuracies on the held-out records and write the drafter
     directory (the tree and accuracies go in its manifest). The heads keep their dtype; a copy is saved."""
     embed = target.model.get_input_embeddings()
-    accuracy = topk_accuracy(heads, calib_set, cfg.medusa_topk, vocab_map, embed)
-    tree = choose_tree(accuracy, cfg.medusa_tree_nodes)
+    accuracy = topk_accuracy(heads, calib_set, cfg.medusa.topk, vocab_map, embed)
+    tree = choose_tree(accuracy, cfg.medusa.tree_nodes)
     log.info("calibrated tree (%s): %d nodes, expected accepted drafts %.2f per step; top-1 accuracy per head %s",
              out, len(tree), expected_accept_length(tree, accuracy), [round(a[0], 3) for a in accuracy])
-    config = {**heads.config, **config_dict(cfg)}
+    config = {**heads.config, **to_dict(cfg)}
     if accelerator.is_main_process:
         save_drafter(out, copy.deepcopy(heads).to(target.dtype), target, "medusa", config=config, vocab_map=vocab_map,
                      extra={"tree": tree, "topk_accuracy": accuracy,
@@ -221,7 +264,7 @@ def train_heads(cfg, accelerator, target, heads, examples: list[Example], optimi
         batch = [shard[i] for i in order[:cfg.batch_size]]
         del order[:cfg.batch_size]
         module = accelerator.unwrap_model(heads)
-        loss = medusa_loss(module, target_head, batch, cfg.medusa_decay, cfg.medusa_kl_weight, vocab_map, embed)
+        loss = medusa_loss(module, target_head, batch, cfg.medusa.decay, cfg.medusa.kl_weight, vocab_map, embed)
         accelerator.backward(loss)
         average_gradients(accelerator, module)
         accelerator.clip_grad_norm_(heads.parameters(), 1.0)
@@ -280,3 +323,6 @@ def topk_accuracy(heads, examples: list[Example], k_ranks: int, vocab_map: torch
             hits[k - 1] += right
             counts[k - 1] += labels.shape[0]
     return [(h / max(n, 1)).tolist() for h, n in zip(hits, counts)]
+
+
+register_method(Method("medusa", train_medusa, MedusaConfig, check=check_job, measures=False))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-from types import SimpleNamespace
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +21,8 @@ from models.drafters import load_drafter
 from models.target import target_from_model
 from tests.conftest import make_tiny_llama
 from tests.distill.conftest import VOCAB_SIZE, make_tiny_tokenizer
-from train.colbt import check_colbt_config, split_held_out, train_colbt, with_boost_weights
+from train.colbt import split_held_out, train_colbt, with_boost_weights
+from train.config import ConfigError
 from train.distill_config import DistillConfig
 
 MEMBERS = ["truncated:1", "small:layers=1,hidden=32,seed=1", "truncated:2"]
@@ -54,14 +55,14 @@ def accelerator():
     return Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=0))
 
 
-def colbt_config(tmp_path, **overrides):
-    """DistillConfig's fields (the colbt ones included) as a namespace."""
-    fields = {f.name: getattr(DistillConfig(), f.name) for f in dataclasses.fields(DistillConfig)}
-    fields.update(colbt_members=MEMBERS, colbt_strength=2.0, colbt_holdout=3, max_tree_nodes=8,
-                  output_dir=str(tmp_path / "ensemble"), batch_size=4, epochs=3, max_seq_len=48, lr=1e-2,
-                  warmup_steps=2, log_every=5, eval_max_new_tokens=12, eval_gamma=3, seed=0)
+def colbt_config(tmp_path, colbt: dict | None = None, **overrides) -> DistillConfig:
+    """A small colbt job; `colbt`: fields of its section over the tiny defaults here, overrides: common fields."""
+    section = dict(members=MEMBERS, strength=2.0, holdout=3, max_tree_nodes=8)
+    section.update(colbt or {})
+    fields = dict(method="colbt", output_dir=str(tmp_path / "ensemble"), batch_size=4, epochs=3, max_seq_len=48,
+                  lr=1e-2, warmup_steps=2, log_every=5, eval_max_new_tokens=12, eval_gamma=3, seed=0)
     fields.update(overrides)
-    return SimpleNamespace(**fields)
+    return DistillConfig(**fields, colbt=section)
 
 
 def member_weights(directory, member: str) -> dict[str, torch.Tensor]:
@@ -84,7 +85,7 @@ def test_the_ensemble_directory_and_its_members(boosted, target):
     assert manifest["kind"] == "ensemble" and manifest["format_version"] == 1
     assert manifest["members"] == ["member-0", "member-1", "member-2"]
     assert manifest["target"]["fingerprint"] == target.fingerprint and manifest["max_tree_nodes"] == 8
-    assert manifest["config"]["colbt_members"] == MEMBERS
+    assert manifest["config"]["colbt"]["members"] == MEMBERS
     for i, member in enumerate(manifest["members"]):
         drafter = load_drafter(boosted / member, target)  # each member is a drafter directory of its own
         assert drafter.kind == "draft_model"
@@ -128,9 +129,9 @@ def test_merged_members_decode_the_targets_greedy_output(boosted, target):
 
 
 def test_without_boosting_each_member_trains_as_if_alone(target, records, accelerator, tmp_path, boosted):
-    pair = train_colbt(colbt_config(tmp_path / "a", colbt_members=MEMBERS[:2], colbt_strength=0.0),
+    pair = train_colbt(colbt_config(tmp_path / "a", colbt=dict(members=MEMBERS[:2], strength=0.0)),
                        accelerator, target, records)
-    alone = train_colbt(colbt_config(tmp_path / "b", colbt_members=MEMBERS[1:2], colbt_strength=0.0),
+    alone = train_colbt(colbt_config(tmp_path / "b", colbt=dict(members=MEMBERS[1:2], strength=0.0)),
                         accelerator, target, records)
     a, b = member_weights(pair, "member-1"), member_weights(alone, "member-0")
     assert a.keys() == b.keys()
@@ -146,7 +147,7 @@ def test_weights_rise_exactly_on_the_positions_the_earlier_members_missed():
     records = [{"prompt_ids": [1], "response_ids": [5, 6, 7]}, {"prompt_ids": [1], "response_ids": [8, 9]}]
     covered = [[[True, False, True], [True, True]],  # member 0
                [[True, False, False], [False, True]]]  # member 1: position (0, 1) missed by both
-    cfg = SimpleNamespace(colbt_strength=3.0, colbt_scheme="linear")
+    cfg = colbt_config(Path("unused"), colbt=dict(strength=3.0, scheme="linear"))
     weighted = with_boost_weights(records, covered, cfg)
     w = [x for r in weighted for x in r["weights"]]
     assert w[1] == pytest.approx(4 * w[0]) and w[0] == w[2] == w[3] == w[4]
@@ -160,16 +161,17 @@ def test_held_out_split_keeps_prompts_together(records):
     held_ids = {r["prompt_id"] for r in held}
     assert len(held_ids) == 3 and len(held) == 6 and len(train) == len(records) - 6
     assert not held_ids & {r["prompt_id"] for r in train}
-    with pytest.raises(ValueError, match="colbt_holdout"):
+    with pytest.raises(ValueError, match="colbt.holdout"):
         split_held_out(records, 12, seed=0)
 
 
-@pytest.mark.parametrize("key,value", [("colbt_members", []), ("colbt_rule", "top2"), ("colbt_scheme", "ada"),
-                                       ("colbt_m", 0), ("colbt_strength", -1.0), ("colbt_holdout", 0),
-                                       ("max_tree_nodes", 1), ("loss", "fkl")])
+@pytest.mark.parametrize("key,value", [("members", []), ("rule", "top2"), ("scheme", "ada"), ("m", 0),
+                                       ("strength", -1.0), ("holdout", 0), ("branches", 0), ("max_tree_nodes", 1)])
 def test_bad_colbt_settings_name_the_key(tmp_path, key, value):
-    with pytest.raises(ValueError, match=key):
-        check_colbt_config(colbt_config(tmp_path, **{key: value}))
+    with pytest.raises(ConfigError, match=f"colbt.{key}"):
+        colbt_config(tmp_path, colbt={key: value})
+    with pytest.raises(ConfigError, match="loss"):
+        colbt_config(tmp_path, loss="fkl")
 
 
 def test_the_job_config_names_only_known_fields(tmp_path):
@@ -180,5 +182,5 @@ def test_the_job_config_names_only_known_fields(tmp_path):
     values = yaml.safe_load((ROOT / "configs/distill/smollm2_colbt.yaml").read_text())
     known = {f.name for f in dataclasses.fields(DistillConfig)}
     assert set(values) <= known, set(values) - known
-    assert values["method"] == "colbt" and len(values["colbt_members"]) == 3
-    check_colbt_config(colbt_config(tmp_path, **{k: v for k, v in values.items() if k.startswith("colbt")}))
+    assert values["method"] == "colbt" and len(values["colbt"]["members"]) == 3
+    assert colbt_config(tmp_path, colbt=values["colbt"]).colbt.max_tree_nodes == values["colbt"]["max_tree_nodes"]

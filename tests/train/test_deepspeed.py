@@ -116,10 +116,10 @@ def test_unsupported_method_or_stage_is_an_error_naming_both(tiny_target_dir, pr
 # drafter's parts, not the engine's forward; the whole drafter gathered for measuring and saving under ZeRO-3)
 
 def eagle3_args(target_dir, prompts, out, **overrides) -> list[str]:
-    fields = dict(method="eagle3", eagle3_steps=2, eagle3_depth=3, eagle3_topk=2, eagle3_tree_nodes=4,
-                  draft_vocab=0, batch_size=4, epochs=3, lr=3e-3)
+    fields = {"method": "eagle3", "eagle3.steps": 2, "eagle3.depth": 3, "eagle3.topk": 2, "eagle3.tree_nodes": 4,
+              "draft_vocab": 0, "batch_size": 4, "epochs": 3, "lr": 3e-3}
     fields.update(overrides)
-    return job_args(target_dir, prompts, out, **fields) + ["--eagle3_layers", "0", "1", "1"]
+    return job_args(target_dir, prompts, out, **fields) + ["--eagle3.layers", "0", "1", "1"]
 
 
 @pytest.fixture(scope="module")

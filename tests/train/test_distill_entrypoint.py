@@ -218,8 +218,8 @@ def test_colbt_ensemble_trains_loads_and_decodes_losslessly(tiny_target_dir, pro
     from models.target import load_target
 
     res = run_entrypoint(job_args(tiny_target_dir, prompts_file, tmp_path, method="colbt", epochs=1,
-                                  colbt_holdout=4, max_tree_nodes=8)
-                         + ["--colbt_members", "truncated:1", "small:layers=1,hidden=32"])
+                                  **{"colbt.holdout": 4, "colbt.max_tree_nodes": 8})
+                         + ["--colbt.members", "truncated:1", "small:layers=1,hidden=32"])
     assert res.returncode == 0, res.stderr[-3000:]
     target = load_target(str(tiny_target_dir))
     ensemble = load_drafter(str(tmp_path / "drafter"), target)

@@ -4,10 +4,8 @@ losslessly through the drafter directory."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,6 +21,7 @@ from models.eagle3 import Eagle3Drafter
 from tests.train.support import greedy_records, peaked_tiny_target
 from train.config import ConfigError
 from train.distill_config import DistillConfig
+from train.eagle3 import Eagle3Config
 from train.eagle3 import (eagle3_loss, lengths_mask, measure_acceptance, noisy_features, pad_batch, position_weights,
                           repeats_context, train_eagle3)
 
@@ -40,15 +39,15 @@ def records(target):
     return greedy_records(target, VOCAB, n=48, new_tokens=20)
 
 
-def eagle3_config(tmp_path, **overrides):
-    fields = {f.name: getattr(DistillConfig(), f.name) for f in dataclasses.fields(DistillConfig)}
-    fields.update(method="eagle3", eagle3_layers=LAYERS, eagle3_steps=3, eagle3_depth=4, eagle3_topk=2,
-                  eagle3_tree_nodes=6, draft_vocab=0, output_dir=str(tmp_path / "eagle3"),
+def eagle3_config(tmp_path, eagle3: dict | None = None, **overrides) -> DistillConfig:
+    """A small eagle3 job; `eagle3`: fields of its section over the tiny defaults here, overrides: common fields."""
+    section = dict(layers=LAYERS, steps=3, depth=4, topk=2, tree_nodes=6, **(eagle3 or {}))
+    fields = dict(method="eagle3", draft_vocab=0, output_dir=str(tmp_path / "eagle3"),
                   work_dir=str(tmp_path / "work"), batch_size=8, max_steps=80, lr=3e-3, warmup_steps=2,
                   log_every=20, max_seq_len=48, seed=0, eval_every=40, eval_max_new_tokens=16,
                   checkpoint_every=0, gen_batch_size=8)
     fields.update(overrides)
-    return SimpleNamespace(**fields)
+    return DistillConfig(**fields, eagle3=Eagle3Config(**section))
 
 
 def held_out_prompts(records):
@@ -252,7 +251,7 @@ def test_an_incomplete_feature_cache_is_never_used(target, records, tmp_path):
 @pytest.mark.parametrize("noise", [0.0, 0.2])
 def test_resume_ends_where_an_uninterrupted_run_does(target, records, tmp_path, monkeypatch, noise):
     monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
-    short = dict(max_steps=12, eval_every=0, checkpoint_every=4, eagle3_feature_noise=noise)
+    short = dict(max_steps=12, eval_every=0, checkpoint_every=4, eagle3=dict(feature_noise=noise))
     whole = train_eagle3(eagle3_config(tmp_path / "a", **short), Accelerator(cpu=True), target, records[:40], [])
     stopped = eagle3_config(tmp_path / "b", stop_at_step=8, **short)
     assert train_eagle3(stopped, Accelerator(cpu=True), target, records[:40], []) is None
@@ -287,14 +286,15 @@ def test_mixed_precision_runs_the_loss_under_autocast_and_keeps_fp32_weights(tar
     assert {p.dtype for p in drafter.parameters()} == {torch.float32}
 
 
-@pytest.mark.parametrize("override, field", [(dict(eagle3_layers=[1, 2]), "eagle3_layers"),
-                                             (dict(eagle3_steps=0), "eagle3_steps"),
-                                             (dict(eagle3_decay=1.5), "eagle3_decay"),
-                                             (dict(eagle3_init="target"), "eagle3_init"),
-                                             (dict(eagle3_prompt_weight=1.5), "eagle3_prompt_weight"),
-                                             (dict(eagle3_feature_noise=-0.1), "eagle3_feature_noise"),
-                                             (dict(eagle3_copy_weight=0), "eagle3_copy_weight"),
-                                             (dict(eagle3_intermediate_size=-1), "eagle3_intermediate_size"),
+@pytest.mark.parametrize("override, field", [(dict(eagle3=dict(layers=[1, 2])), "eagle3.layers"),
+                                             (dict(eagle3=dict(steps=0)), "eagle3.steps"),
+                                             (dict(eagle3=dict(decay=1.5)), "eagle3.decay"),
+                                             (dict(eagle3=dict(init="target")), "eagle3.init"),
+                                             (dict(eagle3=dict(prompt_weight=1.5)), "eagle3.prompt_weight"),
+                                             (dict(eagle3=dict(feature_noise=-0.1)), "eagle3.feature_noise"),
+                                             (dict(eagle3=dict(copy_weight=0)), "eagle3.copy_weight"),
+                                             (dict(eagle3=dict(intermediate_size=-1)), "eagle3.intermediate_size"),
+                                             (dict(eagle3=dict(tree_node=4)), "eagle3.tree_node"),
                                              (dict(loss="fkl"), "loss")])
 def test_bad_configs_name_the_field(override, field):
     with pytest.raises(ConfigError, match=field):

@@ -4,8 +4,6 @@ losslessly through the drafter directory."""
 
 from __future__ import annotations
 
-import dataclasses
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +18,7 @@ from models.lookahead import LookaheadTokens
 from tests.train.support import greedy_records, peaked_tiny_target
 from train.config import ConfigError
 from train.distill_config import DistillConfig
-from train.lookahead import Insertions, lookahead_logits, measure_acceptance, sample_insertions, train_lookahead
+from train.lookahead import Insertions, LookaheadConfig, lookahead_logits, measure_acceptance, sample_insertions, train_lookahead
 
 VOCAB = 24  # a small vocabulary: the peaked target's generations settle on few tokens, learnable by k x D numbers
 K = 3
@@ -36,15 +34,13 @@ def records(target):
     return greedy_records(target, VOCAB)
 
 
-def lookahead_config(tmp_path, **overrides):
-    fields = {f.name: getattr(DistillConfig(), f.name) for f in dataclasses.fields(DistillConfig)}
-    fields.update(method="lookahead", lookahead_tokens=K, lookahead_insertions=6, lookahead_chains=K + 1,
-                  lookahead_branches=2, lookahead_kl_weight=0.0, output_dir=str(tmp_path / "lookahead"),
-                  work_dir=str(tmp_path / "work"),
+def lookahead_config(tmp_path, **overrides) -> DistillConfig:
+    fields = dict(method="lookahead", output_dir=str(tmp_path / "lookahead"), work_dir=str(tmp_path / "work"),
                   batch_size=8, max_steps=60, lr=0.05, warmup_steps=2, log_every=10, max_seq_len=48, seed=0,
                   eval_every=20, eval_max_new_tokens=16)
     fields.update(overrides)
-    return SimpleNamespace(**fields)
+    section = LookaheadConfig(tokens=K, insertions=6, chains=K + 1, branches=2, kl_weight=0.0)
+    return DistillConfig(**fields, lookahead=section)
 
 
 def held_out_prompts(records):
@@ -133,12 +129,12 @@ def test_trained_drafter_decodes_losslessly(target, records, trained):
 
 
 def test_lookahead_config_is_checked():
-    with pytest.raises(ConfigError, match="lookahead_decay"):
-        DistillConfig(method="lookahead", lookahead_decay=1.5)
-    with pytest.raises(ConfigError, match="lookahead_tokens"):
-        DistillConfig(method="lookahead", lookahead_tokens=0)
-    with pytest.raises(ConfigError, match="lookahead_branches"):
-        DistillConfig(method="lookahead", lookahead_branches=0)
+    with pytest.raises(ConfigError, match="lookahead.decay"):
+        DistillConfig(method="lookahead", lookahead=dict(decay=1.5))
+    with pytest.raises(ConfigError, match="lookahead.tokens"):
+        DistillConfig(method="lookahead", lookahead=dict(tokens=0))
+    with pytest.raises(ConfigError, match="lookahead.branches"):
+        DistillConfig(method="lookahead", lookahead=dict(branches=0))
     with pytest.raises(ConfigError, match="lora_r"):
         DistillConfig(method="lookahead", lora_r=4)
     with pytest.raises(ConfigError, match="loss"):

@@ -3,8 +3,6 @@ targets, the calibrated tree is stored, and the trained drafter decodes lossless
 
 from __future__ import annotations
 
-import dataclasses
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ from tests.distill.conftest import VOCAB_SIZE
 from tests.train.support import greedy_records, peaked_tiny_target
 from train.config import ConfigError
 from train.distill_config import DistillConfig
+from train.medusa import MedusaConfig
 from train.medusa import head_rows, medusa_loss, target_hidden_states, topk_accuracy, train_medusa
 
 
@@ -32,14 +31,14 @@ def records(target):
     return greedy_records(target, VOCAB_SIZE)
 
 
-def medusa_config(tmp_path, **overrides):
-    fields = {f.name: getattr(DistillConfig(), f.name) for f in dataclasses.fields(DistillConfig)}
-    fields.update(method="medusa", medusa_heads=3, medusa_layers=1, medusa_tree_nodes=6, medusa_topk=4,
-                  medusa_calibration=4, output_dir=str(tmp_path / "medusa"), work_dir=str(tmp_path / "work"),
+def medusa_config(tmp_path, medusa: dict | None = None, **overrides) -> DistillConfig:
+    """A small medusa job; `medusa`: fields of its section over the tiny defaults here, overrides: common fields."""
+    section = dict(heads=3, layers=1, tree_nodes=6, topk=4, calibration=4, **(medusa or {}))
+    fields = dict(method="medusa", output_dir=str(tmp_path / "medusa"), work_dir=str(tmp_path / "work"),
                   batch_size=8, max_steps=60, lr=1e-2, warmup_steps=2, log_every=10, max_seq_len=48, seed=0,
                   gen_batch_size=8)
     fields.update(overrides)
-    return SimpleNamespace(**fields)
+    return DistillConfig(**fields, medusa=MedusaConfig(**section))
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +52,14 @@ def trained(target, records, tmp_path_factory):
 def trained_sequential(target, records, tmp_path_factory):
     before = {k: v.clone() for k, v in target.model.state_dict().items()}
     path = tmp_path_factory.mktemp("sequential")
-    cfg = medusa_config(path, medusa_sequential=True, medusa_untrained_dir=str(path / "untrained"))
+    cfg = medusa_config(path, medusa=dict(sequential=True, untrained_dir=str(path / "untrained")))
     return train_medusa(cfg, Accelerator(cpu=True), target, records), before
 
 
 @pytest.fixture(scope="module")
 def trained_prefix(target, records, tmp_path_factory):
     before = {k: v.clone() for k, v in target.model.state_dict().items()}
-    cfg = medusa_config(tmp_path_factory.mktemp("prefix"), medusa_sequential=True, medusa_prefix_layer=True)
+    cfg = medusa_config(tmp_path_factory.mktemp("prefix"), medusa=dict(sequential=True, prefix_layer=True))
     return train_medusa(cfg, Accelerator(cpu=True), target, records), before
 
 
@@ -220,12 +219,12 @@ def test_calibrated_tree_is_stored_and_decoding_is_lossless(target, records, any
 
 
 def test_medusa_config_is_checked():
-    with pytest.raises(ConfigError, match="medusa_decay"):
-        DistillConfig(method="medusa", medusa_decay=0.0)
+    with pytest.raises(ConfigError, match="medusa.decay"):
+        DistillConfig(method="medusa", medusa=dict(decay=0.0))
     with pytest.raises(ConfigError, match="lora_r"):
         DistillConfig(method="medusa", lora_r=4)
-    with pytest.raises(ConfigError, match="medusa_untrained_dir"):
-        DistillConfig(method="medusa", output_dir="runs/x/drafter", medusa_untrained_dir="runs/x/drafter/")
+    with pytest.raises(ConfigError, match="medusa.untrained_dir"):
+        DistillConfig(method="medusa", output_dir="runs/x/drafter", medusa=dict(untrained_dir="runs/x/drafter/"))
 
 
 def test_draft_vocab_stores_the_candidate_vocabulary(target, records, tmp_path):
