@@ -55,12 +55,12 @@ class SpeculativeEngine:
         self.eos_token_ids = set(eos_token_ids)
         self.max_tree_nodes = max_tree_nodes
         # a self-drafting proposer (decode.proposers.medusa) reads the target's hidden states after each forward
-        self.self_drafting = bool(getattr(proposer, "self_drafting", False))
+        self.self_drafting = proposer is not None and proposer.self_drafting
         # an EAGLE-3 proposer (decode.proposers.eagle3) reads the inputs of some target layers, not the last state
-        self.target.feature_layers = list(getattr(proposer, "feature_layers", None) or [])
+        self.target.feature_layers = list(proposer.feature_layers or []) if proposer is not None else []
         # a lookahead proposer (decode.proposers.lookahead) adds rows fed by embedding to the target forwards
         # whose next step may draft, and reads the next proposals from them: `prefill_rows`, `verification_rows`, `observe_rows`
-        self.lookahead = hasattr(proposer, "verification_rows")
+        self.lookahead = proposer is not None and proposer.adds_rows
         # one controller per drafting regime (see regime()); `controller` is the proposer's only or default one
         self.controllers: dict[str | None, DraftLengthController] = {}
         self.controller = self.controller_for(None, proposer.max_depth) if proposer is not None and adaptive else None
@@ -172,12 +172,9 @@ class SpeculativeEngine:
         return depth + 1
 
     def regime(self, seq: list[int]) -> tuple[str | None, int]:
-        """(name, deepest draft) of the way the proposer will draft after seq. A proposer that drafts in
-        several ways whose acceptance and costs differ (WithPromptLookup: a long n-gram match's chain alone,
-        else the inner tree) names them in `regime(seq)`, and each gets a controller of its own, so that the
-        depth chosen for one is not priced by the other's acceptance."""
-        regime = getattr(self.proposer, "regime", None)
-        return regime(seq) if regime is not None else (None, self.proposer.max_depth)
+        """(name, deepest draft) of the way the proposer will draft after seq (Proposer.regime). Each name gets a
+        controller of its own, so that the depth chosen for one way is not priced by another's acceptance."""
+        return self.proposer.regime(seq)
 
     def controller_for(self, name: str | None, max_depth: int) -> DraftLengthController:
         if name not in self.controllers:

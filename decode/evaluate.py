@@ -5,7 +5,9 @@
 Spec-Bench's protocol: greedy by default, batch size 1, every method in one process on the same
 prompts after its own warm-up, methods interleaved per question (so the machine's noise hits them
 alike), multi-turn questions with turn k+1 conditioned on the method's own answer to turn k, speedup
-per category and overall, losslessness checked token for token against the baseline.
+per category and overall, losslessness checked token for token against the baseline: a method bound to it
+(decode.peers.Method.lossless) whose greedy output differs makes the command exit EXIT_MISMATCH, after the report
+is written.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from decode.peers import (HF_PROMPT_LOOKUP_NUM_TOKENS, Method, assistant_model_o
                           engine_method, hf_method)
 from decode.proposers import build_proposer
 from decode.questions import Question, QuestionFileError, load_questions
-from decode.report import BASELINE, TurnResult, format_tables, summarize, write_report
+from decode.report import BASELINE, TurnResult, format_tables, lossless_failures, summarize, write_report
+from decode.runtime_facts import runtime_facts
 from decode.sampling import SamplingConfig
 from models.packed_linear import DRAFTING_WEIGHTS
 from models.target import PRECISIONS
@@ -37,6 +40,7 @@ from models.target import PRECISIONS
 log = logging.getLogger(__name__)
 
 PEERS = ("none", "hf", "vllm")
+EXIT_MISMATCH = 3  # a lossless method's greedy output differed from the baseline's (2 is argparse's bad argument)
 
 
 @dataclass
@@ -65,6 +69,8 @@ class EvalConfig:
     lookup_weak_chain: int | None = None
     seed: int = 0  # for sampling
     out: str | None = None  # output directory; None = runs/evaluate/<time>
+    # exit 0 even when a lossless method's greedy output differs from the baseline's (investigations)
+    allow_mismatches: bool = False
 
     def __post_init__(self):
         self.drafters = tuple(self.drafters)
@@ -93,6 +99,7 @@ class EvalResult:
     summary: dict  # decode.report.summarize
     results: list[TurnResult]
     skipped: dict[str, str]  # method -> why it did not run
+    runtime: dict  # what ran, resolved (decode.runtime_facts)
 
 
 # ---- the protocol ----------------------------------------------------------------------------------
@@ -237,8 +244,22 @@ def evaluate_methods(methods: list[Method], skipped: dict[str, str], target, dra
         for method in methods:
             if method.close is not None:
                 method.close()
+    # after the run: every fallback the run met is on record (models.kernels.fallbacks)
+    runtime = runtime_facts(target, {m.name: m.engine for m in methods if m.engine is not None})
     summary = summarize(results, [m.name for m in methods if m.name not in failed], greedy=config.sampling.greedy)
-    return EvalResult(describe_run(target, drafters, questions, config), summary, results, {**skipped, **failed})
+    for method in methods:
+        if method.name in summary:
+            summary[method.name]["lossless"] = method.lossless  # bound to the baseline's output: lossless_failures
+    return EvalResult(describe_run(target, drafters, questions, config), summary, results, {**skipped, **failed},
+                      runtime)
+
+
+def mismatch_message(failures: dict[str, str], out: Path, allowed: bool) -> str:
+    named = "; ".join(f"{name}: {count}" for name, count in failures.items())
+    ending = ("--allow-mismatches: exiting 0" if allowed
+              else f"exit status {EXIT_MISMATCH} (--allow-mismatches exits 0 for investigations)")
+    return (f"decode.evaluate: LOSSLESSNESS VIOLATED: greedy output differs from the baseline's in {named}. "
+            f"The full report is in {out}; {ending}")
 
 
 def describe_run(target, drafters: Mapping[str, object], questions: list[Question], config: EvalConfig) -> dict:
@@ -301,7 +322,10 @@ def existing_file(text: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     d = EvalConfig.__dataclass_fields__
     p = argparse.ArgumentParser(prog="python -m decode.evaluate", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                epilog=f"exit status: 0 done; 2 a bad argument; {EXIT_MISMATCH} a lossless method (our "
+                                       "engine's) gave greedy output that differs from the baseline's, the report "
+                                       "written first (see --allow-mismatches)")
     p.add_argument("--target", default=None, help="target: an HF model directory, a .gguf file, a hub id in the "
                    "local HF cache, or nothing for the embedded default (SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", action="append", required=True, help="drafter spec: truncated:N, prompt_lookup, "
@@ -345,6 +369,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--seed", type=non_negative_int, default=d["seed"].default, help="sampling seed")
     p.add_argument("--out", default=None, help="output directory (default: runs/evaluate/<date-time>)")
+    p.add_argument("--allow-mismatches", action="store_true",
+                   help=f"exit 0 even when a lossless method's greedy output differs from the baseline's (for "
+                        f"investigations); without it such a run exits {EXIT_MISMATCH} after writing the full report. "
+                        "Peers whose arithmetic differs (transformers, vLLM) are reported and never fail the run")
     return p
 
 
@@ -358,7 +386,8 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, gamma=args.gamma,
                       fixed_depth=args.fixed_depth, prompt_vocab=args.prompt_vocab, peers=tuple(args.peers or ()),
                       warmup=args.warmup, device=device, dtype=args.dtype, drafter_weights=args.drafter_weights,
-                      lookup_first=args.lookup_first, lookup_weak_chain=args.lookup_weak_chain, seed=args.seed, out=out)
+                      lookup_first=args.lookup_first, lookup_weak_chain=args.lookup_weak_chain, seed=args.seed, out=out,
+                      allow_mismatches=args.allow_mismatches)
 
 
 def load_inputs(parser: argparse.ArgumentParser, config: EvalConfig):
@@ -400,9 +429,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"argument --drafter: {err}")
     with logging_redirect_tqdm():
         result = evaluate_methods(methods, skipped, target, drafters, questions, config)
-    out = write_report(config.out, result.config, result.summary, result.results, result.skipped)
+    out = write_report(config.out, result.config, result.summary, result.results, result.skipped, result.runtime)
     sys.stdout.write(format_tables(result.summary) + "\n")
     log.info("wrote %s", out / "report.json")
+    failures = lossless_failures(result.summary)
+    if failures:
+        sys.stderr.write(mismatch_message(failures, out, config.allow_mismatches) + "\n")
+        if not config.allow_mismatches:
+            return EXIT_MISMATCH
     return 0
 
 

@@ -33,10 +33,13 @@ class TurnOutput:
 class Method:
     name: str
     run: Callable[[list[int]], TurnOutput]
-    lossless: bool = True  # greedy output must equal the baseline's token for token
+    # greedy output must equal the baseline's token for token: decode.evaluate exits non-zero where it does not;
+    # False for peers whose arithmetic differs from our engine's (reported, never failing the run)
+    lossless: bool = True
     close: Callable[[], None] | None = None  # frees what it holds (a vLLM worker process) after the evaluation
     fallible: bool = False  # runs in another process (a vLLM worker): if it dies mid-run (RuntimeError), the
     #                         evaluation drops this method and reports why instead of ending
+    engine: SpeculativeEngine | None = None  # our engine's methods: what ran on it (decode.runtime_facts reads it)
 
 
 def engine_method(name: str, target, proposer: Proposer | None, max_new_tokens: int,
@@ -50,7 +53,7 @@ def engine_method(name: str, target, proposer: Proposer | None, max_new_tokens: 
         generation = engine.generate(prompt_ids, max_new_tokens, sampling)
         return TurnOutput(generation.tokens, synchronized_clock(target.device) - start, generation.stats)
 
-    return Method(name, run)
+    return Method(name, run, engine=engine)
 
 
 def hf_method(name: str, target, max_new_tokens: int, sampling: SamplingConfig,

@@ -83,6 +83,13 @@ def ratio(a: float, b: float) -> float | None:
     return a / b if b > 0 else None
 
 
+def lossless_failures(summary: dict) -> dict[str, str]:
+    """{method: "k of n turns"} for each method bound to the baseline's greedy output ("lossless") whose turns
+    differ from it; empty under sampling (no token-for-token check) and for peers whose arithmetic differs."""
+    return {name: f"{row['mismatches']} of {row['turns']} turns" for name, row in summary.items()
+            if row.get("lossless") and row.get("mismatches")}
+
+
 # ---- tables ----------------------------------------------------------------------------------------
 
 COLUMNS = ("method", "tokens/s", "speedup", "tau", "alpha", "mismatches")
@@ -133,6 +140,24 @@ def format_markdown(summary: dict, title: str = "Evaluation") -> str:
     return "\n".join(parts)
 
 
+def format_runtime(runtime: dict) -> str:
+    """The runtime section (decode.runtime_facts) as a short Markdown list: one item per fact, its parts inline,
+    so that a fact added there shows here without a change."""
+    return "\n".join(f"- {key}: {inline(value)}" for key, value in runtime.items())
+
+
+def inline(value, nested: bool = False) -> str:
+    """A fact on one line: a dict as "key value, ..." (in parentheses when nested), a list space-separated."""
+    if isinstance(value, dict):
+        text = ", ".join(f"{key} {inline(part, True)}" for key, part in value.items()) or "none"
+        return f"({text})" if nested and value else text
+    if isinstance(value, (list, tuple)):
+        return " ".join(map(str, value)) or "none"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return "-" if value is None else str(value)
+
+
 # ---- what training gained ----------------------------------------------------------------------------
 
 def training_gain(summary: dict, trained: str, untrained: str) -> str:
@@ -161,14 +186,18 @@ def training_gain(summary: dict, trained: str, untrained: str) -> str:
 # ---- files -----------------------------------------------------------------------------------------
 
 def write_report(out_dir: str | Path, config: dict, summary: dict, results: list[TurnResult],
-                 skipped: dict[str, str]) -> Path:
-    """report.json, report.md, turns.jsonl and the two plots under out_dir; returns out_dir."""
+                 skipped: dict[str, str], runtime: dict | None = None) -> Path:
+    """report.json, report.md, turns.jsonl and the two plots under out_dir; returns out_dir. runtime: what ran,
+    resolved (decode.runtime_facts), a section of both reports."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"config": config, "methods": summary, "skipped": skipped}
+    report = {"config": config, "runtime": runtime, "methods": summary, "skipped": skipped}
     (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     notes = "".join(f"- `{name}` skipped: {reason}\n" for name, reason in skipped.items())
-    (out / "report.md").write_text(format_markdown(summary) + ("\n" + notes if notes else ""))
+    notes += "".join(f"- `{name}` LOSSLESSNESS VIOLATED: greedy output differs from `{BASELINE}`'s in {count}\n"
+                     for name, count in lossless_failures(summary).items())
+    runtime_md = f"\n## runtime\n\n{format_runtime(runtime)}\n" if runtime is not None else ""
+    (out / "report.md").write_text(format_markdown(summary) + ("\n" + notes if notes else "") + runtime_md)
     with (out / "turns.jsonl").open("w") as f:
         for r in results:
             f.write(json.dumps(turn_record(r)) + "\n")

@@ -5,7 +5,7 @@ should cost about what a one-token forward costs. The default CPU path (MKL thro
 not: it re-packs each weight on every call, and measured on this project's 2-core machine the
 linear layers of the default target (30 layers + the 49k-token head) took 47 ms for 1 row and
 71-94 ms for 2-16 rows. With the weights packed once for oneDNN they took 20 ms for 1 row and 23-30
-ms for 2-16 rows (`scripts/bench_packing.py`). That makes plain decoding about twice as fast and
+ms for 2-16 rows (docs/journal.md, "Packed weights on CPU"). That makes plain decoding about twice as fast and
 verifying a draft of k tokens nearly free: both halves of a speculative step's cost change.
 
 The copy shares every parameter with the original (only the packed weights are new memory), so the
@@ -21,7 +21,7 @@ fp16 weights (`weights="float16"`, the `float16-weights` precision of models.tar
 with half the bytes. FBGEMM's fp16 GEMM keeps each weight matrix in fp16 (packed once), reads fp32
 activations and accumulates in fp32, with AVX2 + F16C kernels: on the 2-core AVX2 host it ran the
 default target's linear layers 1.6-2x faster than the oneDNN fp32 packing at 1-16 rows
-(`scripts/bench_engine.py`). It computes x @ fp16(W)^T exactly up to fp32 accumulation order, i.e.
+(`benchmarks/engine.py`). It computes x @ fp16(W)^T exactly up to fp32 accumulation order, i.e.
 a target whose linear weights are rounded to fp16: a different model from the fp32 one (greedy
 outputs can diverge after some tokens), so speculative decoding in this precision is lossless with
 respect to plain decoding in this precision, and every report names it.
@@ -30,7 +30,7 @@ Drafters draft in fp16 weights wherever FBGEMM's fp16 GEMM runs (`drafting_weigh
 target computes in: a drafter's rounding can change which tokens it proposes, never which ones the
 target accepts (the target verifies every draft in its own precision). A drafter's step streams its
 weights like the target's does, so this halves its cost: EAGLE-3 drafting 16.5 s -> 10.3 s on 8
-MT-bench answers at depth 6 with the same trees (tau 1.806 both; BENCHMARKS.md, "Drafters draft in
+MT-bench answers at depth 6 with the same trees (tau 1.806 both; docs/journal.md, "Drafters draft in
 fp16 weights").
 """
 
@@ -48,15 +48,15 @@ import torch
 from torch.nn import functional as F
 
 __all__ = ["DRAFTING_WEIGHTS", "GEMM_PAD_ENV", "PackedLinear", "PackedLinearFP16", "WEIGHT_FORMATS", "cached_copy",
-           "check_weight_format", "drafting_weights", "float16_weights_supported", "gemm_padding", "inference_weights",
-           "measured_gemm_padding", "packed_class", "packed_for_inference", "packing_supported",
-           "set_inference_weights", "weights_signature"]
+           "check_weight_format", "drafting_weights", "float16_weights_supported", "gemm_padding",
+           "gemm_padding_source", "inference_weights", "measured_gemm_padding", "packed_class", "packed_for_inference",
+           "packing_supported", "set_inference_weights", "weights_signature"]
 
 WEIGHT_FORMATS = ("float32", "float16")
 # the attribute of a model that says in which format its inference copies hold linear weights
 WEIGHTS_ATTR = "specdistill_inference_weights"
 
-# env switch for side-by-side measurements (scripts/bench_packing.py) and as an escape hatch
+# env switch for side-by-side measurements (docs/journal.md, "Packed weights on CPU") and as an escape hatch
 DISABLE_ENV = "SPECDISTILL_NO_PACKING"
 
 log = logging.getLogger("specdistill.packed_linear")
@@ -67,12 +67,12 @@ _cache: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, torch.nn.Module
 # oneDNN's fp32 GEMM on AVX-512 (brgemm, six rows to a register block) computed one or two rows slower than six on
 # the 2-core AMD EPYC (Zen 4): the default target's whole forward took 31.0 / 37.1 ms for 1 / 2 new rows against
 # 29.4 / 30.9 with its GEMMs padded to 6 rows (zeros), and 29-31 ms for 3-6 rows, where padding cost more (about
-# 1 ms of pads and slices a forward) than it saved (BENCHMARKS.md "One or two rows computed as six"). On a 2-core
+# 1 ms of pads and slices a forward) than it saved (docs/journal.md "One or two rows computed as six"). On a 2-core
 # Intel Xeon with AVX-512 and AMX the same kernel is fastest at one row and padding made plain decoding 0.86x
-# (BENCHMARKS.md "GEMM padding measured, not assumed"); on AVX2 one row is the cheapest. So a call of fewer than B
+# (docs/journal.md "GEMM padding measured, not assumed"); on AVX2 one row is the cheapest. So a call of fewer than B
 # rows computes T rows and keeps its own where this machine measures that faster: on AVX-512, one short timing per
 # process (measured_gemm_padding) chooses (B, T) among (3, 6), (2, 6) and none; elsewhere none.
-# $SPECDISTILL_GEMM_PAD sets it ("B:T", or "off"); `scripts/bench_gemm_rows.py` measures a whole forward.
+# $SPECDISTILL_GEMM_PAD sets it ("B:T", or "off"); `benchmarks/forward_rows.py` measures a whole forward.
 GEMM_PAD_ENV = "SPECDISTILL_GEMM_PAD"
 PAD_TO = 6
 # padding must save at least this share of a call's time to be chosen: the pads and slices cost about 1 ms a
@@ -96,6 +96,14 @@ def gemm_padding() -> tuple[int, int]:
     if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         return 0, 0
     return measured_gemm_padding()
+
+
+def gemm_padding_source() -> str:
+    """Where `gemm_padding`'s choice comes from, for reports (decode.runtime_facts): "$SPECDISTILL_GEMM_PAD",
+    "measured" (on AVX-512, timed once per process) or "none off AVX-512"."""
+    if os.environ.get(GEMM_PAD_ENV, "").strip():
+        return f"${GEMM_PAD_ENV}"
+    return "measured" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "none off AVX-512"
 
 
 @functools.cache
@@ -210,7 +218,7 @@ def float16_weights_supported() -> bool:
 
 
 # what a proposer may be asked to draft in; "q8_0" and "int8" (Q8_0 weights, decode-time rows rounded to int8): EAGLE-3
-# drafters only (decode.proposers.eagle3, on the kernel library of models.q41_linear)
+# drafters only (decode.proposers.eagle3, on the kernel library of models.kernels)
 DRAFTING_WEIGHTS = ("auto",) + WEIGHT_FORMATS + ("q8_0", "int8")
 
 

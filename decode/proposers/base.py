@@ -25,8 +25,22 @@ CATCH_UP_SPLIT = 8  # a draft model fed more tokens than this at once is resumin
 
 
 class Proposer(ABC):
+    """What the engine may ask of a proposer. Besides `propose`, a kind declares what it needs from the target's
+    forwards by overriding the capabilities below (the engine reads them; it never probes for attributes):
+
+    - `self_drafting`: it drafts from the target's states of the forward just run (Medusa, EAGLE-3); the engine
+      hands them over through `observe_prefill` and `observe_verification`.
+    - `feature_layers`: the target layers whose inputs those states are (EAGLE-3), instead of the last state.
+    - `adds_rows`: it puts rows of its own into the target's forwards ([LA] lookahead): `max_extra_rows`,
+      `prefill_rows`, `verification_rows` and `observe_rows`.
+    - `regime`: which of several ways of drafting it will use next (each gets its own depth controller)."""
+
     name: str = "proposer"
     max_depth: int = 1  # the deepest tree it drafts; the engine may ask for less
+    self_drafting: bool = False  # the engine calls observe_prefill / observe_verification after each forward
+    feature_layers: list[int] | None = None  # target layers whose inputs it reads; None: the last hidden state
+    adds_rows: bool = False  # the engine calls prefill_rows / verification_rows / observe_rows
+    max_extra_rows: int = 0  # with adds_rows: the most rows it adds to one forward (the cache reserves them)
 
     def begin(self, prompt_ids: list[int], capacity: int) -> None:
         """A new request starts; `capacity` bounds the sequence length it will reach."""
@@ -35,11 +49,44 @@ class Proposer(ABC):
         """Seconds of the last propose() spent catching up on tokens emitted while it did not draft."""
         return 0.0
 
+    def weight_format(self) -> str | None:
+        """The format its drafter's linear weights draft in on this machine, resolved ("int8", "q8_0", "float16",
+        "float32"; `--drafter-weights auto` decides it per drafter), for reports (decode.runtime_facts); None: it
+        has no weights of its own (prompt lookup; [LA] rows run in the target's forward)."""
+        return None
+
     def price_verification(self, seconds: Callable[[int], float] | None) -> None:
         """The engine's measured price of verifying a tree, before each adaptive greedy step: seconds(n) is the
         expected time of the target's forward over a tree of n nodes (root included) on this machine (the
         step's controller, decode.adaptive), None while nothing is measured. A proposer whose trees come with
         calibrated node probabilities (EAGLE-3) sizes them by it; the others draft their fixed sizes."""
+
+    def regime(self, seq: list[int]) -> tuple[str | None, int]:
+        """(name, deepest draft) of the way it will draft after seq. A proposer that drafts in several ways whose
+        acceptance and costs differ (WithPromptLookup: a long n-gram match's chain alone, else the inner tree)
+        names them, and the engine keeps a depth controller per name; by default one unnamed way."""
+        return None, self.max_depth
+
+    def observe_prefill(self, hidden: torch.Tensor) -> None:
+        """self_drafting: the prompt's rows of the prefill forward, [n, D] (or [n, len(feature_layers) x D])."""
+        raise NotImplementedError(f"{type(self).__name__} is self-drafting but reads no prefill states")
+
+    def observe_verification(self, hidden: torch.Tensor, verdict) -> None:
+        """self_drafting: the tree's rows of the verification forward [N, D (or 3 x D)] and its verdict."""
+        raise NotImplementedError(f"{type(self).__name__} is self-drafting but reads no verification states")
+
+    def prefill_rows(self, prompt_len: int):
+        """adds_rows: the rows (decode.runner.ExtraRows) that follow the prompt in the prefill forward."""
+        raise NotImplementedError(f"{type(self).__name__} declares adds_rows but has no prefill rows")
+
+    def verification_rows(self, tree: TokenTree, depth: int | None = None):
+        """adds_rows: the rows that follow the tree in its verification forward, for a next draft up to `depth`
+        deep; None: none this step."""
+        raise NotImplementedError(f"{type(self).__name__} declares adds_rows but has no verification rows")
+
+    def observe_rows(self, logits: torch.Tensor, last_node: int) -> None:
+        """adds_rows: the logits [L, V] of the rows it added, and the tree node the step's accepted path ends at."""
+        raise NotImplementedError(f"{type(self).__name__} declares adds_rows but reads no rows")
 
     @abstractmethod
     def propose(
@@ -106,6 +153,14 @@ def use_gemv_friendly_head(model: torch.nn.Module) -> None:
         return
     with torch.no_grad():
         head.weight.data = head.weight.data.t().contiguous().t()
+
+
+def stored_format(weights: str, module: torch.nn.Module) -> str:
+    """A drafting weight format as reports name it (Proposer.weight_format): "float32", which means the parameters
+    as they are (models.packed_linear.drafting_weights), becomes their dtype ("bfloat16" on a GPU)."""
+    if weights != "float32":
+        return weights
+    return str(next(module.parameters()).dtype).removeprefix("torch.")
 
 
 def vocab_size(model: torch.nn.Module) -> int:

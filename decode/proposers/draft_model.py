@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 
 from decode.proposers.base import (CATCH_UP_SPLIT, Alternate, Proposer, common_prefix_len, register_proposer,
-                                   use_gemv_friendly_head, vocab_size)
+                                   stored_format, use_gemv_friendly_head, vocab_size)
 from decode.runner import ModelRunner, synchronized_clock
 from decode.sampling import SamplingConfig, logits_to_probs, sample
 from decode.tree import TokenTree
-from models.packed_linear import drafting_weights, set_inference_weights
+from models.packed_linear import drafting_weights, inference_weights, set_inference_weights
 
 __all__ = ["DraftModelProposer", "build_draft_model_proposer", "check_vocab"]
 
@@ -50,6 +50,9 @@ class DraftModelProposer(Proposer):
         self.extra_rows: torch.Tensor | None = None  # [N, D] head rows of this request's prompt-only tokens
         self.cached: list[int] = []
         self.catch_up_s = 0.0  # of the last draft_chain
+
+    def weight_format(self) -> str:
+        return stored_format(inference_weights(self.runner.model), self.runner.model)  # what its runner reads
 
     def begin(self, prompt_ids: list[int], capacity: int) -> None:
         self.runner.start(capacity + self.gamma + 1)

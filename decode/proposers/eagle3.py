@@ -27,10 +27,10 @@ expanded, so drafting stops at the first depth whose frontier has no node at or 
 tree is a plain decoding step). A trained drafter's path probability is close to the chance that the
 target accepts the node (stop 39, the GPU-trained drafter on MT-bench: nodes of mean path probability
 0.03 / 0.14 / 0.24 / 0.45 / 0.65 / 0.96 were accepted 0.03 / 0.12 / 0.24 / 0.43 / 0.61 / 0.97 of the
-time; scripts/eagle3_calibration.py), so a node below the floor is a verification row that costs more
+time; docs/journal.md, stop 39), so a node below the floor is a verification row that costs more
 than the tokens it is expected to earn: on the 2-core CPU a tree of 14 rows verifies in 1.5x one row's
 time while 4 rows cost no more than one. The floor lets the tree run deep where the drafter is sure and
-stop at one or two nodes where it is not; BENCHMARKS.md "A probability floor for EAGLE-3 trees".
+stop at one or two nodes where it is not; docs/journal.md "A probability floor for EAGLE-3 trees".
 
 Sampling: a chain, each token drawn from the drafter's distribution q (scattered into the target's
 vocabulary) and proposed with q, so the multi-draft rule (decode.sampling) keeps the target's
@@ -51,25 +51,28 @@ import torch
 from decode.draft_steps import ContextStep, DraftTreeStep, candidate_depths, draft_graphs_supported
 from decode.lean_eagle3 import DISABLE_ENV as LEAN_DISABLE_ENV
 from decode.lean_eagle3 import LeanEagle3, lean_eagle3, lean_eagle3_runs
-from decode.proposers.base import CATCH_UP_SPLIT, Proposer, register_proposer
+from decode.proposers.base import CATCH_UP_SPLIT, Proposer, register_proposer, stored_format
 from decode.runner import synchronized_clock
 from decode.sampling import SamplingConfig, logits_to_probs, sample
 from decode.tree import TokenTree
 from models.eagle3 import DraftCache, Eagle3Drafter  # importing models.eagle3 registers the drafter kind "eagle3"
 from models.packed_linear import drafting_weights, packed_for_inference, packing_supported
-from models.q41_linear import int8_shapes_supported, kernel_unavailable, shape_supported, vnni_unavailable
+from models.kernel_linear import int8_shapes_supported
+from models.kernels import unavailable as kernel_unavailable
+from models.kernels import vnni_unavailable
+from models.quant_formats import shape_supported
 
 __all__ = ["DEFAULT_MIN_PROB", "DEFAULT_TREE", "Eagle3Proposer", "select_tree"]
 
 # (depth, top-K per expansion, tree nodes): measured on the 2-core CPU, where verifying 8 rows costs about
-# 1.1x one row and 16 rows 1.4x (BENCHMARKS.md). Stop 32's weaker drafter paid most with top-2 and 10 nodes; the
+# 1.1x one row and 16 rows 1.4x (docs/journal.md). Stop 32's weaker drafter paid most with top-2 and 10 nodes; the
 # stop-35 drafter (first-position acceptance 0.43) pays more with top-3 and 14: against (8, 2, 10) side by side,
 # alone 1.41x / 1.34x, with prompt lookup 2.01x / 1.97x (MT-bench, 2 per category), 2.48x / 2.32x (held-out
-# Arena v2.0), 2.13x / 2.01x (held-out HumanEval + GSM8K) (BENCHMARKS.md, "Four unrolled steps instead of seven").
+# Arena v2.0), 2.13x / 2.01x (held-out HumanEval + GSM8K) (docs/journal.md, "Four unrolled steps instead of seven").
 # A GPU verifies 32-64 nodes for about one forward.
 DEFAULT_TREE = {"cpu": (8, 3, 14), "cuda": (8, 8, 48)}
 # min_prob, the path-probability floor: 0.05 on the 2-core CPU, where rows past the first few cost 1.5 ms each
-# (about 0.06 of a token's time at 40 tokens/s), measured against 0.03, 0.07 and 0.1 (BENCHMARKS.md, "A
+# (about 0.06 of a token's time at 40 tokens/s), measured against 0.03, 0.07 and 0.1 (docs/journal.md, "A
 # probability floor for EAGLE-3 trees"); off on CUDA, where it could save nothing: the fixed-shape step drafts
 # every depth anyway, and 48 rows verify for about one forward (not measured there).
 DEFAULT_MIN_PROB = {"cpu": 0.05, "cuda": 0.0}
@@ -135,12 +138,16 @@ class Eagle3Proposer(Proposer):
             raise ValueError(f"eagle3: drafter weights {weights} run on the lean drafting rows only (fp32 on the CPU, "
                              f"not fixed-shape steps, ${LEAN_DISABLE_ENV} unset)")
         self.net = lean if lean is not None else packed_for_inference(drafter, weights)
+        self.weights = stored_format(weights, drafter)  # resolved: what self.net's matrices hold (weight_format)
         self.step: DraftTreeStep | None = None  # kept across requests while the cache is (its graphs too)
         self.context_step: ContextStep | None = None
         self.pool = torch.cuda.graph_pool_handle() if self.fixed_steps and self.graphed else None
         self.pending: list[torch.Tensor] = []  # [k, 3D] features of positions not yet fed
         self.position = 0  # the position of the next context row
         self.catch_up_s = 0.0
+
+    def weight_format(self) -> str:
+        return self.weights
 
     def begin(self, prompt_ids: list[int], capacity: int) -> None:
         rows = capacity + self.topk * (self.max_depth + 1) + 2
@@ -378,12 +385,12 @@ def build_eagle3_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: 
 def eagle3_drafting_weights(drafter: Eagle3Drafter, choice: str | None, fixed_steps: bool | None) -> str:
     """models.packed_linear.drafting_weights, plus "q8_0": the drafter's matrices rounded to Q8_0 on the kernel
     library (its AMX form where the CPU has one), and "int8": the same Q8_0 weights times decode-time rows rounded
-    to int8 per group of 32, on the library's AVX512-VNNI kernel (models.q41_linear.q8_int8_gemm). "auto" picks
+    to int8 per group of 32, on the library's AVX512-VNNI kernel (models.kernels' Int8Matrix). "auto" picks
     int8 wherever VNNI, the lean drafting rows and the drafter's shapes allow, else q8_0 wherever the library and
     the lean rows run: on a 2-core Zen 4 the int8 kernel computes the drafter's matrices 2.3-4x faster than Q8_0's
     FMA form with warm caches, a drafting depth (in two library calls: decode.lean_eagle3.FusedRows) costs about
     0.03 of a target forward instead of 0.1, and acceptance on MT-bench is the same within 0.5% (stop 50;
-    BENCHMARKS.md "Drafting in int8, EAGLE-3's depth in one library call, ..."). q8_0 streams about half the bytes
+    docs/journal.md "Drafting in int8, EAGLE-3's depth in one library call, ..."). q8_0 streams about half the bytes
     of fp16 copies (stop 47 on AMX, stop 48 on Zen 4: EAGLE-3 alone 1.025x against 1.010x). AMX hosts take int8
     too (they have VNNI); not measured there. Asked for where it cannot run: a ValueError that says why."""
     lean = lean_eagle3_runs(drafter) and not fixed_steps

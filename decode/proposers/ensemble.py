@@ -69,6 +69,10 @@ class EnsembleProposer(Proposer):
         self.branches = branches
         self.max_depth = max(m.max_depth for m in self.members)
 
+    def weight_format(self) -> str:
+        """The members' format, or their distinct formats in member order, comma-separated."""
+        return ", ".join(dict.fromkeys(member.weight_format() for member in self.members))
+
     def begin(self, prompt_ids: list[int], capacity: int) -> None:
         for member in self.members:
             member.begin(prompt_ids, capacity)

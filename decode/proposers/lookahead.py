@@ -30,7 +30,7 @@ predictions from less context, still a deterministic function of it. If s >= k n
 and the next step is a plain decode step (with a chain under its root).
 
 Branches. LA_1's top-1 is the target's token only 30% of the time on MT-bench, but one of its top 2
-41%, top 3 48% (the shipped 1-token drafter; scripts/lookahead_topk.py). With `branches` b the tree also
+41%, top 3 48% (the shipped 1-token drafter; docs/journal.md, stop 23). With `branches` b the tree also
 holds LA_1's next b - 1 tokens as siblings of the first draft: one verification row each, placed after
 the chain so that the chain's nodes stay the shallowest and get the [LA] chains (a sibling gets one only
 when `chains` reaches it; otherwise, when it is accepted, the next drafts come from the root's chain
@@ -66,6 +66,7 @@ def decoding_options(manifest: dict) -> dict:
 
 class LookaheadProposer(Proposer):
     name = "lookahead"
+    adds_rows = True  # its [LA] rows ride in the target's forwards (max_extra_rows is set per instance)
 
     def __init__(self, tokens: torch.nn.Module, target_model: torch.nn.Module, chains: int = 2, branches: int = 1):
         """tokens: a module whose forward() gives the [K, D] lookahead embeddings (models.lookahead);

@@ -33,7 +33,7 @@ import heapq
 
 import torch
 
-from decode.proposers.base import Proposer, register_proposer, vocab_size
+from decode.proposers.base import Proposer, register_proposer, stored_format, vocab_size
 from decode.sampling import SamplingConfig, Verdict
 from decode.tree import TokenTree
 from models.medusa import PrefixCache  # importing models.medusa registers the drafter kind "medusa"
@@ -69,9 +69,13 @@ class MedusaProposer(Proposer):
         self.hidden: torch.Tensor | None = None  # [D] the last accepted node's state (sequential heads)
         self.vocab_map = None if vocab_map is None else vocab_map.long().cpu()  # [M] head row -> target id
         self.projections = head_projections(heads, self.vocab_map, weights)  # K x ([N, D] -> [N, M])
+        self.weights = stored_format(weights if packing_supported(heads) else "float32", heads)  # packed only there
         prefix = getattr(heads, "prefix", None)  # decoding runs a few rows through it per step: packed too
         self.prefix = None if prefix is None else packed_for_inference(prefix)
         self.prefix_cache: PrefixCache | None = None
+
+    def weight_format(self) -> str:
+        return self.weights
 
     def begin(self, prompt_ids: list[int], capacity: int) -> None:
         self.topk = self.hidden = None

@@ -43,7 +43,7 @@ class WithPromptLookup(Proposer):
     finds what it copies (names, code, quoted text), and the lookup costs no model call, only the
     verification rows of its drafts. How much a lookup chain is worth depends on the length n of the
     n-gram it matched: on the target's greedy answers (MT-bench and held-out Arena-Hard first turns,
-    BENCHMARKS.md "Prompt lookup first") a 3-gram match's 10-token chain was accepted 4.5-5.8 tokens deep
+    docs/journal.md "Prompt lookup first") a 3-gram match's 10-token chain was accepted 4.5-5.8 tokens deep
     on average, a 2-gram's 1.6-2.7, a 1-gram's 0.6-1.1, where the EAGLE-3 tree's whole step gets about
     0.65 for half a target forward of drafting. So a match of at least `lookup_first` tokens is drafted
     alone: the inner proposer skips the step (a draft model or EAGLE-3 feeds the skipped positions with
@@ -61,19 +61,23 @@ class WithPromptLookup(Proposer):
 
     def __init__(self, inner: Proposer, lookup: PromptLookupProposer, lookup_first: int = 2,
                  weak_chain: int | None = None):
-        if hasattr(inner, "verification_rows"):
+        if inner.adds_rows:
             raise ValueError("+prompt_lookup cannot wrap a lookahead ([LA]) drafter: its rows follow the tree's nodes")
         if lookup_first < 0 or (weak_chain is not None and weak_chain < 0):
             raise ValueError(f"lookup_first and weak_chain must be >= 0, got {lookup_first}, {weak_chain}")
         self.inner, self.lookup = inner, lookup
+        self.name = f"{inner.name}+prompt_lookup"  # as the drafter spec names the composition (reports, errors)
         self.lookup_first = lookup_first
         self.weak_chain = lookup.num_tokens if weak_chain is None else weak_chain
         self.last_match: tuple = (None, (0, []))
-        self.self_drafting = bool(getattr(inner, "self_drafting", False))
-        self.feature_layers = getattr(inner, "feature_layers", None)  # EAGLE-3 reads these target layers
+        self.self_drafting = inner.self_drafting
+        self.feature_layers = inner.feature_layers  # EAGLE-3 reads these target layers
         self.max_depth = max(inner.max_depth, lookup.max_depth)
         self.verify_seconds = None  # the engine's price of verification (price_verification)
         self.inner_drafted = False  # whether the last propose() called the inner proposer
+
+    def weight_format(self) -> str | None:
+        return self.inner.weight_format()  # the lookup has no weights
 
     def begin(self, prompt_ids: list[int], capacity: int) -> None:
         self.last_match = (None, (0, []))

@@ -13,10 +13,27 @@ from decode.proposers.eagle3 import (DEFAULT_MIN_PROB, Candidate, Eagle3Proposer
 from decode.sampling import SamplingConfig
 from models.eagle3 import Eagle3Drafter
 from models.packed_linear import drafting_weights
-from models.q41_linear import Q8Int8Linear, Q80Linear, amx_unavailable, kernel_unavailable, vnni_unavailable
-from scripts.eagle3_calibration import candidate_scores, root_paths
+from models.kernel_linear import Q8Int8Linear, Q80Linear
+from models.kernels import amx_unavailable, vnni_unavailable
+from models.kernels import unavailable as kernel_unavailable
 from tests.conftest import make_tiny_llama
 from tests.decode.test_engine import PROMPT, target_greedy
+
+
+def root_paths(tree) -> list[tuple[int, ...]]:
+    """Each node's tokens from below the root down to it (the root's own: ())."""
+    paths: list[tuple[int, ...]] = [()]
+    for i in range(1, len(tree.tokens)):
+        paths.append(paths[tree.parents[i]] + (tree.tokens[i],))
+    return paths
+
+
+def candidate_scores(candidates) -> dict[tuple[int, ...], float]:
+    """The proposer's drafted candidates (Candidate) by token path -> log path probability."""
+    paths: list[tuple[int, ...]] = []
+    for c in candidates:
+        paths.append((paths[c.parent] if c.parent >= 0 else ()) + (c.token,))
+    return {path: c.score for path, c in zip(paths, candidates)}
 
 
 def tiny_eagle(target, vocab=None, layers=(0, 1, 1), seed=3):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -12,12 +13,14 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import PreTrainedTokenizerFast
 
-from tests.conftest import ROOT, SHARED_DATA, make_tiny_llama
-from decode.evaluate import (EvalConfig, build_methods, build_parser, config_from_args, conversation_for_turn,
-                             evaluate_methods, main, run_evaluation, run_question)
+from tests.conftest import SHARED_DATA, make_tiny_llama
+from decode.evaluate import (EXIT_MISMATCH, EvalConfig, build_methods, build_parser, config_from_args,
+                             conversation_for_turn, evaluate_methods, main, run_evaluation, run_question)
 from decode.peers import Method, TurnOutput, assisted_skip_reason
 from decode.questions import Question, QuestionFileError, categories, load_questions
-from decode.report import BASELINE, training_gain, write_report
+from decode.report import BASELINE, lossless_failures, training_gain, write_report
+from decode.runtime_facts import KERNEL_FLAGS
+from decode.sampling import Verdict
 from models.drafters import Drafter, load_drafter
 from models.medusa import MedusaHeads
 from models.target import target_from_model
@@ -253,16 +256,14 @@ def test_cli_writes_the_report_and_prints_the_table(tmp_path, target_dir, capsys
 
 
 def test_speedup_model_script_reads_an_evaluation_report(tmp_path, target_dir, capsys):
-    """scripts/speedup_model.py on a real report: one row per drafter, each answer a probability or None."""
-    import importlib.util
+    """`specdistill speedup-model` (train.tools.speedup_model) on a real report: one row per drafter, each answer a
+    probability or None."""
+    from train.tools import speedup_model as script
 
     questions = write_lines(tmp_path / "q.jsonl", MT_BENCH_LINES)
     assert main(["--target", str(target_dir), "--drafter", "truncated:1", "--drafter", "prompt_lookup",
                  "--questions", str(questions), "--limit", "2", "--max-new-tokens", "12", "--warmup", "0",
                  "--fixed-depth", "--out", str(tmp_path / "run")]) == 0
-    spec = importlib.util.spec_from_file_location("speedup_model", ROOT / "scripts" / "speedup_model.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     result = script.main([str(tmp_path / "run" / "report.json"), "--target", str(target_dir), "--rows", "1", "2", "4",
                           "--reps", "1", "--out", str(tmp_path / "model")])
     assert sorted(row["method"] for row in result["methods"]) == ["speculative[prompt_lookup]", "speculative[truncated:1]"]
@@ -321,21 +322,6 @@ def test_missing_or_broken_question_file_exits_2(tmp_path, target_dir, capsys):
         assert "argument --questions" in err and path.name in err
 
 
-@pytest.mark.skipif(not (SHARED_DATA / "mt_bench" / "question.jsonl").is_file(), reason="shared data not present")
-def test_bench_script_command_line_is_one_the_evaluation_accepts():
-    import importlib.util
-
-    from decode.evaluate import build_parser, config_from_args
-
-    spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "scripts" / "bench_decode.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    config = config_from_args(build_parser().parse_args(bench.evaluate_argv(bench.parse_args([]))))
-    assert config.drafters == ("truncated:4", "prompt_lookup")
-    assert config.limit == 8 and config.peers == ("hf",) and config.target is None
-    assert "bench_decode" in config.out
-
-
 def test_fixed_depth_drafts_the_full_gamma_every_step(tmp_path, chat_target):
     """--fixed-depth turns the adaptive draft length off: every step drafts min(gamma, room left)."""
     questions = load_questions(write_lines(tmp_path / "q.jsonl", MT_BENCH_LINES))[:1]
@@ -383,3 +369,115 @@ def test_training_gain_names_a_missing_method_and_refuses_a_mismatch():
         training_gain(summary, "speculative[trained]", "speculative[other]")
     with pytest.raises(ValueError, match="speculative\\[trained\\]: 1 of 16 turns differ"):
         training_gain(summary, "speculative[trained]", "speculative[untrained]")
+
+
+# ---- losslessness binds; the report records what ran --------------------------------------------------
+
+def accept_every_draft(tree, best):
+    """A broken greedy verifier: it follows the first drafted chain to its end, so the drafter's tokens are emitted
+    whatever the target says (a lossy engine)."""
+    node, path = 0, [0]
+    while tree.children(node):
+        node = tree.children(node)[0]
+        path.append(node)
+    return Verdict(path, best[node])
+
+
+def evaluate_cli(tmp_path, target_dir, *extra: str) -> int:
+    questions = write_lines(tmp_path / "q.jsonl", MT_BENCH_LINES)
+    return main(["--target", str(target_dir), "--drafter", "truncated:1", "--questions", str(questions),
+                 "--limit", "2", "--max-new-tokens", "12", "--warmup", "0", "--fixed-depth",
+                 "--out", str(tmp_path / "run"), *extra])
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_a_lossy_engine_exits_3_after_writing_the_whole_report(tmp_path, target_dir, capsys, monkeypatch, allow):
+    import decode.engine
+
+    monkeypatch.setattr(decode.engine, "verify_greedy_tokens", accept_every_draft)
+    code = evaluate_cli(tmp_path, target_dir, *(["--allow-mismatches"] if allow else []))
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    row = report["methods"]["speculative"]
+    assert row["lossless"] and row["mismatches"] > 0  # the broken verifier did change the output
+    assert report["methods"][BASELINE]["mismatches"] == 0  # plain decoding verifies no drafts: unaffected
+    assert len((tmp_path / "run" / "turns.jsonl").read_text().splitlines()) == 2 * 3  # nothing lost
+    assert report["config"]["allow_mismatches"] == allow
+    assert f"`speculative` LOSSLESSNESS VIOLATED" in (tmp_path / "run" / "report.md").read_text()
+    captured = capsys.readouterr()
+    assert "[overall]" in captured.out  # the table is printed first
+    assert f"speculative: {row['mismatches']} of {row['turns']} turns" in captured.err
+    assert "LOSSLESSNESS VIOLATED" in captured.err
+    assert code == (0 if allow else EXIT_MISMATCH) and EXIT_MISMATCH not in (0, 1, 2)
+
+
+def test_a_peer_that_is_not_bound_to_the_baseline_may_differ(tmp_path, target_dir, capsys, monkeypatch):
+    """A method with lossless=False (a peer whose arithmetic differs) is reported with its mismatches and never
+    fails the run; our engine's methods still bind."""
+    import decode.evaluate as evaluate
+
+    original = evaluate.build_methods
+
+    def with_a_rounding_peer(*args, **kwargs):
+        methods, skipped = original(*args, **kwargs)
+        baseline = methods[0]
+
+        def run(prompt_ids):
+            out = baseline.run(prompt_ids)
+            return TurnOutput([9 if out.tokens[0] != 9 else 10] + out.tokens[1:], out.wall_s, None)
+
+        return [*methods, Method("other_kernels", run, lossless=False)], skipped
+
+    monkeypatch.setattr(evaluate, "build_methods", with_a_rounding_peer)
+    assert evaluate_cli(tmp_path, target_dir) == 0
+    methods = json.loads((tmp_path / "run" / "report.json").read_text())["methods"]
+    assert methods["other_kernels"]["mismatches"] == methods["other_kernels"]["turns"] == 3
+    assert methods["other_kernels"]["lossless"] is False and methods["speculative"]["lossless"] is True
+    assert methods["speculative"]["mismatches"] == 0
+    assert "LOSSLESSNESS" not in capsys.readouterr().err
+    assert "LOSSLESSNESS" not in (tmp_path / "run" / "report.md").read_text()
+
+
+def test_lossless_failures_name_bound_methods_with_mismatches_only():
+    summary = {BASELINE: {"lossless": True, "mismatches": 0, "turns": 4},
+               "speculative[a]": {"lossless": True, "mismatches": 2, "turns": 4},
+               "speculative[b]": {"lossless": True, "mismatches": 0, "turns": 4},
+               "hf_generate": {"lossless": False, "mismatches": 3, "turns": 4},
+               "sampled": {"lossless": True, "mismatches": None, "turns": 4}}  # sampling: no token check
+    assert lossless_failures(summary) == {"speculative[a]": "2 of 4 turns"}
+
+
+def test_the_report_records_what_ran_resolved(tmp_path, target_dir):
+    from decode.runtime_facts import git_commit, kernel_facts
+    from models.packed_linear import float16_weights_supported
+
+    questions = write_lines(tmp_path / "q.jsonl", MT_BENCH_LINES)
+    assert main(["--target", str(target_dir), "--drafter", "truncated:1", "--drafter", "prompt_lookup",
+                 "--questions", str(questions), "--limit", "1", "--max-new-tokens", "4", "--warmup", "0",
+                 "--out", str(tmp_path / "run")]) == 0
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    runtime = report["runtime"]
+    assert report["config"]["drafter_weights"] == "auto"  # what was asked ...
+    # ... and what ran: a CPU fp32 drafter drafts in fp16 copies wherever FBGEMM's fp16 GEMM runs
+    assert runtime["drafters"] == {
+        "speculative[truncated:1]": {"kind": "draft_model",
+                                     "weights": "float16" if float16_weights_supported() else "float32"},
+        "speculative[prompt_lookup]": {"kind": "prompt_lookup", "weights": None}}
+    target = runtime["target"]
+    assert (target["precision"], target["dtype"], target["decoder"]) == ("float32", "float32", "lean")
+    assert sum(target["layer_matrices"].values()) == 4 * 2  # q/k/v, o, gate/up, down per layer
+    assert target["greedy_head"] is False  # this head is not on the Q8_0 grid: every logit is computed
+    assert runtime["kernel_library"] == kernel_facts()
+    assert runtime["kernel_library"]["state"] in ("loaded", "unavailable")
+    assert runtime["fp32_gemm_padding"]["choice"] == "off" or ":" in runtime["fp32_gemm_padding"]["choice"]
+    assert set(runtime["cpu_flags"]) <= set(KERNEL_FLAGS) and runtime["torch"] == torch.__version__
+    assert runtime["git_commit"] == git_commit() and re.fullmatch(r"[0-9a-f]{7,40}(-dirty)?", runtime["git_commit"])
+    assert "auto" not in json.dumps(runtime)
+    markdown = (tmp_path / "run" / "report.md").read_text()
+    assert "## runtime" in markdown and "speculative[truncated:1] (kind draft_model, weights float" in markdown
+    assert f"- git_commit: {runtime['git_commit']}" in markdown
+
+
+def test_git_commit_is_none_outside_a_checkout(tmp_path):
+    from decode.runtime_facts import git_commit
+
+    assert git_commit(tmp_path) is None
