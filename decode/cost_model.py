@@ -15,7 +15,7 @@ Plain decoding emits one token per one-row forward, so the step's speedup is E(d
 adaptive depth (decode.adaptive) looks for the best d. With a conditional acceptance a at every
 depth, P_k = a^k.
 
-Everything here is arithmetic on measured figures: `scripts/speedup_model.py` measures v on the
+Everything here is arithmetic on measured figures: `specdistill speedup-model` measures v on the
 machine and reads P and c from an evaluation report. It answers "would this drafter pay here if it
 drafted deeper?" and "what acceptance would it need for a given speedup?"; the engine does not use it.
 """

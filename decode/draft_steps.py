@@ -3,7 +3,7 @@
 On a GPU a draft depth is one forward of the drafter's single layer over K rows (the K most probable
 candidates of the depth before): some forty kernels of microseconds each, launched from Python, then the
 depth's top-K read back to the host to choose the next K. Measured on an H200 before this module, about
-0.5 ms a depth where the target's whole verification replays in 3 ms (BENCHMARKS.md, "The CUDA path"):
+0.5 ms a depth where the target's whole verification replays in 3 ms (docs/journal.md, "The CUDA path"):
 the drafter, not the target, was what a speculative step waited on. Graphing each depth alone (tried on an
 H100) still left a host round trip per depth.
 

@@ -12,7 +12,7 @@ In reduced precision a row's logits depend on how many rows its forward had (the
 shape), so speculation would not reproduce plain decoding token for token; with one bucket for every
 step (`buckets=(N,)`, what the engine does for a bf16/fp16 target on CUDA) every token's projections
 come from the same kernels whatever was drafted, plain decoding included. Measured on an H200 (bf16,
-8 MT-bench answers of 128 tokens, BENCHMARKS.md "The CUDA path"): EAGLE-3 trees left plain decoding's
+8 MT-bench answers of 128 tokens, docs/journal.md "The CUDA path"): EAGLE-3 trees left plain decoding's
 answer on 4-6 of 8 prompts in buckets and on 0-1 in one shape, prompt-lookup chains on none. What one
 shape cannot remove: a tree node attends to its ancestors at other cache slots than plain decoding put
 them (siblings share a depth), so attention sums the same terms in another order; a chain's nodes sit

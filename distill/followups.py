@@ -6,7 +6,7 @@ A chat's second turn mostly rewrites, shortens, lists or continues what the firs
 in the context and much of it comes back. Single-turn teacher data never shows a drafter that, and a drafter
 trained on it does not copy: on MT-bench's second turns (the default target's own first answers in the
 context) a 2-gram lookup in the context names the target's next token at 0.59 of the positions, the GPU-trained
-EAGLE-3 drafter at 0.45 (BENCHMARKS.md, "Second turns"). These prompts give the teacher data such turns: for a
+EAGLE-3 drafter at 0.45 (docs/journal.md, "Second turns"). These prompts give the teacher data such turns: for a
 share of the training prompts, the conversation [their messages, the target's first answer (the greedy one,
 else the first sample), a follow-up request] is answered by the target like any prompt (distill.teacher_data,
 its own content-addressed cache).

@@ -2,9 +2,9 @@
 generation instead of the built-in generator, stored in the same teacher-data cache, row for row in the same
 format, so every method trains on them unchanged.
 
-vLLM runs in its own environment (`make vllm`), as one worker process (scripts/vllm_worker.py, the same worker
+vLLM runs in its own environment (`make vllm`), as one worker process (models/vllm_worker.py, the same worker
 the `--peers vllm` methods use) started once per teacher-data job and fed one batch request per shard. Greedy
-answers are vLLM's greedy decoding of the same target in the same precision (fp32 on the CPU; BENCHMARKS.md has
+answers are vLLM's greedy decoding of the same target in the same precision (fp32 on the CPU; docs/journal.md has
 how often they agree with ours token for token); sampled answers use vLLM's sampler, seeded per (seed, shard,
 prompt, sample), so a job reproduces its data. The top-k log-probabilities (`topk > 0`) are computed as for the
 built-in backend, teacher-forced by the loaded target over the answers, so both backends' rows are the same

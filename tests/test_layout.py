@@ -1,7 +1,10 @@
 """The import direction of DESIGN.md, checked on the source with `ast`:
 
     models <- decode, models <- distill, everything <- train; decode and distill never import each other;
-    only train/ (and scripts/, tests/) import accelerate, deepspeed or wandb.
+    only train/ (and benchmarks/, tests/) import accelerate, deepspeed or wandb.
+
+and the tree's shape: scripts/ gone (or holding only what the README names), no Python file over 600 lines, no C
+source inside a Python string, the vLLM worker free of the project's imports.
 
 Static imports, relative imports (resolved against the file's package) and literal
 importlib.import_module("...") / __import__("...") calls all count, at any depth (inside functions too).
@@ -10,6 +13,7 @@ importlib.import_module("...") / __import__("...") calls all count, at any depth
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -23,7 +27,7 @@ FORBIDDEN: dict[str, set[str]] = {
     "decode": {"distill", "train", *LAUNCHERS},
     "distill": {"decode", "train", *LAUNCHERS},
     "train": set(),
-    "scripts": set(),
+    "benchmarks": set(),
     "tests": set(),
 }
 
@@ -127,7 +131,7 @@ def test_checker_flags_every_kind_of_forbidden_import():
     assert violations("import decode", "distill.losses") == ["decode"]
     assert violations("from models.target import Target\nimport torch", "distill.losses") == []
     assert violations(SNIPPET, "train.entry") == []
-    assert violations(SNIPPET, "scripts.bench") == []
+    assert violations(SNIPPET, "benchmarks.bench") == []
 
 
 @pytest.mark.parametrize("source, module, is_package, expected", [
@@ -151,3 +155,67 @@ def test_every_shipped_job_config_parses(path):
     cls = DistillConfig if path.parent.name == "distill" else OnlineConfig
     cfg = load_config(cls, ["--config", str(path)])
     assert isinstance(cfg, cls)
+
+
+# ---- the tree's shape ------------------------------------------------------------------------------------------
+
+MAX_LINES = 600
+TOO_LONG_ALLOWED = {
+}
+C_SOURCE = re.compile(r"#\s*include\s*[<\"]|\b_mm(256|512)?_\w+\(|\b__m(256|512)i?\b")  # C headers, SIMD intrinsics
+
+
+def python_files() -> list[Path]:
+    skip = {".venv", ".venv-vllm", "runs", ".git", "__pycache__", "build"}
+    return sorted(p for p in ROOT.rglob("*.py") if not skip & set(p.relative_to(ROOT).parts))
+
+
+def strings_with_c_source(source: str) -> list[str]:
+    """The string constants of `source` that hold C (an #include, SIMD intrinsics or their vector types)."""
+    return [node.value[:60] for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and C_SOURCE.search(node.value)]
+
+
+def test_scripts_is_gone_or_holds_only_what_the_readme_names():
+    scripts = ROOT / "scripts"
+    if not scripts.is_dir():
+        return
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    unnamed = [p.name for p in scripts.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+               and f"scripts/{p.relative_to(scripts)}" not in readme]
+    assert not unnamed, f"scripts/ holds files the README does not name: {unnamed}"
+
+
+def test_no_python_file_is_over_600_lines():
+    long = {str(p.relative_to(ROOT)): n for p in python_files()
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert not set(long) - TOO_LONG_ALLOWED, f"over {MAX_LINES} lines (split them): {long}"
+
+
+def test_no_c_source_inside_python_strings():
+    """Native code lives in source files with a build path (models/kernels/csrc), never in a Python string."""
+    found = {}
+    for path in python_files():
+        if path.parts[len(ROOT.parts)] == "tests":  # tests may hold snippets of C to test the checks themselves
+            continue
+        if hits := strings_with_c_source(path.read_text(encoding="utf-8")):
+            found[str(path.relative_to(ROOT))] = hits
+    assert not found, f"C source inside Python strings: {found}"
+
+
+def test_the_c_check_sees_c():
+    include = "#" + "include <immintrin.h>"
+    assert strings_with_c_source(f"SRC = {include!r}")
+    assert strings_with_c_source('SRC = """float f(__m512 x) { return 0; }"""')
+    assert strings_with_c_source("SRC = 'y = _mm512_fmadd_ps(a, b, c);'")
+    assert not strings_with_c_source("# include <stdio.h> in a comment\nx = 'an include of headers'")
+
+
+def test_the_vllm_worker_imports_nothing_of_the_project():
+    """It runs by path inside .venv-vllm (models/vllm_env.WORKER), where this project is not installed."""
+    from models.vllm_env import WORKER
+
+    path = ROOT / "models" / "vllm_worker.py"
+    assert WORKER == path and path.is_file()
+    imported = imported_modules(path.read_text(encoding="utf-8"), "vllm_worker")
+    assert not {name.split(".")[0] for name in imported} & {*PACKAGES, "benchmarks", "tests"}

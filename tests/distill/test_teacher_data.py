@@ -187,7 +187,7 @@ def test_long_prompts_are_skipped(target, tmp_path):
 
 class TeacherFromTarget:
     """Stands in for the vLLM worker: answers with the tiny target's own greedy decoding, and records the
-    requests (a real vLLM run is scripts/teacher_backends.py and the vllm tests)."""
+    requests (a real vLLM run: the slow tests of tests/decode/test_vllm_peer.py, after `make vllm`)."""
 
     calls: list = []
 

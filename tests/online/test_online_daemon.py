@@ -215,7 +215,7 @@ def test_config_errors_name_the_field(env, tmp_path):
 
 
 def test_plot_reads_a_daemon_journal(env, tmp_path):
-    from scripts.plot_online import from_daemon_journal, plot
+    from train.tools.plot_online import from_daemon_journal, plot
 
     write_log(tmp_path, env["records"][:24])
     daemon = OnlineDaemon(config(env, tmp_path))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from distill.prompts import load_prompts, normalize_text
-from scripts.online_demo import drafter_training_texts
+from train.tools.online_demo import drafter_training_texts
 
 
 def test_the_anchor_excludes_the_drafters_file_prompts_with_their_limits(tmp_path):
@@ -28,7 +28,7 @@ def test_finish_refuses_a_run_whose_stream_did_not_complete(tmp_path):
     import pytest
 
     from decode.request_log import segment_name
-    from scripts.online_demo import check_finishable
+    from train.tools.online_demo import check_finishable
 
     with pytest.raises(SystemExit, match="no served run"):
         check_finishable(tmp_path, tmp_path / "store", tmp_path / "logs", 3)

@@ -1,4 +1,4 @@
-"""scripts/replay_online.py: a logged stream replayed through the daemon's update rule, offline."""
+"""`specdistill replay-online` (train.tools.replay_online): a logged stream replayed through the daemon's update rule, offline."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tests.online.support import prompt_for, save_target_dir, save_tiny_drafter,
 
 
 def test_replay_trains_on_the_non_held_out_requests_and_writes_the_agreement_curve(tmp_path, monkeypatch):
-    from scripts.replay_online import main
+    from train.tools.replay_online import main
 
     monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
     target_dir = save_target_dir(tmp_path / "target")

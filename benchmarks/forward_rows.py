@@ -1,0 +1,80 @@
+"""What a target forward of N rows costs against one row: the price of verifying an N-node tree.
+
+    python -m benchmarks.forward_rows [--rows 1 2 4 8 12 16 24] [--context 300] [--reps 30] [--out DIR]
+
+The cost model (decode/cost_model.py, docs/design/cost-model.md) prices every draft by this ratio. One process
+builds a ModelRunner per form of the kernel library this CPU runs (models/kernels: "fma", and "amx" where the
+CPU has AMX-BF16; $SPECDISTILL_NO_AMX selects the FMA form), fills each cache with the same `--context` tokens,
+then times forwards of N rows after that prefix (logits for every row, as verification needs; the rows are not
+committed, so each forward writes over the last), every (form, N) interleaved rep by rep. Checks that the forms
+give the same greedy token at every row. Prints ms per forward and each as a multiple of its own one-row forward;
+writes DIR/forward_rows.json.
+"""
+
+from __future__ import annotations
+
+import os
+
+from benchmarks.harness import interleave, median_ms, parser, print_table, switched_off, write_report
+
+
+def runner_for(model, form: str, context: list[int]):
+    """A ModelRunner whose kernel matrices are in `form`, its cache holding `context` (committed)."""
+    from decode.runner import ModelRunner
+    from models.kernels import NO_AMX_ENV
+
+    with switched_off(NO_AMX_ENV, form == "fma"):
+        runner = ModelRunner(model)
+    runner.start(len(context) + 64)
+    runner.forward(context)
+    runner.cache.advance(len(context))  # each timed forward writes its rows after it, uncommitted
+    return runner
+
+
+def forward_rows(runner, rows: int):
+    """One forward of `rows` new tokens after the committed prefix (not committed); each row's argmax."""
+    _, logits = runner.forward([1000 + 7 * i for i in range(rows)])
+    return logits.argmax(-1)
+
+
+def parse_args(argv=None):
+    p = parser(__doc__, "forward_rows", reps=30)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 24])
+    p.add_argument("--context", type=int, default=300)
+    args = p.parse_args(argv)
+    if any(not 1 <= r <= 64 for r in args.rows) or args.context < 1 or args.reps < 1:
+        p.error("--rows between 1 and 64, --context and --reps at least 1")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    import torch
+
+    from models.kernels import amx_unavailable
+    from models.target import load_target
+
+    torch.set_num_threads(min(torch.get_num_threads(), os.cpu_count() or 1))
+    model = load_target().model
+    context = [(37 * i) % 30000 + 100 for i in range(args.context)]
+    forms = ["fma"] + (["amx"] if amx_unavailable() is None else [])
+    runners = {form: runner_for(model, form, context) for form in forms}
+    with torch.inference_mode():
+        same = len(forms) == 1 or all(torch.equal(*[forward_rows(runners[f], r) for f in forms]) for r in args.rows)
+        times = interleave({(f, r): (lambda f=f, r=r: forward_rows(runners[f], r)) for f in forms for r in args.rows},
+                           args.reps, args.warmup)
+    ms = median_ms(times)
+    print(f"forward of N rows after {args.context} tokens, median of {args.reps}; forms give the same greedy "
+          f"tokens: {same}")
+    first = args.rows[0]
+    print_table(["rows"] + [h for f in forms for h in (f"{f} form, ms", "x one row")],
+                [[r] + [v for f in forms for v in (ms[f, r], ms[f, r] / ms[f, first])] for r in args.rows])
+    results = {"context": args.context, "amx": amx_unavailable() or "available", "same_greedy_tokens": same,
+               "ms": {f: {r: ms[f, r] for r in args.rows} for f in forms},
+               "x_one_row": {f: {r: ms[f, r] / ms[f, first] for r in args.rows} for f in forms}}
+    write_report(args.out, "forward_rows", results, args)
+    return results
+
+
+if __name__ == "__main__":
+    main()
