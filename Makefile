@@ -8,7 +8,7 @@ BOOT_PYTHON := $(shell command -v python3.11 || command -v python3)
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
 QUESTIONS ?= ../shared/data/mt_bench/question.jsonl
 
-.PHONY: venv vllm test test-all test-gpu demo bench
+.PHONY: venv vllm lint test test-all test-gpu demo bench
 
 venv: $(STAMP)
 
@@ -22,9 +22,12 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-# the default run: tiny models only, well under 30 minutes on 2 cores
-test: venv
+# the default run: lint (ruff, pyproject's [tool.ruff]), then tiny models only, well under 30 minutes on 2 cores
+test: venv lint
 	$(PY) -m pytest -q -m "not slow and not gpu"
+
+lint: venv
+	$(VENV)/bin/ruff check .
 
 # also the slow tests (the embedded default target, minutes of CPU)
 test-all: venv
@@ -39,11 +42,11 @@ test-gpu: venv
 demo: venv
 	$(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
 		train/distill.py --config configs/distill/quickstart.yaml
-	$(PY) -m decode.evaluate --drafter runs/quickstart/drafter --drafter runs/quickstart/untrained --fixed-depth \
+	$(PY) -m specdistill.decode.evaluate --drafter runs/quickstart/drafter --drafter runs/quickstart/untrained --fixed-depth \
 		--questions $(QUESTIONS) --per-category 1 --max-new-tokens 64 --out runs/quickstart/eval_fixed
-	$(PY) -m decode.evaluate --drafter runs/quickstart/drafter --drafter runs/quickstart/drafter+prompt_lookup \
+	$(PY) -m specdistill.decode.evaluate --drafter runs/quickstart/drafter --drafter runs/quickstart/drafter+prompt_lookup \
 		--drafter prompt_lookup --questions $(QUESTIONS) --per-category 1 --max-new-tokens 64 --out runs/quickstart/eval
-	$(PY) -m train.tools.training_gain --fixed-depth runs/quickstart/eval_fixed/report.json \
+	$(PY) -m specdistill.train.tools.training_gain --fixed-depth runs/quickstart/eval_fixed/report.json \
 		--speed runs/quickstart/eval/report.json --trained runs/quickstart/drafter --untrained runs/quickstart/untrained
 
 # the benchmarks' default (benchmarks/README.md): prompt lookup and transformers' peers against plain decoding on

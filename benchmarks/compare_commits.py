@@ -35,10 +35,16 @@ def remove_worktree(path: Path) -> None:
     subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=ROOT, capture_output=True, text=True)
 
 
+def evaluate_module(tree: Path) -> str:
+    """The evaluation command's module in `tree`: under the installed namespace since the packages have one, the
+    bare folder name before (an older commit, run from its own tree)."""
+    return "specdistill.decode.evaluate" if (tree / "specdistill" / "__init__.py").is_file() else "decode.evaluate"
+
+
 def evaluate(tree: Path, args: list[str], out: Path) -> dict:
     """decode.evaluate run from `tree` with its own code first on the path -> its report's methods."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    done = subprocess.run([sys.executable, "-m", "decode.evaluate", *args, "--out", str(out)], cwd=tree, env=env,
+    done = subprocess.run([sys.executable, "-m", evaluate_module(tree), *args, "--out", str(out)], cwd=tree, env=env,
                           capture_output=True, text=True)
     report = out / "report.json"
     if not report.is_file():  # a mismatch exit still writes the report; anything else is a failure

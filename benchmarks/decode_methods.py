@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     if missing := missing_drafters(args.drafter):
         print("\n".join(missing), file=sys.stderr)
         return 2
-    from decode.evaluate import main as evaluate
+    from specdistill.decode.evaluate import main as evaluate
 
     worst = 0
     for question_set, questions, argv_ in runs:

@@ -40,16 +40,16 @@ import time
 import torch
 
 from benchmarks.harness import QUESTIONS, fingerprint, parser, switched_off, write_report
-from decode.draft_steps import DISABLE_ENV as NO_DRAFT_GRAPHS_ENV
-from decode.engine import SpeculativeEngine
-from decode.lean_decoder import DISABLE_ENV as NO_LEAN_ENV
-from decode.proposers import build_proposer
-from decode.questions import load_questions
-from decode.runner import synchronized_clock
-from decode.step_graphs import DISABLE_ENV as NO_GRAPHS_ENV
-from decode.vllm_peer import VllmWorker, target_directory, unavailable_reason
-from models.drafters import load_drafter
-from models.target import load_target
+from specdistill.decode.draft_steps import DISABLE_ENV as NO_DRAFT_GRAPHS_ENV
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.lean_decoder import DISABLE_ENV as NO_LEAN_ENV
+from specdistill.decode.proposers import build_proposer
+from specdistill.decode.questions import load_questions
+from specdistill.decode.runner import synchronized_clock
+from specdistill.decode.step_graphs import DISABLE_ENV as NO_GRAPHS_ENV
+from specdistill.decode.vllm_peer import VllmWorker, target_directory, unavailable_reason
+from specdistill.models.drafters import load_drafter
+from specdistill.models.target import load_target
 
 VARIANTS = {  # name: (precision, lean forward, device, CUDA graphs); cuda-bf16 runs one step shape
     "fp32-hf": ("float32", False, "cpu", False),

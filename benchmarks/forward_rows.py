@@ -20,8 +20,8 @@ from benchmarks.harness import interleave, median_ms, parser, print_table, switc
 
 def runner_for(model, form: str, context: list[int]):
     """A ModelRunner whose kernel matrices are in `form`, its cache holding `context` (committed)."""
-    from decode.runner import ModelRunner
-    from models.kernels import NO_AMX_ENV
+    from specdistill.decode.runner import ModelRunner
+    from specdistill.models.kernels import NO_AMX_ENV
 
     with switched_off(NO_AMX_ENV, form == "fma"):
         runner = ModelRunner(model)
@@ -51,8 +51,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     import torch
 
-    from models.kernels import amx_unavailable
-    from models.target import load_target
+    from specdistill.models.kernels import amx_unavailable
+    from specdistill.models.target import load_target
 
     torch.set_num_threads(min(torch.get_num_threads(), os.cpu_count() or 1))
     model = load_target().model

@@ -53,7 +53,7 @@ def time_heads(full, greedy, args, width: int) -> dict:
 
 
 def time_forwards(target, args) -> dict:
-    from decode.runner import ModelRunner
+    from specdistill.decode.runner import ModelRunner
 
     runner = ModelRunner(target.model)
     runner.start(400)
@@ -78,10 +78,10 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     import torch
 
-    from decode.questions import load_questions
-    from models.kernel_linear import greedy_head_for, head_for_inference
-    from models.kernels import vnni_unavailable
-    from models.target import load_target
+    from specdistill.decode.questions import load_questions
+    from specdistill.models.kernel_linear import greedy_head_for, head_for_inference
+    from specdistill.models.kernels import vnni_unavailable
+    from specdistill.models.target import load_target
 
     if (why := vnni_unavailable()) is not None:
         sys.exit(f"benchmarks.greedy_head: the greedy head does not run here: {why}")

@@ -36,7 +36,7 @@ def layer_matrices(model) -> list:
 
 def bind(lib, w):
     """x [R, K] fp32 -> [R, N] for packed weights `w` in their form, through the library's entry point for it."""
-    from models.quant_formats import Q41Weight
+    from specdistill.models.quant_formats import Q41Weight
 
     if isinstance(w, Q41Weight):
         if w.form == "amx":
@@ -70,8 +70,8 @@ def bench(name: str, lib, pack, dense: list, forms: list[str], args) -> dict:
                                  "rows_alike_at_1_and_19": all(a for _, a in checks)}
     for rows in args.rows:
         x = {k: torch.randn(rows, k) for k in {w.shape[1] for w in dense}}
-        calls = {"F.linear": lambda: [F.linear(x[w.shape[1]], w) for w in dense],
-                 **{form: (lambda form=form: [gemm(x[w.shape[1]]) for w, gemm in zip(dense, gemms[form])])
+        calls = {"F.linear": lambda x=x: [F.linear(x[w.shape[1]], w) for w in dense],
+                 **{form: (lambda form=form, x=x: [gemm(x[w.shape[1]]) for w, gemm in zip(dense, gemms[form])])
                     for form in forms}}
         ms = median_ms(interleave(calls, args.reps, args.warmup))
         result["rows"].append({"rows": rows, **{f"{k}_ms": v for k, v in ms.items()},
@@ -86,7 +86,7 @@ def bench(name: str, lib, pack, dense: list, forms: list[str], args) -> dict:
 
 
 def parse_args(argv=None):
-    from models.kernels import MAX_ROWS
+    from specdistill.models.kernels import MAX_ROWS
 
     p = parser(__doc__, "q41_gemm", reps=9)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
@@ -98,9 +98,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from models.kernels import amx_unavailable, library, unavailable
-    from models.quant_formats import GROUP, grid_deviation, pack_q41, pack_q80, q80_deviation
-    from models.target import load_target
+    from specdistill.models.kernels import amx_unavailable, library, unavailable
+    from specdistill.models.quant_formats import GROUP, grid_deviation, pack_q41, pack_q80, q80_deviation
+    from specdistill.models.target import load_target
 
     if (why := unavailable()) is not None:
         sys.exit(f"benchmarks.q41_gemm: the kernel library does not run here: {why}")

@@ -32,7 +32,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from decode.step_graphs import DISABLE_ENV as NO_GRAPHS_ENV
+from specdistill.decode.step_graphs import DISABLE_ENV as NO_GRAPHS_ENV
 
 __all__ = ["CONTEXT_BUCKETS", "ContextStep", "DISABLE_ENV", "DraftTreeStep", "candidate_depths",
            "draft_graphs_supported"]

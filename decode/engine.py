@@ -13,16 +13,25 @@ from dataclasses import dataclass
 
 import torch
 
-from decode.adaptive import DraftLengthController
-from decode.metrics import RequestStats
-from decode.proposers import Proposer
-from decode.runner import ModelRunner
-from decode.step_graphs import BUCKETS
-from decode.sampling import (SamplingConfig, Verdict, logits_to_probs, sample, verify_greedy, verify_greedy_tokens,
-                             verify_sampling)
-from decode.tree import TokenTree
+from specdistill.decode.adaptive import DraftLengthController
+from specdistill.decode.metrics import RequestStats
+from specdistill.decode.proposers import Proposer
+from specdistill.decode.runner import ModelRunner
+from specdistill.decode.sampling import (
+    SamplingConfig,
+    Verdict,
+    logits_to_probs,
+    sample,
+    verify_greedy,
+    verify_greedy_tokens,
+    verify_sampling,
+)
+from specdistill.decode.step_graphs import BUCKETS
+from specdistill.decode.tree import TokenTree
 
 __all__ = ["SpeculativeEngine", "Generation", "SamplingConfig"]
+
+_GREEDY = SamplingConfig()  # generate()'s default; frozen, so one shared instance is safe
 
 
 @dataclass
@@ -33,7 +42,8 @@ class Generation:
 
 class SpeculativeEngine:
     def __init__(self, target_model: torch.nn.Module, proposer: Proposer | None = None,
-                 eos_token_ids: set[int] | frozenset = frozenset(), static_shapes: bool | None = None, max_tree_nodes: int = 64, adaptive: bool = True,
+                 eos_token_ids: set[int] | frozenset = frozenset(), static_shapes: bool | None = None,
+                 max_tree_nodes: int = 64, adaptive: bool = True,
                  fixed_steps: bool | None = None, one_shape: bool | None = None):
         """adaptive: in greedy mode, choose each step's draft depth by measured cost and
         acceptance (decode.adaptive). Sampling always drafts the proposer's full depth, so that a
@@ -59,7 +69,8 @@ class SpeculativeEngine:
         # an EAGLE-3 proposer (decode.proposers.eagle3) reads the inputs of some target layers, not the last state
         self.target.feature_layers = list(proposer.feature_layers or []) if proposer is not None else []
         # a lookahead proposer (decode.proposers.lookahead) adds rows fed by embedding to the target forwards
-        # whose next step may draft, and reads the next proposals from them: `prefill_rows`, `verification_rows`, `observe_rows`
+        # whose next step may draft, and reads the next proposals from them: `prefill_rows`, `verification_rows`,
+        # `observe_rows`
         self.lookahead = proposer is not None and proposer.adds_rows
         # one controller per drafting regime (see regime()); `controller` is the proposer's only or default one
         self.controllers: dict[str | None, DraftLengthController] = {}
@@ -67,7 +78,7 @@ class SpeculativeEngine:
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int,
-                 sampling: SamplingConfig = SamplingConfig(),
+                 sampling: SamplingConfig = _GREEDY,
                  on_emit: Callable[[list[int]], bool | None] | None = None) -> Generation:
         """on_emit(new_tokens) is called after every step with the tokens it emitted (for
         streaming); returning True stops generation there (a stop sequence was produced)."""
@@ -114,7 +125,8 @@ class SpeculativeEngine:
                                                  extra=extra)  # [T(+L), D], [1(+L), V]
         self.target.cache.advance(n)  # the first emitted token becomes the first root; extra rows stay uncommitted
         if self.self_drafting:
-            self.proposer.observe_prefill(self.drafting_states(hidden)[:n])  # the last row is the state the first emitted token comes from
+            # the last row is the state the first emitted token comes from
+            self.proposer.observe_prefill(self.drafting_states(hidden)[:n])
         if sampling.greedy and extra is None:
             return int(best[0])
         if extra is not None:

@@ -27,15 +27,21 @@ import transformers
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from decode.peers import (HF_PROMPT_LOOKUP_NUM_TOKENS, Method, assistant_model_of, assisted_skip_reason,
-                          engine_method, hf_method)
-from decode.proposers import build_proposer
-from decode.questions import Question, QuestionFileError, load_questions
-from decode.report import BASELINE, TurnResult, format_tables, lossless_failures, summarize, write_report
-from decode.runtime_facts import runtime_facts
-from decode.sampling import SamplingConfig
-from models.packed_linear import DRAFTING_WEIGHTS
-from models.target import PRECISIONS
+from specdistill.decode.peers import (
+    HF_PROMPT_LOOKUP_NUM_TOKENS,
+    Method,
+    assistant_model_of,
+    assisted_skip_reason,
+    engine_method,
+    hf_method,
+)
+from specdistill.decode.proposers import build_proposer
+from specdistill.decode.questions import Question, QuestionFileError, load_questions
+from specdistill.decode.report import BASELINE, TurnResult, format_tables, lossless_failures, summarize, write_report
+from specdistill.decode.runtime_facts import runtime_facts
+from specdistill.decode.sampling import SamplingConfig
+from specdistill.models.packed_linear import DRAFTING_WEIGHTS
+from specdistill.models.target import PRECISIONS
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +85,8 @@ class EvalConfig:
         if not self.drafters:
             raise ValueError("drafters: at least one drafter spec is needed")
         checks = {"limit": self.limit is None or self.limit >= 1,
-                  "per_category": self.per_category is None or self.per_category >= 1, "max_new_tokens": self.max_new_tokens >= 1,
+                  "per_category": self.per_category is None or self.per_category >= 1,
+                  "max_new_tokens": self.max_new_tokens >= 1,
                   "temperature": self.temperature >= 0, "gamma": self.gamma >= 1, "warmup": self.warmup >= 0,
                   "peers": all(p in PEERS for p in self.peers), "dtype": self.dtype is None or self.dtype in PRECISIONS,
                   "drafter_weights": self.drafter_weights in DRAFTING_WEIGHTS, "lookup_first": self.lookup_first >= 0,
@@ -139,7 +146,7 @@ def warm_up(methods: list[Method], questions: list[Question], target, n: int,
     prompts = [target.encode_chat(conversation_for_turn(q.turns, [], 0)) for q in questions[:n]]
     for i in range(n):
         for method in list(methods):
-            survive(method, methods, failed, lambda: method.run(prompts[i % len(prompts)]))
+            survive(method, methods, failed, lambda method=method, i=i: method.run(prompts[i % len(prompts)]))
 
 
 def run_methods(methods: list[Method], questions: list[Question], target, warmup: int = 2,
@@ -152,7 +159,8 @@ def run_methods(methods: list[Method], questions: list[Question], target, warmup
     results = []
     for question in tqdm(questions, desc="questions", unit="q", disable=not progress):
         for method in list(active):
-            results += survive(method, active, failed, lambda: run_question(method, question, target)) or []
+            results += survive(method, active, failed,
+                               lambda method=method, question=question: run_question(method, question, target)) or []
     dropped = {m.name for m in methods} - {m.name for m in active}
     return [r for r in results if r.method not in dropped]
 
@@ -204,7 +212,7 @@ def build_methods(target, drafters: Mapping[str, object], config: EvalConfig) ->
         methods.append(hf_method("hf_prompt_lookup", target, config.max_new_tokens, sampling,
                                  generation_options={"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_NUM_TOKENS}))
     if "vllm" in config.peers:
-        from decode.vllm_peer import vllm_methods
+        from specdistill.decode.vllm_peer import vllm_methods
 
         exports = Path(config.out or "runs/evaluate") / "vllm_exports"
         vllm, vllm_skipped = vllm_methods(target, config.max_new_tokens, config.sampling.greedy,
@@ -392,8 +400,8 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
 
 def load_inputs(parser: argparse.ArgumentParser, config: EvalConfig):
     """Questions, target and drafters; a bad one is an argparse error naming its argument (exit 2)."""
-    from models.drafters import load_drafter  # decode may import models; deferred so --help stays fast
-    from models.target import load_target
+    from specdistill.models.drafters import load_drafter  # decode may import models; deferred so --help stays fast
+    from specdistill.models.target import load_target
 
     try:
         questions = load_questions(config.questions, config.limit, config.per_category)

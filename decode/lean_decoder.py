@@ -12,8 +12,8 @@ own speed", has the measured gain (`benchmarks/engine.py`). On the CPU in fp32 t
 embedding are one call each into the kernel library (models.kernels: `rms_norm_rows`, and `rope_qk`, which reads
 q and k from the fused projection's rows and writes them rotated in the attention's layout, bit for bit
 transformers' RoPE): 1.15x a forward at 1-16 rows (docs/journal.md, stop 47). So is the attention of forwards of
-up to MAX_ROWS rows under the engine's masks (`attention_rows`: each (head, row) alone over the keys it sees, where torch's
-CPU flash attention spent about 60 us a layer on setup for one row; docs/journal.md, stop 49); prefill and other
+up to MAX_ROWS rows under the engine's masks (`attention_rows`: each (head, row) alone over the keys it sees, where
+torch's CPU flash attention spent about 60 us a layer on setup for one row; docs/journal.md, stop 49); prefill and other
 masks keep torch's SDPA, and $SPECDISTILL_SDPA_ATTENTION switches the kernel off for comparisons. Where every
 projection is on the library's FMA form, a layer's decode-time rows run in two library calls (`FusedLayer`: the same
 functions in the same order as LeanLayer's Python, so the same bits; $SPECDISTILL_UNFUSED_LAYERS runs the Python).
@@ -38,10 +38,16 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
-from models.packed_linear import cached_copy, gemm_padding, packed_class, packing_supported, weights_signature
-from models import kernels
-from models.kernel_linear import KernelLinear, Q41Linear, q41_or_packed
-from models.kernels import MAX_ROWS, amx_unavailable
+from specdistill.models import kernels
+from specdistill.models.kernel_linear import KernelLinear, Q41Linear, q41_or_packed
+from specdistill.models.kernels import MAX_ROWS, amx_unavailable
+from specdistill.models.packed_linear import (
+    cached_copy,
+    gemm_padding,
+    packed_class,
+    packing_supported,
+    weights_signature,
+)
 
 log = logging.getLogger("specdistill.lean")
 

@@ -27,11 +27,17 @@ import os
 import torch
 import torch.nn.functional as F
 
-from decode.lean_decoder import fused_linear, rms_norm_rows_or_torch, row_ops_library, sdpa_asked, unfused_asked
-from models.eagle3 import DraftCache, Eagle3Drafter
-from models.packed_linear import packed_class, packing_supported
-from models.kernel_linear import Q8Int8Linear, int8_inference_copy, q80_inference_copy
-from models.kernels import MAX_ROWS
+from specdistill.decode.lean_decoder import (
+    fused_linear,
+    rms_norm_rows_or_torch,
+    row_ops_library,
+    sdpa_asked,
+    unfused_asked,
+)
+from specdistill.models.eagle3 import DraftCache, Eagle3Drafter
+from specdistill.models.kernel_linear import Q8Int8Linear, int8_inference_copy, q80_inference_copy
+from specdistill.models.kernels import MAX_ROWS
+from specdistill.models.packed_linear import packed_class, packing_supported
 
 __all__ = ["DISABLE_ENV", "LeanEagle3", "lean_eagle3", "lean_eagle3_runs"]
 

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 
-from decode.engine import SpeculativeEngine, truncate_at_eos
-from decode.metrics import RequestStats
-from decode.proposers import Proposer
-from decode.runner import synchronized_clock
-from decode.sampling import SamplingConfig
-from models.draft_models import full_vocab_view
+from specdistill.decode.engine import SpeculativeEngine, truncate_at_eos
+from specdistill.decode.metrics import RequestStats
+from specdistill.decode.proposers import Proposer
+from specdistill.decode.runner import synchronized_clock
+from specdistill.decode.sampling import SamplingConfig
+from specdistill.models.draft_models import full_vocab_view
 
 # transformers' own default for prompt lookup (its docs suggest 10); our proposer's depth is set apart
 HF_PROMPT_LOOKUP_NUM_TOKENS = 10

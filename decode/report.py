@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from decode.metrics import RequestStats, aggregate_stats
+from specdistill.decode.metrics import RequestStats, aggregate_stats
 
 OVERALL = "overall"
 BASELINE = "baseline"

@@ -7,15 +7,15 @@ from dataclasses import dataclass
 
 import torch
 
-from decode.attention import grouped_mask_argument, use_grouped_query_sdpa
-from decode.kv_cache import SpecCache
-from decode.lean_decoder import lean_decoder
-from decode.step_graphs import BUCKETS, StepSet, graphs_supported
-from decode.tree import attention_bias
-from models.hf_compat import cache_argument
-from models.packed_linear import inference_weights, packed_for_inference
-from models.kernel_linear import greedy_head_for, head_for_inference
-from models.kernels import MAX_ROWS
+from specdistill.decode.attention import grouped_mask_argument, use_grouped_query_sdpa
+from specdistill.decode.kv_cache import SpecCache
+from specdistill.decode.lean_decoder import lean_decoder
+from specdistill.decode.step_graphs import BUCKETS, StepSet, graphs_supported
+from specdistill.decode.tree import attention_bias
+from specdistill.models.hf_compat import cache_argument
+from specdistill.models.kernel_linear import greedy_head_for, head_for_inference
+from specdistill.models.kernels import MAX_ROWS
+from specdistill.models.packed_linear import inference_weights, packed_for_inference
 
 
 @dataclass

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import torch
 
-from decode.lean_decoder import lean_supported
-from models.packed_linear import gemm_padding, gemm_padding_source, inference_weights
+from specdistill.decode.lean_decoder import lean_supported
+
 # the kernel library's state, read here only (one line to re-point if the library moves again)
-from models.kernels import amx_unavailable, cpu_flags, fallbacks, vnni_unavailable
-from models.kernels import unavailable as kernel_unavailable
+from specdistill.models.kernels import amx_unavailable, cpu_flags, fallbacks, vnni_unavailable
+from specdistill.models.kernels import unavailable as kernel_unavailable
+from specdistill.models.packed_linear import gemm_padding, gemm_padding_source, inference_weights
 
 __all__ = ["KERNEL_FLAGS", "git_commit", "kernel_facts", "runtime_facts"]
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decode.tree import TokenTree
+from specdistill.decode.tree import TokenTree
 
 
 @dataclass(frozen=True)

@@ -27,11 +27,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-from decode.request_log import DEFAULT_MAX_BYTES, RequestLogWriter
-from decode.sampling import SamplingConfig
-from decode.admission import AdmissionQueue, QueueFull
-from decode.serve_metrics import CONTENT_TYPE_LATEST
-from decode.serving import DEFAULT_MAX_QUEUE, Completion, DrafterSlot, Server, ServingLimits
+from specdistill.decode.admission import AdmissionQueue, QueueFull
+from specdistill.decode.request_log import DEFAULT_MAX_BYTES, RequestLogWriter
+from specdistill.decode.sampling import SamplingConfig
+from specdistill.decode.serve_metrics import CONTENT_TYPE_LATEST
+from specdistill.decode.serving import DEFAULT_MAX_QUEUE, Completion, DrafterSlot, Server, ServingLimits
 
 log = logging.getLogger("specdistill.serve")
 
@@ -426,7 +426,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _precisions() -> tuple[str, ...]:
-    from models.target import PRECISIONS
+    from specdistill.models.target import PRECISIONS
     return PRECISIONS
 
 
@@ -438,7 +438,7 @@ def _cuda() -> bool:
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    from models.target import load_target
+    from specdistill.models.target import load_target
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

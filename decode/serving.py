@@ -16,15 +16,15 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from decode.admission import Abandoned, AdmissionQueue, QueueFull, Ticket
-from decode.engine import SpeculativeEngine
-from decode.proposers import build_proposer
-from decode.request_log import SCHEMA_VERSION, RequestLogWriter
-from decode.sampling import SamplingConfig
-from decode.serve_metrics import ServerMetrics
-from models.drafter_store import current_version, is_store, version_path
-from models.drafters import load_drafter
-from models.target import Target
+from specdistill.decode.admission import Abandoned, AdmissionQueue, QueueFull, Ticket
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.proposers import build_proposer
+from specdistill.decode.request_log import SCHEMA_VERSION, RequestLogWriter
+from specdistill.decode.sampling import SamplingConfig
+from specdistill.decode.serve_metrics import ServerMetrics
+from specdistill.models.drafter_store import current_version, is_store, version_path
+from specdistill.models.drafters import load_drafter
+from specdistill.models.target import Target
 
 log = logging.getLogger("specdistill.serve")
 

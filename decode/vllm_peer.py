@@ -18,10 +18,16 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from decode.metrics import RequestStats
-from decode.peers import Method, TurnOutput
-from models.vllm_env import (PYTHON_ENV, VLLM_DTYPES, VllmWorker, target_directory,  # noqa: F401  (re-exported)
-                             unavailable_reason, vllm_python)
+from specdistill.decode.metrics import RequestStats
+from specdistill.decode.peers import Method, TurnOutput
+from specdistill.models.vllm_env import (  # noqa: F401  (re-exported)
+    PYTHON_ENV,
+    VLLM_DTYPES,
+    VllmWorker,
+    target_directory,
+    unavailable_reason,
+    vllm_python,
+)
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +135,8 @@ def exported_config(spec: str, drafter, target, export_dir: Path) -> dict:
     """Export a drafter for vLLM (models.export's --format vllm) and vLLM's speculative_config for it, at the
     depth our engine drafts it: EAGLE-3 its manifest's depth (else the proposer's default for the device), a
     draft model our default chain length, Medusa one token per head."""
-    from decode.proposers.eagle3 import DEFAULT_TREE
-    from models.export import export_for_vllm
+    from specdistill.decode.proposers.eagle3 import DEFAULT_TREE
+    from specdistill.models.export import export_for_vllm
 
     if drafter.kind == "eagle3":
         options = (drafter.manifest.get("extra") or {}).get("decoding") or {}
@@ -154,7 +160,7 @@ def export_name(source: str) -> str:
 
 
 def main() -> int:  # a smoke check: python -m decode.vllm_peer
-    from models.target import load_target
+    from specdistill.models.target import load_target
 
     logging.basicConfig(level=logging.INFO)
     target = load_target()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from distill.prompt_vocab import EXTRA_KEY, extra_id_matrix, map_to_extended
+from specdistill.distill.prompt_vocab import EXTRA_KEY, extra_id_matrix, map_to_extended
 
 
 @dataclass

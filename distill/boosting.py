@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from distill.batching import Batch, collate
+from specdistill.distill.batching import Batch, collate
 
 __all__ = ["RULES", "SCHEMES", "covers", "boost_weights", "coverage_report", "weighted_token_ce",
            "teacher_forced_coverage", "split_by_record", "collate_weighted"]

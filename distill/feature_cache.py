@@ -32,9 +32,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from distill.batching import batches_by_length, collate, fit_to_length
-from distill.feature_capture import FeatureStaging, check_layers
-from models.cache import MARKER, cache_root, publish_dir, write_marker
+from specdistill.distill.batching import batches_by_length, collate, fit_to_length
+from specdistill.distill.feature_capture import FeatureStaging, check_layers
+from specdistill.models.cache import MARKER, cache_root, publish_dir, write_marker
 
 FORMAT_VERSION = 2  # 2: a cut record's states see the whole conversation (1: only its window)
 SHARD_RECORDS = 64

@@ -29,8 +29,8 @@ from typing import Sequence
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.cache import cache_root
-from models.hf_compat import cache_argument
+from specdistill.models.cache import cache_root
+from specdistill.models.hf_compat import cache_argument
 
 log = logging.getLogger("specdistill.feature_capture")
 

@@ -22,7 +22,7 @@ import hashlib
 from collections.abc import Collection, Sequence
 from pathlib import Path
 
-from distill.prompts import Prompt
+from specdistill.distill.prompts import Prompt
 
 __all__ = ["FOLLOW_UPS", "follow_up_prompts", "load_follow_ups", "follow_up_id"]
 
@@ -89,7 +89,8 @@ def follow_up_prompts(prompts: Sequence[Prompt], records: Sequence[dict], tokeni
         if not text:
             continue  # an empty first answer has nothing to rework
         index = int(unit_hash(seed, prompt.id, "request") * len(requests))
-        messages = [*prompt.messages, {"role": "assistant", "content": text}, {"role": "user", "content": requests[index]}]
+        messages = [*prompt.messages, {"role": "assistant", "content": text},
+                    {"role": "user", "content": requests[index]}]
         out.append(Prompt(id=follow_up_id(prompt.id, index), messages=messages))
     return out
 

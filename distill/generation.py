@@ -12,10 +12,10 @@ from collections.abc import Collection, Sequence
 import torch
 from transformers import GenerationConfig
 
-from distill.feature_capture import FeatureStaging, LayerCapture, feed_last_tokens, stage_rows
-from models.hf_compat import output_cache
-from models.kernel_linear import GreedyHead, greedy_head_for, q41_for_inference
-from models.kernels import MAX_ROWS
+from specdistill.distill.feature_capture import FeatureStaging, LayerCapture, feed_last_tokens, stage_rows
+from specdistill.models.hf_compat import output_cache
+from specdistill.models.kernel_linear import GreedyHead, greedy_head_for, q41_for_inference
+from specdistill.models.kernels import MAX_ROWS
 
 __all__ = ["generate_batch", "cut_at_eos", "left_pad", "pad_token_id"]
 

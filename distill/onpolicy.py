@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from distill.losses import TopK
-from models.hf_compat import cache_argument, output_cache
+from specdistill.distill.losses import TopK
+from specdistill.models.hf_compat import cache_argument, output_cache
 
 
 @torch.no_grad()

@@ -32,7 +32,8 @@ def prompt_only_tokens(prompt_ids: list[int], head_ids: set[int]) -> list[int]:
     return sorted({int(t) for t in prompt_ids if int(t) not in head_ids})
 
 
-def with_prompt_vocab(records: list[dict], vocab_map: torch.Tensor, prompts: list[list[int]] | None = None) -> list[dict]:
+def with_prompt_vocab(records: list[dict], vocab_map: torch.Tensor,
+                      prompts: list[list[int]] | None = None) -> list[dict]:
     """Copies of `records` carrying EXTRA_KEY: the prompt-only tokens of each record's prompt (or of
     `prompts[i]`, the request's whole prompt when the record moved part of it to the response side)."""
     head_ids = set(vocab_map.tolist())

@@ -36,8 +36,8 @@ from urllib.parse import parse_qsl
 
 import torch
 
-from distill.generation import generate_batch, pad_token_id
-from models.cache import cache_root
+from specdistill.distill.generation import generate_batch, pad_token_id
+from specdistill.models.cache import cache_root
 
 __all__ = [
     "Prompt", "PromptSpec", "parse_prompt_spec", "load_prompts", "load_prompt_sources", "exclusion_texts",

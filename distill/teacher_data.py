@@ -35,11 +35,11 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from distill.feature_capture import FeatureStaging
-from distill.generation import generate_batch, pad_token_id
-from distill.teacher_vllm import BACKENDS, VllmTeacher, sample_seed
-from distill.prompts import Prompt
-from models.cache import cache_root
+from specdistill.distill.feature_capture import FeatureStaging
+from specdistill.distill.generation import generate_batch, pad_token_id
+from specdistill.distill.prompts import Prompt
+from specdistill.distill.teacher_vllm import BACKENDS, VllmTeacher, sample_seed
+from specdistill.models.cache import cache_root
 
 __all__ = [
     "TeacherDataSettings", "generate_teacher_data", "load_teacher_data", "teacher_data_key", "teacher_data_dir",

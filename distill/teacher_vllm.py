@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from distill.generation import cut_at_eos
+from specdistill.distill.generation import cut_at_eos
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ class VllmTeacher:
     def __init__(self, target, threads: int | None = None):
         import torch
 
-        from models.vllm_env import VLLM_DTYPES, VllmWorker, target_directory, unavailable_reason
+        from specdistill.models.vllm_env import VLLM_DTYPES, VllmWorker, target_directory, unavailable_reason
 
         reason = unavailable_reason(target)
         if reason:

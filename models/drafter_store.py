@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from models.drafters import MANIFEST, save_drafter
-from models.target import Target
+from specdistill.models.drafters import MANIFEST, save_drafter
+from specdistill.models.target import Target
 
 log = logging.getLogger("specdistill.store")
 

@@ -27,16 +27,16 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from models.cache import make_temp_sibling, publish_dir
-from models.draft_models import (
+from specdistill.models.cache import make_temp_sibling, publish_dir
+from specdistill.models.draft_models import (
     build_small_drafter,
     build_truncated_drafter,
     merged_copy,
     parse_small_spec,
     replace_output_head,
 )
-from models.fingerprint import tokenizer_fingerprint
-from models.target import Target, load_causal_lm
+from specdistill.models.fingerprint import tokenizer_fingerprint
+from specdistill.models.target import Target, load_causal_lm
 
 log = logging.getLogger(__name__)
 

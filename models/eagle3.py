@@ -40,7 +40,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
 
-from models.drafters import Drafter, register_drafter_kind
+from specdistill.models.drafters import Drafter, register_drafter_kind
 
 WEIGHTS_FILE = "eagle3.safetensors"
 ARCH_KEYS = ("hidden_size", "target_hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",

@@ -15,8 +15,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from models.cache import cache_root, check_cached_model, has_marker
-from models.gguf_convert import ensure_converted, file_sha256
+from specdistill.models.cache import cache_root, check_cached_model, has_marker
+from specdistill.models.gguf_convert import ensure_converted, file_sha256
 
 log = logging.getLogger(__name__)
 

@@ -75,11 +75,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.cache import make_temp_sibling, publish_dir
-from models.drafters import MANIFEST, load_drafter, read_manifest
-from models.eagle3 import Eagle3Drafter, check_config
-from models.embedded import EMBEDDED_NAME
-from models.export_vllm import export_vllm_draft_model, export_vllm_medusa, is_vllm_export
+from specdistill.models.cache import make_temp_sibling, publish_dir
+from specdistill.models.drafters import MANIFEST, load_drafter, read_manifest
+from specdistill.models.eagle3 import Eagle3Drafter, check_config
+from specdistill.models.embedded import EMBEDDED_NAME
+from specdistill.models.export_vllm import export_vllm_draft_model, export_vllm_medusa, is_vllm_export
 
 log = logging.getLogger(__name__)
 
@@ -373,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from models.target import load_target  # deferred so --help stays fast
+    from specdistill.models.target import load_target  # deferred so --help stays fast
 
     if args.format == "vllm":
         try:

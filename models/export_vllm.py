@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from models.cache import make_temp_sibling, publish_dir
-from models.drafters import Drafter
+from specdistill.models.cache import make_temp_sibling, publish_dir
+from specdistill.models.drafters import Drafter
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from models.cache import (
+from specdistill.models.cache import (
     CacheCorruptError,
     cache_root,
     check_cached_model,

@@ -21,13 +21,36 @@ from collections.abc import Callable
 
 import torch
 
-from models import kernels
-from models.kernels import MAX_ROWS, amx_unavailable, vnni_unavailable
-from models.packed_linear import (PackedLinear, cached_copy, clone_with_packed_linears, packed_for_inference,
-                                  packing_supported, weights_signature)
-from models.quant_formats import (GRID_TOLERANCE, GROUP, INT8_OUTPUT_BLOCK, OUTPUT_BLOCK, Q8Int8Weight, Q41Weight,
-                                  Q80Weight, by_block, check_int8_shape, grid_deviation, int8_layout, pack_q8_int8,
-                                  pack_q41, pack_q80, q80_codes, q80_deviation, q80_rounded, shape_supported)
+from specdistill.models import kernels
+from specdistill.models.kernels import MAX_ROWS, amx_unavailable, vnni_unavailable
+from specdistill.models.packed_linear import (
+    PackedLinear,
+    cached_copy,
+    clone_with_packed_linears,
+    packed_for_inference,
+    packing_supported,
+    weights_signature,
+)
+from specdistill.models.quant_formats import (
+    GRID_TOLERANCE,
+    GROUP,
+    INT8_OUTPUT_BLOCK,
+    OUTPUT_BLOCK,
+    Q8Int8Weight,
+    Q41Weight,
+    Q80Weight,
+    by_block,
+    check_int8_shape,
+    grid_deviation,
+    int8_layout,
+    pack_q8_int8,
+    pack_q41,
+    pack_q80,
+    q80_codes,
+    q80_deviation,
+    q80_rounded,
+    shape_supported,
+)
 
 log = logging.getLogger("specdistill.kernels")
 _copies: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, torch.nn.Module]]" = weakref.WeakKeyDictionary()

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from models.drafters import Drafter, register_drafter_kind
+from specdistill.models.drafters import Drafter, register_drafter_kind
 
 WEIGHTS_FILE = "lookahead.safetensors"
 ARCH_KEYS = ("num_tokens", "hidden_size")

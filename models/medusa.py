@@ -41,7 +41,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from models.drafters import Drafter, checked_vocab_map, load_vocab_map, register_drafter_kind
+from specdistill.models.drafters import Drafter, checked_vocab_map, load_vocab_map, register_drafter_kind
 
 WEIGHTS_FILE = "medusa.safetensors"
 ARCH_KEYS = ("num_heads", "num_layers", "hidden_size", "vocab_size")  # "sequential", "prefix" optional
@@ -108,7 +108,8 @@ class PrefixLayer(nn.Module):
         keys, values = cache.append(k, v)  # [H, start + n, hd]
         mask = None
         if n > 1:  # row i sees the cache and new rows 0..i
-            mask = torch.arange(start + n, device=hidden.device) <= start + torch.arange(n, device=hidden.device)[:, None]
+            mask = (torch.arange(start + n, device=hidden.device)
+                    <= start + torch.arange(n, device=hidden.device)[:, None])
         return self.finish(hidden, nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask))
 
 
@@ -195,8 +196,8 @@ class MedusaHeads(nn.Module):
         return hidden if self.prefix is None else self.prefix(hidden)
 
     def states(self, hidden: torch.Tensor, token_embeddings: torch.Tensor | None = None) -> torch.Tensor:
-        """s_0 [..., D] (see `source`) -> [K, ..., D], each head's input to its projection. Medusa heads each read hidden;
-        sequential head k reads head k-1's state (hidden for head 1) and token_embeddings[k-1]."""
+        """s_0 [..., D] (see `source`) -> [K, ..., D], each head's input to its projection. Medusa heads each read
+        hidden; sequential head k reads head k-1's state (hidden for head 1) and token_embeddings[k-1]."""
         if not self.sequential:
             return torch.stack([head.state(hidden) for head in self.heads])
         if token_embeddings is None or token_embeddings.shape[0] != self.num_heads:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from models.kernels import amx_unavailable
+from specdistill.models.kernels import amx_unavailable
 
 GROUP = 32
 GRID_TOLERANCE = 1e-6  # a matrix within this of its grid (relative to its largest weight) is Q4_1 up to rounding

@@ -25,8 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.cache import CacheCorruptError, cache_root, check_cached_model, has_marker
-from models.gguf_convert import ensure_converted, file_sha256
+from specdistill.models.cache import CacheCorruptError, cache_root, check_cached_model, has_marker
+from specdistill.models.gguf_convert import ensure_converted, file_sha256
 
 log = logging.getLogger(__name__)
 

@@ -25,11 +25,11 @@ from urllib.parse import urlparse
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from models.embedded import EMBEDDED_NAME, embedded_target_dir
-from models.fingerprint import fingerprint_target, tokenizer_fingerprint
-from models.gguf_convert import cached_gguf_dir
-from models.packed_linear import float16_weights_supported, inference_weights, set_inference_weights
-from models.real_targets import REAL_TARGETS, real_target_dir
+from specdistill.models.embedded import EMBEDDED_NAME, embedded_target_dir
+from specdistill.models.fingerprint import fingerprint_target, tokenizer_fingerprint
+from specdistill.models.gguf_convert import cached_gguf_dir
+from specdistill.models.packed_linear import float16_weights_supported, inference_weights, set_inference_weights
+from specdistill.models.real_targets import REAL_TARGETS, real_target_dir
 
 log = logging.getLogger(__name__)
 

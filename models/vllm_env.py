@@ -35,7 +35,7 @@ def unavailable_reason(target) -> str | None:
 
 
 def target_directory(target) -> Path | None:
-    from models.target import resolve_target_source
+    from specdistill.models.target import resolve_target_source
 
     try:
         return resolve_target_source(target.name)

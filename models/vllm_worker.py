@@ -107,7 +107,8 @@ def generate_batch(llm, request: dict) -> dict:
     prompts, params = [], []
     for item in request["batch"]:
         prompts.append(TokensPrompt(prompt_token_ids=[int(t) for t in item["prompt_ids"]]))
-        params.append(SamplingParams(temperature=float(item.get("temperature", 0.0)), top_p=float(item.get("top_p", 1.0)),
+        params.append(SamplingParams(temperature=float(item.get("temperature", 0.0)),
+                                     top_p=float(item.get("top_p", 1.0)),
                                      seed=item.get("seed"), max_tokens=int(request["max_tokens"]),
                                      stop_token_ids=stop or None, detokenize=False))
     start = time.perf_counter()

@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks import decode_methods
 from benchmarks.harness import ROOT, cpu_info, fingerprint, interleave, median_ms, write_report
-from decode.evaluate import build_parser, config_from_args
+from specdistill.decode.evaluate import build_parser, config_from_args
 from tests.conftest import make_tiny_llama
 from tests.decode.test_evaluate import MT_BENCH_LINES, VOCAB, make_chat_tokenizer, write_lines
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from decode.engine import SpeculativeEngine
-from decode.proposers import PromptLookupProposer, WithPromptLookup
-from decode.proposers.draft_model import DraftModelProposer
-from decode.proposers.eagle3 import Eagle3Proposer
-from decode.runner import ModelRunner
-from decode.step_graphs import BUCKETS, DISABLE_ENV, bucket_for
-from models.eagle3 import Eagle3Drafter
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.proposers import PromptLookupProposer, WithPromptLookup
+from specdistill.decode.proposers.draft_model import DraftModelProposer
+from specdistill.decode.proposers.eagle3 import Eagle3Proposer
+from specdistill.decode.runner import ModelRunner
+from specdistill.decode.step_graphs import BUCKETS, DISABLE_ENV, bucket_for
+from specdistill.models.eagle3 import Eagle3Drafter
 from tests.conftest import make_tiny_llama
 from tests.decode.test_engine import PROMPT
 from tests.decode.test_step_graphs import random_tree, run_tree
@@ -93,7 +93,7 @@ def test_requests_reuse_the_recorded_graphs():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_eagle3_draft_graphs_draft_what_eager_steps_draft_and_are_recorded_once(dtype, monkeypatch):
-    from decode.draft_steps import DISABLE_ENV as NO_DRAFT_GRAPHS
+    from specdistill.decode.draft_steps import DISABLE_ENV as NO_DRAFT_GRAPHS
 
     target = tiny_on_gpu(dtype)
     eagle = Eagle3Drafter.for_target(target, None, [1, 2, 3], seed=3).to("cuda", dtype).eval()
@@ -125,11 +125,11 @@ def test_plain_decoding_on_cuda_matches_cpu_in_fp32():
 
 
 def test_eagle3_trains_on_cuda_and_decodes_losslessly(tmp_path, monkeypatch):
+    from specdistill.decode.proposers import build_proposer
+    from specdistill.models.drafters import load_drafter
+    from specdistill.train.eagle3 import train_eagle3
     from tests.train.support import greedy_records, peaked_tiny_target
-    from tests.train.test_eagle3_train import LAYERS, VOCAB, eagle3_config, held_out_prompts
-    from train.eagle3 import train_eagle3
-    from models.drafters import load_drafter
-    from decode.proposers import build_proposer
+    from tests.train.test_eagle3_train import VOCAB, eagle3_config, held_out_prompts
 
     monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
     target = peaked_tiny_target(VOCAB, seed=1)

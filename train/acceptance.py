@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from decode.engine import SpeculativeEngine
-from decode.metrics import aggregate_stats
-from decode.proposers import DraftModelProposer
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.metrics import aggregate_stats
+from specdistill.decode.proposers import DraftModelProposer
 
 
 @torch.no_grad()

@@ -37,9 +37,10 @@ TOOLS = {  # subcommand: (module under train.tools, what it does)
     "vllm-check": ("vllm_check", "an exported drafter's acceptance in vLLM against ours (needs `make vllm`)"),
 }
 MODULES = {  # subcommand: (module whose main(argv) runs it, what it does)
-    "eval": ("decode.evaluate", "a drafter against plain decoding on a question file (Spec-Bench protocol)"),
-    "serve": ("decode.serve", "the OpenAI-compatible server with the speculative engine"),
-    "export": ("models.export", "a drafter in the format vLLM loads"),
+    "eval": ("specdistill.decode.evaluate",
+             "a drafter against plain decoding on a question file (Spec-Bench protocol)"),
+    "serve": ("specdistill.decode.serve", "the OpenAI-compatible server with the speculative engine"),
+    "export": ("specdistill.models.export", "a drafter in the format vLLM loads"),
 }
 
 
@@ -116,7 +117,7 @@ def module_main(module: str) -> Callable[[Sequence[str]], int]:
 def commands() -> dict[str, Callable[[Sequence[str]], int]]:
     table: dict[str, Callable[[Sequence[str]], int]] = {"train": run_train, "bench": run_bench}
     table.update({name: module_main(module) for name, (module, _) in MODULES.items()})
-    table.update({name: module_main(f"train.tools.{module}") for name, (module, _) in TOOLS.items()})
+    table.update({name: module_main(f"specdistill.train.tools.{module}") for name, (module, _) in TOOLS.items()})
     return table
 
 

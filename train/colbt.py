@@ -27,21 +27,26 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from decode.engine import SpeculativeEngine
-from decode.metrics import aggregate_stats
-from decode.proposers import DraftModelProposer
-from decode.proposers.ensemble import EnsembleProposer
-from distill.boosting import (boost_weights, collate_weighted, coverage_report, teacher_forced_coverage,
-                              weighted_token_ce)
-from distill.generation import pad_token_id
-from distill.vocab import inverse_map
-from models.cache import make_temp_sibling, publish_dir
-from models.drafters import MANIFEST, build_manifest, save_drafter
-from train import distill_steps as steps
-from train.acceptance import measure_acceptance
-from train.checkpoints import TrainState
-from train.config import ConfigError, check_choice, option, to_dict
-from train.methods import Method, register_method
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.metrics import aggregate_stats
+from specdistill.decode.proposers import DraftModelProposer
+from specdistill.decode.proposers.ensemble import EnsembleProposer
+from specdistill.distill.boosting import (
+    boost_weights,
+    collate_weighted,
+    coverage_report,
+    teacher_forced_coverage,
+    weighted_token_ce,
+)
+from specdistill.distill.generation import pad_token_id
+from specdistill.distill.vocab import inverse_map
+from specdistill.models.cache import make_temp_sibling, publish_dir
+from specdistill.models.drafters import MANIFEST, build_manifest, save_drafter
+from specdistill.train import distill_steps as steps
+from specdistill.train.acceptance import measure_acceptance
+from specdistill.train.checkpoints import TrainState
+from specdistill.train.config import ConfigError, check_choice, option, to_dict
+from specdistill.train.methods import Method, register_method
 
 log = logging.getLogger("specdistill.colbt")
 
@@ -73,7 +78,8 @@ class ColbtConfig:
         if self.strength < 0:
             raise ConfigError(f"colbt.strength: must be >= 0, got {self.strength}")
         if self.holdout < 1:
-            raise ConfigError(f"colbt.holdout: must be >= 1 (coverage is measured on held-out prompts), got {self.holdout}")
+            raise ConfigError(f"colbt.holdout: must be >= 1 (coverage is measured on held-out prompts), "
+                              f"got {self.holdout}")
         if self.branches < 1:
             raise ConfigError(f"colbt.branches: must be >= 1 (1: each member's chain only), got {self.branches}")
         if self.max_tree_nodes < 2:

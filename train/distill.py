@@ -9,30 +9,21 @@ best drafter by measured tau as a drafter directory at `output_dir`.
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
-import sys
+from dataclasses import replace
+from pathlib import Path
 
-if __name__ == "__main__":
-    # Run by path, this file's folder (train/) is sys.path[0], where this very file would shadow
-    # the `distill` package. Put the repository root there instead.
-    _here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
-    sys.path.insert(0, os.path.dirname(_here))
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 
-import importlib.util  # noqa: E402
-import logging  # noqa: E402
-from dataclasses import replace  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-from accelerate import Accelerator  # noqa: E402
-from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed  # noqa: E402
-
-from train import distill_steps as steps  # noqa: E402
-from train.config import ConfigError, load_config, to_dict  # noqa: E402
-from train.distill_config import DistillConfig  # noqa: E402  (imports every method, registering it)
-from train.methods import method_named  # noqa: E402
-from train.step_budget import start_job_clock  # noqa: E402
+from specdistill.train import distill_steps as steps
+from specdistill.train.config import ConfigError, load_config, to_dict
+from specdistill.train.distill_config import DistillConfig  # (imports every method, registering it)
+from specdistill.train.methods import method_named
+from specdistill.train.step_budget import start_job_clock
 
 log = logging.getLogger("specdistill.distill")
 
@@ -91,8 +82,9 @@ def make_accelerator(cfg: DistillConfig, asked: str) -> Accelerator:
 
 def resolve_mixed_precision(choice: str, method: str, deepspeed: bool = False) -> str:
     """"auto": bf16 on CUDA, and for a method registered cpu_bf16 (those measured there: EAGLE-3; the others
-    stay fp32 on the CPU until measured, a tiny on-policy reverse-KL run learned less under bf16) on a CPU whose oneDNN has native bf16 GEMMs (AVX512-BF16
-    or AMX: twice fp32's throughput, measured 390-416 against 158-201 GFLOP/s on the 2-core AVX-512 host) outside
+    stay fp32 on the CPU until measured, a tiny on-policy reverse-KL run learned less under bf16) on a CPU whose
+    oneDNN has native bf16 GEMMs (AVX512-BF16 or AMX: twice fp32's throughput, measured 390-416 against 158-201
+    GFLOP/s on the 2-core AVX-512 host) outside
     DeepSpeed (whose bf16 keeps bf16 weights, not autocast: on a CPU DeepSpeed is for checking sharding against
     DDP); else no (AVX2 hosts emulate bf16, slower than fp32). Any other choice stands as given."""
     if choice != "auto":

@@ -19,13 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from train import kd  # noqa: F401  (registers seqkd and kd, which have no section)
-from train.colbt import ColbtConfig
-from train.config import ConfigError, as_section, check_choice, option as _f, sections
-from train.eagle3 import Eagle3Config
-from train.lookahead import LookaheadConfig
-from train.medusa import MedusaConfig
-from train.methods import method_named, method_names, methods
+from specdistill.train import kd  # noqa: F401  (registers seqkd and kd, which have no section)
+from specdistill.train.colbt import ColbtConfig
+from specdistill.train.config import ConfigError, as_section, check_choice, sections
+from specdistill.train.config import option as _f
+from specdistill.train.eagle3 import Eagle3Config
+from specdistill.train.lookahead import LookaheadConfig
+from specdistill.train.medusa import MedusaConfig
+from specdistill.train.methods import method_named, method_names, methods
 
 METHODS = method_names()
 LOSSES = ("ce", "fkl", "rkl", "jsd", "tvd")
@@ -43,8 +44,8 @@ class DistillConfig:
     method: str = _f("seqkd", f"training method, one of {METHODS}")
     target: str = _f("smollm2-135m", "target: the embedded default, an HF directory or hub id, or a .gguf file")
     drafter: str = _f("truncated:4", "initial drafter: truncated:N, small:layers=L,hidden=H, or an HF directory")
-    draft_vocab: int = _f(0, "reduced draft head size (the most frequent target tokens; for medusa, the tokens the heads "
-                          "may propose at decoding); 0 keeps the full vocabulary")
+    draft_vocab: int = _f(0, "reduced draft head size (the most frequent target tokens; for medusa, the tokens the "
+                          "heads may propose at decoding); 0 keeps the full vocabulary")
     lora_r: int = _f(0, "LoRA rank on the drafter (peft); 0 trains all its weights")
     output_dir: str = _f("runs/drafter", "where the trained drafter directory is written")
     work_dir: str = _f("", "checkpoints, teacher data and logs; default: <output_dir>.work")
@@ -80,7 +81,8 @@ class DistillConfig:
     loss: str = _f("ce", f"loss, one of {LOSSES}; seqkd uses ce on the target's tokens")
     jsd_beta: float = _f(0.5, "beta of the generalized JSD (0 = forward KL, 1 = reverse KL)")
     kd_temperature: float = _f(1.0, "softening temperature of token-level KD")
-    on_policy_lambda: float = _f(0.0, "kd: probability that a batch's responses are written by the drafter and scored live by the target")
+    on_policy_lambda: float = _f(0.0, "kd: probability that a batch's responses are written by the drafter and "
+                                      "scored live by the target")
 
     # optimization
     lr: float = _f(5e-4, "peak learning rate (AdamW)")
@@ -101,8 +103,9 @@ class DistillConfig:
                                        "bf16 GEMMs, AVX512-BF16 or AMX; no elsewhere)")
     threads: int = _f(0, "torch threads per process on the CPU; 0 = the machine's cores shared among the processes "
                          "(accelerate launch would leave one per process)")
-    target_dtype: str = _f("auto", "the frozen target's weights: float32, bfloat16, or auto (bf16 on CUDA, fp32 on CPU); "
-                                   "float32 on a GPU makes teacher data and hidden states those of the fp32 target a CPU evaluates")
+    target_dtype: str = _f("auto", "the frozen target's weights: float32, bfloat16, or auto (bf16 on CUDA, fp32 on "
+                                   "CPU); float32 on a GPU makes teacher data and hidden states those of the fp32 "
+                                   "target a CPU evaluates")
 
     # acceptance measured in the loop
     eval_every: int = _f(50, "measure tau/alpha with the engine every N optimizer steps; 0 = only at the end")
@@ -113,7 +116,8 @@ class DistillConfig:
     # bookkeeping
     checkpoint_every: int = _f(50, "save full training state every N optimizer steps; 0 = never")
     resume: bool = _f(False, "continue from the latest checkpoint in work_dir")
-    stop_at_step: int = _f(0, "checkpoint and stop after this optimizer step, as a preempted job would (continue with resume); 0 = run to the end")
+    stop_at_step: int = _f(0, "checkpoint and stop after this optimizer step, as a preempted job would (continue "
+                              "with resume); 0 = run to the end")
     tracker: str = _f("none", f"experiment tracker, one of {TRACKERS} (wandb runs offline without a key)")
     log_every: int = _f(10, "log a line every N optimizer steps")
 

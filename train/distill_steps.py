@@ -24,23 +24,27 @@ import torch
 from accelerate.utils import gather_object
 from torch.utils.data import DataLoader
 
-from distill.batching import Batch, collate, with_absent_column
-from distill.feature_capture import FeatureStaging
-from distill.followups import FOLLOW_UPS, follow_up_prompts, load_follow_ups
-from distill.generation import pad_token_id
-from distill.losses import TopK, distill_loss
-from distill.onpolicy import sample_draft_responses, target_topk_over_draft_head
-from distill.prompts import exclusion_texts, load_prompt_sources
-from distill.teacher_data import (TeacherDataSettings, generate_teacher_data, load_teacher_data, teacher_data_dir,
-                                  teacher_data_key)
-from distill.vocab import count_response_tokens, coverage, inverse_map, select_draft_vocab
-from models.draft_models import apply_lora, reduce_head
-from models.drafters import load_drafter, save_drafter
-from models.fingerprint import weights_fingerprint
-
-from models.target import load_target
-from train.acceptance import measure_acceptance
-from train.config import to_dict
+from specdistill.distill.batching import Batch, collate, with_absent_column
+from specdistill.distill.feature_capture import FeatureStaging
+from specdistill.distill.followups import FOLLOW_UPS, follow_up_prompts, load_follow_ups
+from specdistill.distill.generation import pad_token_id
+from specdistill.distill.losses import TopK, distill_loss
+from specdistill.distill.onpolicy import sample_draft_responses, target_topk_over_draft_head
+from specdistill.distill.prompts import exclusion_texts, load_prompt_sources
+from specdistill.distill.teacher_data import (
+    TeacherDataSettings,
+    generate_teacher_data,
+    load_teacher_data,
+    teacher_data_dir,
+    teacher_data_key,
+)
+from specdistill.distill.vocab import count_response_tokens, coverage, inverse_map, select_draft_vocab
+from specdistill.models.draft_models import apply_lora, reduce_head
+from specdistill.models.drafters import load_drafter, save_drafter
+from specdistill.models.fingerprint import weights_fingerprint
+from specdistill.models.target import load_target
+from specdistill.train.acceptance import measure_acceptance
+from specdistill.train.config import to_dict
 
 log = logging.getLogger("specdistill.distill")
 

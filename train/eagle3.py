@@ -38,20 +38,20 @@ import torch
 from accelerate.utils import broadcast_object_list
 from tqdm.auto import tqdm
 
-from decode.engine import SpeculativeEngine
-from decode.metrics import aggregate_stats
-from decode.proposers.eagle3 import Eagle3Proposer
-from distill.feature_cache import FeatureCache, FeatureRecord, open_or_build
-from distill.feature_capture import FeatureStaging
-from distill.generation import pad_token_id
-from models.drafters import save_drafter
-from models.eagle3 import Eagle3Drafter, default_target_layers
-from train import distill_steps as steps
-from train.checkpoints import resume_or_start, save_checkpoint
-from train.config import ConfigError, check_choice, option, to_dict
-from train.medusa import average_gradients, candidate_vocab
-from train.methods import Method, register_method
-from train.step_budget import StepBudget
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.metrics import aggregate_stats
+from specdistill.decode.proposers.eagle3 import Eagle3Proposer
+from specdistill.distill.feature_cache import FeatureCache, FeatureRecord, open_or_build
+from specdistill.distill.feature_capture import FeatureStaging
+from specdistill.distill.generation import pad_token_id
+from specdistill.models.drafters import save_drafter
+from specdistill.models.eagle3 import Eagle3Drafter, default_target_layers
+from specdistill.train import distill_steps as steps
+from specdistill.train.checkpoints import resume_or_start, save_checkpoint
+from specdistill.train.config import ConfigError, check_choice, option, to_dict
+from specdistill.train.medusa import average_gradients, candidate_vocab
+from specdistill.train.methods import Method, register_method
+from specdistill.train.step_budget import StepBudget
 
 log = logging.getLogger("specdistill.eagle3")
 

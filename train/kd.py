@@ -19,10 +19,10 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from train import distill_steps as steps
-from train.checkpoints import resume_or_start, save_checkpoint
-from train.config import ConfigError
-from train.methods import Method, register_method
+from specdistill.train import distill_steps as steps
+from specdistill.train.checkpoints import resume_or_start, save_checkpoint
+from specdistill.train.config import ConfigError
+from specdistill.train.methods import Method, register_method
 
 log = logging.getLogger("specdistill.distill")
 

@@ -31,19 +31,19 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from decode.engine import SpeculativeEngine
-from decode.metrics import aggregate_stats
-from decode.proposers.lookahead import LookaheadProposer
-from distill.batching import Batch, collate
-from distill.generation import pad_token_id
-from distill.losses import cross_entropy_loss, forward_kl
-from models.drafters import save_drafter
-from models.hf_compat import cache_argument, output_cache
-from models.lookahead import LookaheadTokens
-from train import distill_steps as steps
-from train.config import ConfigError, option, to_dict
-from train.medusa import average_gradients
-from train.methods import Method, register_method
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.metrics import aggregate_stats
+from specdistill.decode.proposers.lookahead import LookaheadProposer
+from specdistill.distill.batching import Batch, collate
+from specdistill.distill.generation import pad_token_id
+from specdistill.distill.losses import cross_entropy_loss, forward_kl
+from specdistill.models.drafters import save_drafter
+from specdistill.models.hf_compat import cache_argument, output_cache
+from specdistill.models.lookahead import LookaheadTokens
+from specdistill.train import distill_steps as steps
+from specdistill.train.config import ConfigError, option, to_dict
+from specdistill.train.medusa import average_gradients
+from specdistill.train.methods import Method, register_method
 
 log = logging.getLogger("specdistill.lookahead")
 

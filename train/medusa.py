@@ -32,17 +32,17 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from decode.proposers.medusa import choose_tree, expected_accept_length
-from distill.batching import batches_by_length, collate
-from distill.generation import pad_token_id
-from distill.losses import cross_entropy_loss, forward_kl
-from distill.vocab import count_response_tokens, coverage, select_draft_vocab
-from models.drafters import save_drafter
-from models.medusa import MedusaHeads
-from train import distill_steps as steps
-from train.colbt import split_held_out
-from train.config import ConfigError, option, to_dict
-from train.methods import Method, register_method
+from specdistill.decode.proposers.medusa import choose_tree, expected_accept_length
+from specdistill.distill.batching import batches_by_length, collate
+from specdistill.distill.generation import pad_token_id
+from specdistill.distill.losses import cross_entropy_loss, forward_kl
+from specdistill.distill.vocab import count_response_tokens, coverage, select_draft_vocab
+from specdistill.models.drafters import save_drafter
+from specdistill.models.medusa import MedusaHeads
+from specdistill.train import distill_steps as steps
+from specdistill.train.colbt import split_held_out
+from specdistill.train.config import ConfigError, option, to_dict
+from specdistill.train.methods import Method, register_method
 
 log = logging.getLogger("specdistill.medusa")
 
@@ -227,8 +227,9 @@ def medusa_loss(heads, target_head: torch.nn.Module, examples: list[Example], de
     target_logits = None
     if kl_weight:
         with torch.no_grad():
+            # per example [R, V or M]
             target_logits = [project(target_head.weight, h[h.shape[0] - labels.shape[0]:].to(
-                device, target_head.weight.dtype), vocab_map).float() for h, labels in examples]  # per example [R, V or M]
+                device, target_head.weight.dtype), vocab_map).float() for h, labels in examples]
     total = torch.zeros((), device=device)
     for k, head, states, labels, used in head_rows(heads, examples, embed):
         logits = project(head.proj.weight, states, vocab_map)  # [N, V or M]

@@ -27,25 +27,22 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-if __name__ == "__main__" and sys.path and Path(sys.path[0]).name == "train":
-    sys.path[0] = str(Path(sys.path[0]).parent)  # run as a script: import the project, not train/ siblings
+import torch
 
-import torch  # noqa: E402
-
-from decode.request_log import BadRecord, LogLine, parse_record, position_after, read_lines  # noqa: E402
-from distill.generation import pad_token_id  # noqa: E402
-from distill.replay import Entry, ReplayBuffer, is_held_out  # noqa: E402
-from distill.teacher_data import load_teacher_data  # noqa: E402
-from distill.vocab import count_response_tokens, inverse_map, tokens_to_add  # noqa: E402
-from models.drafter_store import current_path, current_version, init_store, is_store, publish_version  # noqa: E402
-from models.draft_models import grow_head  # noqa: E402
-from models.drafters import load_drafter  # noqa: E402
-from models.target import load_target  # noqa: E402
-from train.config import ConfigError, load_config  # noqa: E402
-from train.distill_steps import end_run  # noqa: E402
-from train.online_config import OnlineConfig  # noqa: E402
-from train.online_learn import acceptance, attach_samples, score_requests, train_candidate  # noqa: E402
-from train.online_state import METRICS, OnlineState  # noqa: E402
+from specdistill.decode.request_log import BadRecord, LogLine, parse_record, position_after, read_lines
+from specdistill.distill.generation import pad_token_id
+from specdistill.distill.replay import Entry, ReplayBuffer, is_held_out
+from specdistill.distill.teacher_data import load_teacher_data
+from specdistill.distill.vocab import count_response_tokens, inverse_map, tokens_to_add
+from specdistill.models.draft_models import grow_head
+from specdistill.models.drafter_store import current_path, current_version, init_store, is_store, publish_version
+from specdistill.models.drafters import load_drafter
+from specdistill.models.target import load_target
+from specdistill.train.config import ConfigError, load_config
+from specdistill.train.distill_steps import end_run
+from specdistill.train.online_config import OnlineConfig
+from specdistill.train.online_learn import acceptance, attach_samples, score_requests, train_candidate
+from specdistill.train.online_state import METRICS, OnlineState
 
 log = logging.getLogger("specdistill.online")
 
@@ -88,7 +85,8 @@ class OnlineDaemon:
         c = self.state.counters
         if c.since_update == 0 or len(self.state.buffer) < self.cfg.min_buffer:
             return False
-        by_time = self.cfg.update_every_seconds > 0 and time.time() - c.last_update_time >= self.cfg.update_every_seconds
+        by_time = (self.cfg.update_every_seconds > 0
+                   and time.time() - c.last_update_time >= self.cfg.update_every_seconds)
         return final or by_time or c.since_update >= self.cfg.update_every_requests
 
     def should_stop(self, idle_s: float) -> bool:
@@ -319,7 +317,8 @@ def make_accelerator(cfg: OnlineConfig):
 
         if importlib.util.find_spec("wandb") is None:
             raise ConfigError("tracker: wandb is not installed; pip install '.[track]' or set tracker: none")
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), log_with=None if cfg.tracker == "none" else cfg.tracker)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
+                              log_with=None if cfg.tracker == "none" else cfg.tracker)
     if accelerator.num_processes > 1:
         raise ConfigError(f"the online daemon tails one log as one process; launched with "
                           f"{accelerator.num_processes} (use --num_processes 1)")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from train.config import ConfigError, check_choice
-from train.online_learn import KD_LOSSES
+from specdistill.train.config import ConfigError, check_choice
+from specdistill.train.online_learn import KD_LOSSES
 
 TRACKERS = ("none", "wandb")
 PROMPT_VOCAB = ("manifest", "on", "off")

@@ -20,13 +20,19 @@ import random
 
 import torch
 
-from distill.batching import collate, with_absent_column
-from distill.losses import TopK, distill_loss
-from distill.prompt_vocab import draft_logits, extended_logits, extra_id_matrix, indices_to_target, prompt_only_tokens, \
-    with_prompt_vocab
-from distill.generation import generate_batch
-from distill.replay import Entry, mismatch_priority
-from distill.teacher_data import teacher_forced_topk
+from specdistill.distill.batching import collate, with_absent_column
+from specdistill.distill.generation import generate_batch
+from specdistill.distill.losses import TopK, distill_loss
+from specdistill.distill.prompt_vocab import (
+    draft_logits,
+    extended_logits,
+    extra_id_matrix,
+    indices_to_target,
+    prompt_only_tokens,
+    with_prompt_vocab,
+)
+from specdistill.distill.replay import Entry, mismatch_priority
+from specdistill.distill.teacher_data import teacher_forced_topk
 
 KD_LOSSES = ("fkl", "rkl", "mix", "ce")
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from decode.request_log import LogPosition
-from distill.replay import Entry, ReplayBuffer
+from specdistill.decode.request_log import LogPosition
+from specdistill.distill.replay import Entry, ReplayBuffer
 
 STATE = "state.json"
 CHUNKS = "chunks"

@@ -13,14 +13,28 @@ at import with `register_proposer`; importing this package imports every kind, s
 A new kind is a new module here plus its import below.
 """
 
-from decode.proposers import draft_model, eagle3, ensemble, lookahead, medusa, prompt_lookup  # noqa: F401  (register)
-from decode.proposers.base import (CATCH_UP_SPLIT, Alternate, Proposer, build_proposer, common_prefix_len,
-                                   drafter_proposer, register_proposer, register_wrapper, use_gemv_friendly_head,
-                                   vocab_size)
-from decode.proposers.draft_model import DraftModelProposer, check_vocab
-from decode.proposers.medusa import check_medusa_vocab
-from decode.proposers.prompt_lookup import (LOOKUP_SOURCE, PromptLookupProposer, WithPromptLookup,
-                                            lookup_continuation, prompt_lookup_proposer)
+from specdistill.decode.proposers import draft_model, eagle3, ensemble, lookahead, medusa, prompt_lookup  # noqa: F401  (register)
+from specdistill.decode.proposers.base import (
+                                   CATCH_UP_SPLIT,
+                                   Alternate,
+                                   Proposer,
+                                   build_proposer,
+                                   common_prefix_len,
+                                   drafter_proposer,
+                                   register_proposer,
+                                   register_wrapper,
+                                   use_gemv_friendly_head,
+                                   vocab_size,
+)
+from specdistill.decode.proposers.draft_model import DraftModelProposer, check_vocab
+from specdistill.decode.proposers.medusa import check_medusa_vocab
+from specdistill.decode.proposers.prompt_lookup import (
+                                   LOOKUP_SOURCE,
+                                   PromptLookupProposer,
+                                   WithPromptLookup,
+                                   lookup_continuation,
+                                   prompt_lookup_proposer,
+)
 
 __all__ = [
     "Alternate", "CATCH_UP_SPLIT", "DraftModelProposer", "LOOKUP_SOURCE", "PromptLookupProposer", "Proposer",

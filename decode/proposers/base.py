@@ -15,10 +15,9 @@ from typing import Callable
 
 import torch
 
-from decode.sampling import SamplingConfig
-from decode.tree import TokenTree
-from models.packed_linear import packing_supported
-
+from specdistill.decode.sampling import SamplingConfig
+from specdistill.decode.tree import TokenTree
+from specdistill.models.packed_linear import packing_supported
 
 Alternate = tuple[int, int, float]  # (depth in the chain, target token id, log path probability)
 CATCH_UP_SPLIT = 8  # a draft model fed more tokens than this at once is resuming after steps without drafting
@@ -42,7 +41,7 @@ class Proposer(ABC):
     adds_rows: bool = False  # the engine calls prefill_rows / verification_rows / observe_rows
     max_extra_rows: int = 0  # with adds_rows: the most rows it adds to one forward (the cache reserves them)
 
-    def begin(self, prompt_ids: list[int], capacity: int) -> None:
+    def begin(self, prompt_ids: list[int], capacity: int) -> None:  # noqa: B027 (a hook, a no-op by default)
         """A new request starts; `capacity` bounds the sequence length it will reach."""
 
     def last_catch_up_s(self) -> float:
@@ -55,7 +54,7 @@ class Proposer(ABC):
         has no weights of its own (prompt lookup; [LA] rows run in the target's forward)."""
         return None
 
-    def price_verification(self, seconds: Callable[[int], float] | None) -> None:
+    def price_verification(self, seconds: Callable[[int], float] | None) -> None:  # noqa: B027 (a hook, a no-op by default)
         """The engine's measured price of verifying a tree, before each adaptive greedy step: seconds(n) is the
         expected time of the target's forward over a tree of n nodes (root included) on this machine (the
         step's controller, decode.adaptive), None while nothing is measured. A proposer whose trees come with

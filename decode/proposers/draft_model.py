@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import torch
 
-from decode.proposers.base import (CATCH_UP_SPLIT, Alternate, Proposer, common_prefix_len, register_proposer,
-                                   stored_format, use_gemv_friendly_head, vocab_size)
-from decode.runner import ModelRunner, synchronized_clock
-from decode.sampling import SamplingConfig, logits_to_probs, sample
-from decode.tree import TokenTree
-from models.packed_linear import drafting_weights, inference_weights, set_inference_weights
+from specdistill.decode.proposers.base import (
+    CATCH_UP_SPLIT,
+    Alternate,
+    Proposer,
+    common_prefix_len,
+    register_proposer,
+    stored_format,
+    use_gemv_friendly_head,
+    vocab_size,
+)
+from specdistill.decode.runner import ModelRunner, synchronized_clock
+from specdistill.decode.sampling import SamplingConfig, logits_to_probs, sample
+from specdistill.decode.tree import TokenTree
+from specdistill.models.packed_linear import drafting_weights, inference_weights, set_inference_weights
 
 __all__ = ["DraftModelProposer", "build_draft_model_proposer", "check_vocab"]
 

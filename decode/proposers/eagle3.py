@@ -48,19 +48,22 @@ from typing import Callable
 import numpy as np
 import torch
 
-from decode.draft_steps import ContextStep, DraftTreeStep, candidate_depths, draft_graphs_supported
-from decode.lean_eagle3 import DISABLE_ENV as LEAN_DISABLE_ENV
-from decode.lean_eagle3 import LeanEagle3, lean_eagle3, lean_eagle3_runs
-from decode.proposers.base import CATCH_UP_SPLIT, Proposer, register_proposer, stored_format
-from decode.runner import synchronized_clock
-from decode.sampling import SamplingConfig, logits_to_probs, sample
-from decode.tree import TokenTree
-from models.eagle3 import DraftCache, Eagle3Drafter  # importing models.eagle3 registers the drafter kind "eagle3"
-from models.packed_linear import drafting_weights, packed_for_inference, packing_supported
-from models.kernel_linear import int8_shapes_supported
-from models.kernels import unavailable as kernel_unavailable
-from models.kernels import vnni_unavailable
-from models.quant_formats import shape_supported
+from specdistill.decode.draft_steps import ContextStep, DraftTreeStep, candidate_depths, draft_graphs_supported
+from specdistill.decode.lean_eagle3 import DISABLE_ENV as LEAN_DISABLE_ENV
+from specdistill.decode.lean_eagle3 import LeanEagle3, lean_eagle3, lean_eagle3_runs
+from specdistill.decode.proposers.base import CATCH_UP_SPLIT, Proposer, register_proposer, stored_format
+from specdistill.decode.runner import synchronized_clock
+from specdistill.decode.sampling import SamplingConfig, logits_to_probs, sample
+from specdistill.decode.tree import TokenTree
+from specdistill.models.eagle3 import (  # importing models.eagle3 registers the drafter kind "eagle3"
+    DraftCache,
+    Eagle3Drafter,
+)
+from specdistill.models.kernel_linear import int8_shapes_supported
+from specdistill.models.kernels import unavailable as kernel_unavailable
+from specdistill.models.kernels import vnni_unavailable
+from specdistill.models.packed_linear import drafting_weights, packed_for_inference, packing_supported
+from specdistill.models.quant_formats import shape_supported
 
 __all__ = ["DEFAULT_MIN_PROB", "DEFAULT_TREE", "Eagle3Proposer", "select_tree"]
 

@@ -37,10 +37,16 @@ from __future__ import annotations
 
 import torch
 
-from decode.proposers.base import Alternate, Proposer, build_proposer, register_proposer, use_gemv_friendly_head
-from decode.proposers.draft_model import DraftModelProposer
-from decode.sampling import SamplingConfig
-from decode.tree import TokenTree
+from specdistill.decode.proposers.base import (
+    Alternate,
+    Proposer,
+    build_proposer,
+    register_proposer,
+    use_gemv_friendly_head,
+)
+from specdistill.decode.proposers.draft_model import DraftModelProposer
+from specdistill.decode.sampling import SamplingConfig
+from specdistill.decode.tree import TokenTree
 
 __all__ = ["EnsembleProposer", "cap_chains", "merge_chains", "build_ensemble_proposer"]
 

@@ -49,11 +49,11 @@ from __future__ import annotations
 
 import torch
 
-import models.lookahead  # noqa: F401  (registers the drafter kind "lookahead" with models.drafters)
-from decode.proposers.base import Proposer, register_proposer
-from decode.runner import ExtraRows
-from decode.sampling import SamplingConfig
-from decode.tree import TokenTree
+import specdistill.models.lookahead  # noqa: F401  (registers the drafter kind "lookahead" with models.drafters)
+from specdistill.decode.proposers.base import Proposer, register_proposer
+from specdistill.decode.runner import ExtraRows
+from specdistill.decode.sampling import SamplingConfig
+from specdistill.decode.tree import TokenTree
 
 __all__ = ["LookaheadProposer", "decoding_options", "lookahead_rows"]
 
@@ -154,7 +154,7 @@ def lookahead_rows(embeds: torch.Tensor, owner_depths: list[int], sees: torch.Te
     """[LA] chains under m token rows. embeds [K, D]; owner_depths [m]; sees [m, N] bool: the token
     rows each owner attends to (itself included). Row c*K + j is LA_{j+1} under owner c, at depth
     owner_depth + j + 1, seeing what its owner sees plus LA_1..LA_{j+1} of its own chain."""
-    k, m, n = embeds.shape[0], len(owner_depths), sees.shape[1]
+    k, m = embeds.shape[0], len(owner_depths)
     own_chain = torch.block_diag(*[torch.ones(k, k, dtype=torch.bool).tril()] * m)  # [mK, mK]
     mask = torch.cat([sees.cpu().repeat_interleave(k, dim=0), own_chain], dim=1)  # [mK, N + mK]
     depths = [d + j for d in owner_depths for j in range(1, k + 1)]

@@ -33,12 +33,17 @@ import heapq
 
 import torch
 
-from decode.proposers.base import Proposer, register_proposer, stored_format, vocab_size
-from decode.sampling import SamplingConfig, Verdict
-from decode.tree import TokenTree
-from models.medusa import PrefixCache  # importing models.medusa registers the drafter kind "medusa"
-from models.packed_linear import (check_weight_format, drafting_weights, packed_class, packed_for_inference,
-                                  packing_supported)
+from specdistill.decode.proposers.base import Proposer, register_proposer, stored_format, vocab_size
+from specdistill.decode.sampling import SamplingConfig, Verdict
+from specdistill.decode.tree import TokenTree
+from specdistill.models.medusa import PrefixCache  # importing models.medusa registers the drafter kind "medusa"
+from specdistill.models.packed_linear import (
+    check_weight_format,
+    drafting_weights,
+    packed_class,
+    packed_for_inference,
+    packing_supported,
+)
 
 __all__ = ["MedusaProposer", "choose_tree", "check_tree", "tree_from_ranks"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from decode.proposers.base import Proposer, register_proposer, register_wrapper
-from decode.tree import TokenTree
+from specdistill.decode.proposers.base import Proposer, register_proposer, register_wrapper
+from specdistill.decode.tree import TokenTree
 
 __all__ = ["PromptLookupProposer", "WithPromptLookup", "LOOKUP_SOURCE", "lookup_continuation",
            "prompt_lookup_proposer"]

@@ -23,8 +23,8 @@ import shutil
 from pathlib import Path
 from types import ModuleType
 
-from models.cache import cache_root
-from models.kernels import build
+from specdistill.models.cache import cache_root
+from specdistill.models.kernels import build
 
 log = logging.getLogger("specdistill.kernels")
 
@@ -32,7 +32,8 @@ DISABLE_ENV = "SPECDISTILL_NO_Q41"  # the whole library off (comparisons)
 NO_AMX_ENV = "SPECDISTILL_NO_AMX"  # the FMA forms everywhere (comparisons)
 AMX_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16", "avx512bw")
 MAX_ROWS = 64  # decode-time calls (trees, chains, single rows); longer calls are prefill, left to oneDNN
-LIBRARY_COST = "the engine falls back to oneDNN's packed fp32 GEMMs and torch's attention: plain decoding about 1.5x slower"
+LIBRARY_COST = ("the engine falls back to oneDNN's packed fp32 GEMMs and torch's attention: plain decoding "
+                "about 1.5x slower")
 _fallbacks: dict[str, str] = {}
 
 

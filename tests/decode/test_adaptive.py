@@ -1,6 +1,6 @@
 """The draft-length controller drafts deep for a good cheap drafter, not at all for a useless one."""
 
-from decode.adaptive import DraftLengthController
+from specdistill.decode.adaptive import DraftLengthController
 
 
 def trained(accept_prob: float, draft_s: float, verify_1: float, per_node: float, steps: int = 200):
@@ -44,7 +44,7 @@ def test_accepted_probes_that_do_not_make_drafting_pay_back_off_when_most_are_re
     slow): an accepted probe halves the interval, a rejected one doubles it, so it drifts to the longest."""
     ctl = trained(accept_prob=0.0, draft_s=0.04, verify_1=0.05, per_node=0.03)
     depths = []
-    for i in range(600):
+    for _ in range(600):
         depth = ctl.choose(100)
         depths.append(depth)
         n_acc = depth if depths.count(1) % 3 == 0 else 0  # every third probe accepted

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-
-from decode.attention import GROUPED_SDPA, grouped_mask_argument, grouped_query_sdpa, use_grouped_query_sdpa
-from decode.runner import ModelRunner
-from decode.tree import TokenTree, attention_bias
-from tests.conftest import make_tiny_llama
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from specdistill.decode.attention import GROUPED_SDPA, grouped_mask_argument, grouped_query_sdpa, use_grouped_query_sdpa
+from specdistill.decode.runner import ModelRunner
+from specdistill.decode.tree import TokenTree, attention_bias
+from tests.conftest import make_tiny_llama
 
 
 class Groups(torch.nn.Module):

@@ -4,8 +4,15 @@ import math
 
 import pytest
 
-from decode.cost_model import (acceptance_needed, best_depth, expected_tokens, interpolate, report_costs,
-                               speedup, step_cost)
+from specdistill.decode.cost_model import (
+    acceptance_needed,
+    best_depth,
+    expected_tokens,
+    interpolate,
+    report_costs,
+    speedup,
+    step_cost,
+)
 
 FLAT = [1.0] * 10  # verification costs one forward whatever its rows (a GPU's regime)
 

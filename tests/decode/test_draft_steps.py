@@ -6,10 +6,10 @@ tests (tests/test_cuda.py) compare its CUDA-graph replay with this eager step.""
 import pytest
 import torch
 
-from decode.draft_steps import DISABLE_ENV, candidate_depths, draft_graphs_supported
-from decode.engine import SpeculativeEngine
-from decode.proposers.eagle3 import Eagle3Proposer
-from decode.step_graphs import DISABLE_ENV as NO_GRAPHS_ENV
+from specdistill.decode.draft_steps import DISABLE_ENV, candidate_depths, draft_graphs_supported
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.proposers.eagle3 import Eagle3Proposer
+from specdistill.decode.step_graphs import DISABLE_ENV as NO_GRAPHS_ENV
 from tests.conftest import make_tiny_llama
 from tests.decode.test_eagle3_decode import features_of, tiny_eagle
 from tests.decode.test_engine import PROMPT, target_greedy
@@ -99,7 +99,7 @@ def test_the_step_is_kept_across_requests_and_rebuilt_for_a_longer_one():
 def test_fixed_steps_with_prompt_lookup_first_stay_lossless_through_catch_ups():
     """Lookup-only steps skip the drafter; its next step feeds the skipped positions (more than the context
     step's 8 rows: the bulk eagerly, the last row in the step)."""
-    from decode.proposers import PromptLookupProposer, WithPromptLookup
+    from specdistill.decode.proposers import PromptLookupProposer, WithPromptLookup
 
     target = make_tiny_llama(seed=0, layers=2, peak=4.0)
     prompt = PROMPT * 3  # repeats: lookup matches

@@ -5,17 +5,23 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from decode.engine import SpeculativeEngine
-from decode.proposers import PromptLookupProposer, WithPromptLookup
-from decode.adaptive import DraftLengthController
-from decode.proposers.eagle3 import (DEFAULT_MIN_PROB, Candidate, Eagle3Proposer, build_eagle3_proposer,
-                                     eagle3_drafting_weights, priced_size)
-from decode.sampling import SamplingConfig
-from models.eagle3 import Eagle3Drafter
-from models.packed_linear import drafting_weights
-from models.kernel_linear import Q8Int8Linear, Q80Linear
-from models.kernels import amx_unavailable, vnni_unavailable
-from models.kernels import unavailable as kernel_unavailable
+from specdistill.decode.adaptive import DraftLengthController
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.proposers import PromptLookupProposer, WithPromptLookup
+from specdistill.decode.proposers.eagle3 import (
+    DEFAULT_MIN_PROB,
+    Candidate,
+    Eagle3Proposer,
+    build_eagle3_proposer,
+    eagle3_drafting_weights,
+    priced_size,
+)
+from specdistill.decode.sampling import SamplingConfig
+from specdistill.models.eagle3 import Eagle3Drafter
+from specdistill.models.kernel_linear import Q8Int8Linear, Q80Linear
+from specdistill.models.kernels import amx_unavailable, vnni_unavailable
+from specdistill.models.kernels import unavailable as kernel_unavailable
+from specdistill.models.packed_linear import drafting_weights
 from tests.conftest import make_tiny_llama
 from tests.decode.test_engine import PROMPT, target_greedy
 
@@ -280,7 +286,7 @@ def sampled_tokens(engine, prompt, n):
 def test_sampling_keeps_the_targets_distribution_and_a_wrong_rule_fails(monkeypatch):
     """Sampled drafts go in with their q; a drafter confidently wrong (q near one-hot) must not bias the
     output, and resampling from p instead of the residual after a rejection must show up as bias."""
-    import decode.sampling as sampling_mod
+    import specdistill.decode.sampling as sampling_mod
     from tests.decode.test_sampling import chi2_pvalue, exact_marginals
 
     vocab, prompt, n = 8, [1, 3, 5], 1500

@@ -5,10 +5,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.proposers import DraftModelProposer, PromptLookupProposer, build_proposer, lookup_continuation
+from specdistill.decode.sampling import SamplingConfig
 from tests.conftest import make_tiny_llama
-from decode.engine import SpeculativeEngine
-from decode.proposers import DraftModelProposer, PromptLookupProposer, build_proposer, lookup_continuation
-from decode.sampling import SamplingConfig
 
 PROMPT = [1, 5, 7, 9, 11, 5, 7]
 
@@ -27,7 +27,7 @@ class AlwaysWrongProposer(PromptLookupProposer):
         self.target = target
 
     def propose(self, seq, max_depth, sampling, generator):
-        from decode.tree import TokenTree
+        from specdistill.decode.tree import TokenTree
         nxt = int(self.target(torch.tensor([seq])).logits[0, -1].argmax())
         wrong = (nxt + 1) % self.target.config.vocab_size
         return TokenTree.chain(seq[-1], [wrong, wrong, wrong][:max_depth])
@@ -134,8 +134,8 @@ def test_mismatched_vocabulary_is_refused(tiny_target):
 
 def test_gemv_friendly_head_changes_layout_not_values(tiny_target, monkeypatch):
     """The unpacked path (packing off or unavailable); packed drafters are left as they are."""
-    from decode.proposers import use_gemv_friendly_head
-    from models.packed_linear import DISABLE_ENV
+    from specdistill.decode.proposers import use_gemv_friendly_head
+    from specdistill.models.packed_linear import DISABLE_ENV
 
     monkeypatch.setenv(DISABLE_ENV, "1")
 
@@ -155,7 +155,8 @@ def test_gemv_friendly_head_changes_layout_not_values(tiny_target, monkeypatch):
 def test_a_resuming_drafter_catches_up_in_a_forward_of_its_own(tiny_target):
     """After steps without drafting, the tokens emitted meanwhile are fed as a separate, timed forward;
     the chain drafted after it is the one a drafter fed everything at once drafts."""
-    import decode.proposers.draft_model as draft_model_module  # its CATCH_UP_SPLIT is the one drafting reads
+    # its CATCH_UP_SPLIT is the one drafting reads
+    import specdistill.decode.proposers.draft_model as draft_model_module
 
     drafter = make_tiny_llama(seed=1, layers=1)
     seq = PROMPT + target_greedy(tiny_target, PROMPT, 30)
@@ -194,7 +195,7 @@ class CatchingUpProposer(PromptLookupProposer):
     def propose(self, seq, max_depth, sampling, generator):
         import time
 
-        from decode.tree import TokenTree
+        from specdistill.decode.tree import TokenTree
 
         time.sleep(self.catch_up)
         return TokenTree.chain(seq[-1], [3, 3, 3][:max_depth])

@@ -2,8 +2,8 @@
 
 import torch
 
-from decode.engine import SpeculativeEngine
-from decode.proposers import PromptLookupProposer
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.proposers import PromptLookupProposer
 from tests.conftest import make_tiny_llama
 
 
@@ -17,7 +17,7 @@ def test_streamed_tokens_concatenate_to_the_output():
     for proposer in (None, PromptLookupProposer(num_tokens=4)):
         engine = _engine(proposer, eos={7})
         chunks = []
-        gen = engine.generate([1, 2, 3, 1, 2], 40, on_emit=lambda toks: chunks.append(list(toks)))
+        gen = engine.generate([1, 2, 3, 1, 2], 40, on_emit=lambda toks, chunks=chunks: chunks.append(list(toks)))
         assert sum(chunks, []) == gen.tokens
         assert all(chunks[:-1]), "only the last chunk may be empty"
 

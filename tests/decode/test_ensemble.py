@@ -7,15 +7,15 @@ import random
 import pytest
 import torch
 
-import decode.proposers.ensemble as ensemble_mod
-import decode.sampling as sampling_mod
-from decode.engine import SpeculativeEngine
-from decode.proposers import DraftModelProposer
-from decode.proposers.ensemble import EnsembleProposer, cap_chains, merge_chains
-from decode.sampling import SamplingConfig, verify_sampling
+import specdistill.decode.proposers.ensemble as ensemble_mod
+import specdistill.decode.sampling as sampling_mod
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.proposers import DraftModelProposer
+from specdistill.decode.proposers.ensemble import EnsembleProposer, cap_chains, merge_chains
+from specdistill.decode.sampling import SamplingConfig, verify_sampling
 from tests.conftest import make_tiny_llama
 from tests.decode.test_engine import PROMPT, target_greedy
-from tests.decode.test_sampling import P, Q1, Q2, chi2_pvalue, exact_marginals
+from tests.decode.test_sampling import Q1, Q2, P, chi2_pvalue, exact_marginals
 
 Q3 = torch.tensor([0.10, 0.05, 0.05, 0.30, 0.30, 0.20])
 Q4 = torch.tensor([0.05, 0.05, 0.30, 0.30, 0.20, 0.10])  # after Q1 the residual lives on tokens 0 and 1
@@ -135,7 +135,8 @@ def test_a_member_offers_its_next_most_likely_tokens_at_every_depth(tiny_target)
     mapped.begin(PROMPT, 64)
     v = drafter.config.vocab_size
     first = drafter(torch.tensor([PROMPT])).logits[0, -1].topk(3).indices.tolist()
-    assert [t for _, t, _ in mapped.draft_chain(PROMPT, 1, greedy, None, alternates=2)[2]] == [v - 1 - i for i in first[1:]]
+    assert ([t for _, t, _ in mapped.draft_chain(PROMPT, 1, greedy, None, alternates=2)[2]]
+            == [v - 1 - i for i in first[1:]])
     member.begin(PROMPT, 64)
     sampled = member.draft_chain(PROMPT, 3, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0), 2)
     assert sampled[2] == []  # sampling drafts no alternates (they would not be draws from q)

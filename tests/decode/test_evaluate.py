@@ -13,17 +13,27 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import PreTrainedTokenizerFast
 
+from specdistill.decode.evaluate import (
+    EXIT_MISMATCH,
+    EvalConfig,
+    build_methods,
+    build_parser,
+    config_from_args,
+    conversation_for_turn,
+    evaluate_methods,
+    main,
+    run_evaluation,
+    run_question,
+)
+from specdistill.decode.peers import Method, TurnOutput, assisted_skip_reason
+from specdistill.decode.questions import Question, QuestionFileError, categories, load_questions
+from specdistill.decode.report import BASELINE, lossless_failures, training_gain, write_report
+from specdistill.decode.runtime_facts import KERNEL_FLAGS
+from specdistill.decode.sampling import Verdict
+from specdistill.models.drafters import Drafter, load_drafter
+from specdistill.models.medusa import MedusaHeads
+from specdistill.models.target import target_from_model
 from tests.conftest import SHARED_DATA, make_tiny_llama
-from decode.evaluate import (EXIT_MISMATCH, EvalConfig, build_methods, build_parser, config_from_args,
-                             conversation_for_turn, evaluate_methods, main, run_evaluation, run_question)
-from decode.peers import Method, TurnOutput, assisted_skip_reason
-from decode.questions import Question, QuestionFileError, categories, load_questions
-from decode.report import BASELINE, lossless_failures, training_gain, write_report
-from decode.runtime_facts import KERNEL_FLAGS
-from decode.sampling import Verdict
-from models.drafters import Drafter, load_drafter
-from models.medusa import MedusaHeads
-from models.target import target_from_model
 
 VOCAB = 64
 WORDS = ["<pad>", "<s>", "</s>", "<unk>", "user", "assistant", ":"]  # ids 0..6; pad/bos/eos match make_tiny_llama
@@ -258,7 +268,7 @@ def test_cli_writes_the_report_and_prints_the_table(tmp_path, target_dir, capsys
 def test_speedup_model_script_reads_an_evaluation_report(tmp_path, target_dir, capsys):
     """`specdistill speedup-model` (train.tools.speedup_model) on a real report: one row per drafter, each answer a
     probability or None."""
-    from train.tools import speedup_model as script
+    from specdistill.train.tools import speedup_model as script
 
     questions = write_lines(tmp_path / "q.jsonl", MT_BENCH_LINES)
     assert main(["--target", str(target_dir), "--drafter", "truncated:1", "--drafter", "prompt_lookup",
@@ -266,7 +276,8 @@ def test_speedup_model_script_reads_an_evaluation_report(tmp_path, target_dir, c
                  "--fixed-depth", "--out", str(tmp_path / "run")]) == 0
     result = script.main([str(tmp_path / "run" / "report.json"), "--target", str(target_dir), "--rows", "1", "2", "4",
                           "--reps", "1", "--out", str(tmp_path / "model")])
-    assert sorted(row["method"] for row in result["methods"]) == ["speculative[prompt_lookup]", "speculative[truncated:1]"]
+    assert sorted(row["method"] for row in result["methods"]) == ["speculative[prompt_lookup]",
+                                                                   "speculative[truncated:1]"]
     assert result["verify_cost"][1] == 1.0 and set(result["verify_cost"]) == {1, 2, 4}
     for row in result["methods"]:
         assert row["draft_cost"] >= 0 and row["modelled_speedup"] > 0
@@ -294,13 +305,14 @@ def test_bad_arguments_exit_2_naming_the_argument(tmp_path, target_dir, capsys, 
 
 
 def test_lookup_and_drafter_weight_options_reach_the_proposers(chat_target, monkeypatch, tmp_path):
-    import decode.evaluate as evaluate
-    from decode.proposers import WithPromptLookup
-    from models.drafters import load_drafter
+    import specdistill.decode.evaluate as evaluate
+    from specdistill.decode.proposers import WithPromptLookup
+    from specdistill.models.drafters import load_drafter
 
     questions = str(write_lines(tmp_path / "q.jsonl", MT_BENCH_LINES))
     args = build_parser().parse_args(["--drafter", "truncated:1+prompt_lookup", "--questions", questions,
-                                      "--lookup-first", "0", "--lookup-weak-chain", "3", "--drafter-weights", "float32"])
+                                      "--lookup-first", "0", "--lookup-weak-chain", "3",
+                                      "--drafter-weights", "float32"])
     config = config_from_args(args)
     assert (config.lookup_first, config.lookup_weak_chain, config.drafter_weights) == (0, 3, "float32")
     built = []
@@ -392,9 +404,9 @@ def evaluate_cli(tmp_path, target_dir, *extra: str) -> int:
 
 @pytest.mark.parametrize("allow", [False, True])
 def test_a_lossy_engine_exits_3_after_writing_the_whole_report(tmp_path, target_dir, capsys, monkeypatch, allow):
-    import decode.engine
+    from specdistill.decode import engine
 
-    monkeypatch.setattr(decode.engine, "verify_greedy_tokens", accept_every_draft)
+    monkeypatch.setattr(engine, "verify_greedy_tokens", accept_every_draft)
     code = evaluate_cli(tmp_path, target_dir, *(["--allow-mismatches"] if allow else []))
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     row = report["methods"]["speculative"]
@@ -402,7 +414,7 @@ def test_a_lossy_engine_exits_3_after_writing_the_whole_report(tmp_path, target_
     assert report["methods"][BASELINE]["mismatches"] == 0  # plain decoding verifies no drafts: unaffected
     assert len((tmp_path / "run" / "turns.jsonl").read_text().splitlines()) == 2 * 3  # nothing lost
     assert report["config"]["allow_mismatches"] == allow
-    assert f"`speculative` LOSSLESSNESS VIOLATED" in (tmp_path / "run" / "report.md").read_text()
+    assert "`speculative` LOSSLESSNESS VIOLATED" in (tmp_path / "run" / "report.md").read_text()
     captured = capsys.readouterr()
     assert "[overall]" in captured.out  # the table is printed first
     assert f"speculative: {row['mismatches']} of {row['turns']} turns" in captured.err
@@ -413,7 +425,7 @@ def test_a_lossy_engine_exits_3_after_writing_the_whole_report(tmp_path, target_
 def test_a_peer_that_is_not_bound_to_the_baseline_may_differ(tmp_path, target_dir, capsys, monkeypatch):
     """A method with lossless=False (a peer whose arithmetic differs) is reported with its mismatches and never
     fails the run; our engine's methods still bind."""
-    import decode.evaluate as evaluate
+    import specdistill.decode.evaluate as evaluate
 
     original = evaluate.build_methods
 
@@ -447,8 +459,8 @@ def test_lossless_failures_name_bound_methods_with_mismatches_only():
 
 
 def test_the_report_records_what_ran_resolved(tmp_path, target_dir):
-    from decode.runtime_facts import git_commit, kernel_facts
-    from models.packed_linear import float16_weights_supported
+    from specdistill.decode.runtime_facts import git_commit, kernel_facts
+    from specdistill.models.packed_linear import float16_weights_supported
 
     questions = write_lines(tmp_path / "q.jsonl", MT_BENCH_LINES)
     assert main(["--target", str(target_dir), "--drafter", "truncated:1", "--drafter", "prompt_lookup",
@@ -478,6 +490,6 @@ def test_the_report_records_what_ran_resolved(tmp_path, target_dir):
 
 
 def test_git_commit_is_none_outside_a_checkout(tmp_path):
-    from decode.runtime_facts import git_commit
+    from specdistill.decode.runtime_facts import git_commit
 
     assert git_commit(tmp_path) is None

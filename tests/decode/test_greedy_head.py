@@ -4,12 +4,12 @@ emit what the argmax of every logit gives, and it is used only where the head is
 import pytest
 import torch
 
-from decode.engine import SpeculativeEngine
-from decode.proposers import PromptLookupProposer
-from decode.runner import ModelRunner
-from models.kernel_linear import FULL_HEAD_ENV
-from models.kernels import amx_unavailable, vnni_unavailable
-from models.quant_formats import q80_rounded
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.proposers import PromptLookupProposer
+from specdistill.decode.runner import ModelRunner
+from specdistill.models.kernel_linear import FULL_HEAD_ENV
+from specdistill.models.kernels import amx_unavailable, vnni_unavailable
+from specdistill.models.quant_formats import q80_rounded
 from tests.conftest import make_tiny_llama
 from tests.decode.test_engine import PROMPT, target_greedy
 
@@ -59,8 +59,8 @@ def test_no_greedy_head_where_the_head_is_not_exactly_q80():
 
 @needs_greedy_head
 def test_batched_greedy_generation_reads_the_same_tokens_from_the_argmax_head(monkeypatch):
-    from distill.generation import ArgmaxLogits, argmax_head, generate_batch
-    from models.kernel_linear import greedy_head_for
+    from specdistill.distill.generation import ArgmaxLogits, argmax_head, generate_batch
+    from specdistill.models.kernel_linear import greedy_head_for
     target = q80_target()
     prompts = [[1, 5, 9, 12], [1, 7], [1, 3, 3, 3, 8, 20]]
     fast = generate_batch(target, prompts, max_new_tokens=24, pad_id=0, eos_token_ids={2})

@@ -13,14 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode.engine import SpeculativeEngine
-from decode.proposers import build_proposer
-from decode.runtime_facts import runtime_facts
-from models.drafters import Drafter, load_drafter
-from models.eagle3 import Eagle3Drafter
-from models.lookahead import LookaheadTokens
-from models.medusa import MedusaHeads
-from models.target import target_from_model
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.proposers import build_proposer
+from specdistill.decode.runtime_facts import runtime_facts
+from specdistill.models.drafters import Drafter, load_drafter
+from specdistill.models.eagle3 import Eagle3Drafter
+from specdistill.models.lookahead import LookaheadTokens
+from specdistill.models.medusa import MedusaHeads
+from specdistill.models.target import target_from_model
 from tests.conftest import make_tiny_llama
 
 GROUP = 32  # the kernels' group of weights sharing one step (Q4_1 and Q8_0)

@@ -14,20 +14,33 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from decode.engine import SpeculativeEngine
-from decode.lean_decoder import DISABLE_ENV, SDPA_ENV, UNFUSED_ENV, FusedLayer, kernel_visibility, lean_supported
-from decode.proposers.draft_model import DraftModelProposer
-from decode.proposers.prompt_lookup import PromptLookupProposer
-from decode.runner import ExtraRows, ModelRunner
-from decode.tree import attention_bias
-from models.packed_linear import (PackedLinear, PackedLinearFP16, float16_weights_supported, inference_weights,
-                                  packed_for_inference, set_inference_weights)
-from models.kernel_linear import Q41Linear, Q80Linear, q41_for_inference
-from models.kernels import DISABLE_ENV as NO_Q41_ENV
-from models.kernels import amx_unavailable
-from models.kernels import unavailable as kernel_unavailable
-from models.quant_formats import grid_codes, q80_codes
-from models.target import PRECISIONS, cpu_has_native_bf16, resolve_precision
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.lean_decoder import (
+    DISABLE_ENV,
+    SDPA_ENV,
+    UNFUSED_ENV,
+    FusedLayer,
+    kernel_visibility,
+    lean_supported,
+)
+from specdistill.decode.proposers.draft_model import DraftModelProposer
+from specdistill.decode.proposers.prompt_lookup import PromptLookupProposer
+from specdistill.decode.runner import ExtraRows, ModelRunner
+from specdistill.decode.tree import attention_bias
+from specdistill.models.kernel_linear import Q41Linear, Q80Linear, q41_for_inference
+from specdistill.models.kernels import DISABLE_ENV as NO_Q41_ENV
+from specdistill.models.kernels import amx_unavailable
+from specdistill.models.kernels import unavailable as kernel_unavailable
+from specdistill.models.packed_linear import (
+    PackedLinear,
+    PackedLinearFP16,
+    float16_weights_supported,
+    inference_weights,
+    packed_for_inference,
+    set_inference_weights,
+)
+from specdistill.models.quant_formats import grid_codes, q80_codes
+from specdistill.models.target import PRECISIONS, cpu_has_native_bf16, resolve_precision
 from tests.conftest import make_tiny_llama
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not built in")
@@ -242,7 +255,7 @@ def test_fused_layers_compute_the_same_bits_as_the_lean_layers_python(static_sha
 
 @pytest.mark.skipif(kernel_unavailable() is not None, reason=f"the Q4_1 kernel: {kernel_unavailable()}")
 def test_batched_teacher_generation_runs_the_q41_matrices_on_the_kernel_and_writes_the_same_tokens():
-    from distill.generation import generate_batch
+    from specdistill.distill.generation import generate_batch
     model = q41_llama(seed=9)
     copy_ = q41_for_inference(model)
     projections = [module.get_submodule(name) for module in copy_.model.layers
@@ -384,7 +397,7 @@ def test_precision_names_resolve_and_bad_ones_name_the_choices():
 
 
 def test_evaluate_rejects_a_bad_dtype_naming_the_choices(capsys):
-    from decode.evaluate import build_parser
+    from specdistill.decode.evaluate import build_parser
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--drafter", "prompt_lookup", "--questions", __file__, "--dtype", "fp8"])
@@ -395,11 +408,11 @@ def test_evaluate_rejects_a_bad_dtype_naming_the_choices(capsys):
 @needs_fp16
 @pytest.mark.parametrize("target_weights", ["float32", "float16"])
 def test_drafters_draft_in_float16_weights_whatever_the_target_computes_in(target_weights):
-    from decode.proposers import build_proposer
-    from decode.proposers.medusa import MedusaProposer
-    from models.drafters import Drafter
-    from models.eagle3 import Eagle3Drafter
-    from models.medusa import MedusaHeads
+    from specdistill.decode.proposers import build_proposer
+    from specdistill.decode.proposers.medusa import MedusaProposer
+    from specdistill.models.drafters import Drafter
+    from specdistill.models.eagle3 import Eagle3Drafter
+    from specdistill.models.medusa import MedusaHeads
 
     target = make_tiny_llama(layers=2, seed=0)
     set_inference_weights(target, target_weights)
@@ -424,7 +437,7 @@ def test_drafters_draft_in_float16_weights_whatever_the_target_computes_in(targe
 
 
 def test_drafter_weights_bad_value_names_the_choices():
-    from models.packed_linear import drafting_weights
+    from specdistill.models.packed_linear import drafting_weights
 
     model = make_tiny_llama(layers=1, seed=0)
     with pytest.raises(ValueError, match="choose one of auto, float32, float16"):
@@ -434,9 +447,9 @@ def test_drafter_weights_bad_value_names_the_choices():
 
 @needs_fp16
 def test_speculation_with_float16_drafters_still_equals_plain_decoding():
-    from decode.proposers import build_proposer
-    from models.drafters import Drafter
-    from models.eagle3 import Eagle3Drafter
+    from specdistill.decode.proposers import build_proposer
+    from specdistill.models.drafters import Drafter
+    from specdistill.models.eagle3 import Eagle3Drafter
 
     target = make_tiny_llama(layers=2, seed=0)
     eagle = Eagle3Drafter.for_target(target, torch.arange(64), [0, 1, 1]).float().eval()
@@ -445,11 +458,12 @@ def test_speculation_with_float16_drafters_still_equals_plain_decoding():
     plain = SpeculativeEngine(target, None, eos_token_ids={2}).generate(prompt, 40).tokens
     for weights in ("float16", "float32"):
         proposer = build_proposer(drafter, target, eos_token_ids={2}, drafter_weights=weights)
-        assert SpeculativeEngine(target, proposer, eos_token_ids={2}, adaptive=False).generate(prompt, 40).tokens == plain
+        engine = SpeculativeEngine(target, proposer, eos_token_ids={2}, adaptive=False)
+        assert engine.generate(prompt, 40).tokens == plain
 
 
 def test_serve_takes_a_precision_and_rejects_a_bad_one_naming_the_choices(capsys, tmp_path):
-    from decode.serve import parse_args
+    from specdistill.decode.serve import parse_args
 
     assert parse_args(["--log-dir", str(tmp_path), "--dtype", "float16-weights"]).dtype == "float16-weights"
     assert parse_args(["--log-dir", str(tmp_path)]).dtype is None  # the device's default
@@ -461,10 +475,10 @@ def test_serve_takes_a_precision_and_rejects_a_bad_one_naming_the_choices(capsys
 
 @needs_fp16
 def test_an_evaluation_in_float16_weights_names_it_and_skips_the_fp32_peers(tmp_path):
-    from decode.evaluate import EvalConfig, run_evaluation
-    from decode.questions import load_questions
-    from models.drafters import load_drafter
-    from models.target import target_from_model
+    from specdistill.decode.evaluate import EvalConfig, run_evaluation
+    from specdistill.decode.questions import load_questions
+    from specdistill.models.drafters import load_drafter
+    from specdistill.models.target import target_from_model
     from tests.decode.test_evaluate import MT_BENCH_LINES, VOCAB, make_chat_tokenizer, write_lines
 
     target = target_from_model(make_tiny_llama(vocab_size=VOCAB, layers=2, seed=0), make_chat_tokenizer(), "tiny")

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode.lean_eagle3 import DISABLE_ENV, LeanEagle3, lean_eagle3
-from decode.proposers.eagle3 import Eagle3Proposer
-from models.eagle3 import DraftCache
-from models.packed_linear import float16_weights_supported, packed_for_inference
-from decode.lean_decoder import UNFUSED_ENV
-from models.kernels import unavailable as kernel_unavailable
-from models.kernels import vnni_unavailable
+from specdistill.decode.lean_decoder import UNFUSED_ENV
+from specdistill.decode.lean_eagle3 import DISABLE_ENV, LeanEagle3, lean_eagle3
+from specdistill.decode.proposers.eagle3 import Eagle3Proposer
+from specdistill.models.eagle3 import DraftCache
+from specdistill.models.kernels import unavailable as kernel_unavailable
+from specdistill.models.kernels import vnni_unavailable
+from specdistill.models.packed_linear import float16_weights_supported, packed_for_inference
 from tests.conftest import make_tiny_llama
 from tests.decode.test_eagle3_decode import tiny_eagle
 

@@ -4,14 +4,14 @@
 import pytest
 import torch
 
+from specdistill.decode.adaptive import DraftLengthController
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.proposers.lookahead import LookaheadProposer
+from specdistill.decode.runner import ModelRunner
+from specdistill.decode.tree import TokenTree
+from specdistill.models.lookahead import LookaheadTokens
 from tests.conftest import make_tiny_llama
 from tests.decode.test_self_draft import chi2_pvalue, exact_marginals, sample_second_and_third, target_greedy
-from decode.adaptive import DraftLengthController
-from decode.engine import SpeculativeEngine
-from decode.proposers.lookahead import LookaheadProposer
-from decode.runner import ModelRunner
-from decode.tree import TokenTree
-from models.lookahead import LookaheadTokens
 
 PROMPTS = ([1, 5, 7, 9, 11, 5, 7], [1, 3, 4], [1, 9, 9, 9, 12, 10])
 

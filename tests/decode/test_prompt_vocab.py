@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from decode.engine import SpeculativeEngine
-from decode.proposers import DraftModelProposer, build_proposer
-from decode.sampling import SamplingConfig
-from models.draft_models import reduce_head
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.proposers import DraftModelProposer, build_proposer
+from specdistill.decode.sampling import SamplingConfig
+from specdistill.models.draft_models import reduce_head
 from tests.conftest import make_tiny_llama
 
 PROMPT = list(range(1, 48, 2))  # 24 distinct odd tokens

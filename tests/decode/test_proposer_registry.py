@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-import decode.proposers.base as base
-from decode.proposers import PromptLookupProposer, WithPromptLookup, build_proposer
+import specdistill.decode.proposers.base as base
+from specdistill.decode.proposers import PromptLookupProposer, WithPromptLookup, build_proposer
 from tests.test_layout import ROOT, imported_modules
 
 KIND_MODULES = sorted(p for p in (ROOT / "decode" / "proposers").glob("*.py") if p.stem not in ("__init__", "base"))

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from models.eagle3 import default_target_layers
-from models.target import load_target
-from tests.decode.test_kernel_path_lossless import (assert_every_kind_decodes_plain_decodings_output,
-                                                    assert_the_fast_paths_ran, every_kind)
+from specdistill.models.eagle3 import default_target_layers
+from specdistill.models.target import load_target
+from tests.decode.test_kernel_path_lossless import (
+    assert_every_kind_decodes_plain_decodings_output,
+    assert_the_fast_paths_ran,
+    every_kind,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -7,12 +7,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import decode.sampling as sampling_mod
+import specdistill.decode.sampling as sampling_mod
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.proposers import DraftModelProposer, PromptLookupProposer
+from specdistill.decode.sampling import SamplingConfig, logits_to_probs, verify_sampling
+from specdistill.decode.tree import TokenTree
 from tests.conftest import make_tiny_llama
-from decode.engine import SpeculativeEngine
-from decode.proposers import DraftModelProposer, PromptLookupProposer
-from decode.sampling import SamplingConfig, logits_to_probs, verify_sampling
-from decode.tree import TokenTree
 
 P = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
 Q1 = torch.tensor([0.05, 0.10, 0.15, 0.20, 0.20, 0.30])  # a bad drafter: mass where p has little

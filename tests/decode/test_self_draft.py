@@ -3,12 +3,18 @@
 import pytest
 import torch
 
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.proposers.medusa import (
+    MedusaProposer,
+    check_tree,
+    choose_tree,
+    expected_accept_length,
+    tree_from_ranks,
+)
+from specdistill.decode.sampling import SamplingConfig
+from specdistill.models.medusa import MedusaHeads
 from tests.conftest import make_tiny_llama
 from tests.decode.test_sampling import chi2_pvalue
-from decode.engine import SpeculativeEngine
-from decode.proposers.medusa import MedusaProposer, check_tree, choose_tree, expected_accept_length, tree_from_ranks
-from decode.sampling import SamplingConfig
-from models.medusa import MedusaHeads
 
 PROMPT = [1, 5, 7, 9, 11, 5, 7]
 BRANCHY = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [2, 0], [0, 1, 0]]
@@ -147,7 +153,8 @@ def test_proposals_come_from_the_last_accepted_node(tiny_target):
     with torch.no_grad():
         out = tiny_target(input_ids=torch.tensor([PROMPT + gen.tokens]), output_hidden_states=True)
     hidden = out.hidden_states[-1][0]  # [T, D]
-    assert len(proposer.drafted_from) >= gen.stats.target_forwards - 2  # a tree per verification (not the last: 1 token left)
+    # a tree per verification (not the last: 1 token left)
+    assert len(proposer.drafted_from) >= gen.stats.target_forwards - 2
     for seq, state in proposer.drafted_from:
         torch.testing.assert_close(state, hidden[len(seq) - 2], rtol=1e-4, atol=1e-4)
 
@@ -239,7 +246,8 @@ def exact_marginals(target, prompt, vocab):
 def test_sampling_follows_the_targets_distribution(sequential):
     vocab = 12
     target = make_tiny_llama(seed=4, vocab_size=vocab, peak=2.0)
-    heads = MedusaHeads.from_target(target, num_heads=2, sequential=sequential)  # identity: plausible but shifted drafts
+    # identity: plausible but shifted drafts
+    heads = MedusaHeads.from_target(target, num_heads=2, sequential=sequential)
     if sequential:  # the tokens above move the choices
         with torch.no_grad():
             for head in heads.heads:

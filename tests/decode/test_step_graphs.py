@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode.engine import SpeculativeEngine
-from decode.proposers.draft_model import DraftModelProposer
-from decode.proposers.eagle3 import Eagle3Proposer
-from decode.proposers.prompt_lookup import PromptLookupProposer
-from decode.runner import ModelRunner
-from decode.step_graphs import BUCKETS, StaticStep, bucket_for
-from decode.tree import TokenTree, attention_bias
-from models.eagle3 import Eagle3Drafter
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.proposers.draft_model import DraftModelProposer
+from specdistill.decode.proposers.eagle3 import Eagle3Proposer
+from specdistill.decode.proposers.prompt_lookup import PromptLookupProposer
+from specdistill.decode.runner import ModelRunner
+from specdistill.decode.step_graphs import BUCKETS, StaticStep, bucket_for
+from specdistill.decode.tree import TokenTree, attention_bias
+from specdistill.models.eagle3 import Eagle3Drafter
 from tests.conftest import make_tiny_llama
 from tests.decode.test_engine import PROMPT
 
@@ -164,7 +164,7 @@ def test_the_layers_share_one_stacked_buffer_and_a_path_moves_in_one_copy():
 
 
 def test_layers_of_different_shapes_get_their_own_buffers():
-    from decode.kv_cache import SpecCache
+    from specdistill.decode.kv_cache import SpecCache
     cache = SpecCache(2, 16)
     k0, k1 = torch.randn(1, 2, 4, 8), torch.randn(1, 3, 4, 8)  # [B, H, N, D]: layer 1 has more heads
     cache.layers[0].update(k0, k0)

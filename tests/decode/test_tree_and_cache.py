@@ -2,8 +2,8 @@
 
 import torch
 
-from decode.runner import ModelRunner
-from decode.tree import TokenTree
+from specdistill.decode.runner import ModelRunner
+from specdistill.decode.tree import TokenTree
 
 PREFIX = [1, 8, 3, 12, 5]
 

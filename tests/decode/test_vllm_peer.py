@@ -8,9 +8,17 @@ import sys
 
 import pytest
 
-from decode.evaluate import EvalConfig, build_methods
-from decode.vllm_peer import (PYTHON_ENV, WORKER_MEMORY_GIB, VllmWorker, export_name, memory_shortfall, stats_from,
-                              unavailable_reason, vllm_python)
+from specdistill.decode.evaluate import EvalConfig, build_methods
+from specdistill.decode.vllm_peer import (
+    PYTHON_ENV,
+    WORKER_MEMORY_GIB,
+    VllmWorker,
+    export_name,
+    memory_shortfall,
+    stats_from,
+    unavailable_reason,
+    vllm_python,
+)
 from tests.conftest import ROOT
 from tests.decode.test_evaluate import chat_target  # noqa: F401  (fixture)
 
@@ -25,8 +33,8 @@ def test_no_vllm_environment_is_a_reason_for_each_vllm_method(monkeypatch, tmp_p
 
 
 def test_drafters_vllm_cannot_load_are_reasons_naming_them(monkeypatch, tmp_path, chat_target):  # noqa: F811
-    from decode.vllm_peer import vllm_methods
-    from models.drafters import Drafter
+    from specdistill.decode.vllm_peer import vllm_methods
+    from specdistill.models.drafters import Drafter
 
     monkeypatch.setenv(PYTHON_ENV, str(tmp_path / "missing" / "python"))
     drafters = {"truncated:1": Drafter(kind="draft_model", model=None, vocab_map=None, manifest={}, path=None),
@@ -87,9 +95,9 @@ def test_vllm_counters_become_our_statistics():
 @pytest.mark.slow
 @pytest.mark.skipif(not (ROOT / ".venv-vllm" / "bin" / "python").exists(), reason="no vLLM environment (make vllm)")
 def test_vllm_greedy_equals_our_engine_on_the_default_target():
-    from decode.engine import SpeculativeEngine
-    from decode.vllm_peer import target_directory
-    from models.target import load_target
+    from specdistill.decode.engine import SpeculativeEngine
+    from specdistill.decode.vllm_peer import target_directory
+    from specdistill.models.target import load_target
 
     target = load_target()
     prompt = target.encode_chat([{"role": "user", "content": "Name three colours and say why the sky is blue."}])
@@ -108,11 +116,11 @@ def test_vllm_runs_an_exported_draft_model_losslessly(tmp_path):
     """The real engine on a `--format vllm` export: truncated:24 of the default target as vLLM's draft model (the
     untrained shallower truncations are accepted nowhere, in either engine). Its answer is our plain decoding's, and
     its acceptance is ours for the same 5-token chains, within 15%."""
-    from decode.engine import SpeculativeEngine
-    from decode.proposers import build_proposer
-    from decode.vllm_peer import exported_config, stats_from, target_directory
-    from models.drafters import load_drafter
-    from models.target import load_target
+    from specdistill.decode.engine import SpeculativeEngine
+    from specdistill.decode.proposers import build_proposer
+    from specdistill.decode.vllm_peer import exported_config, stats_from, target_directory
+    from specdistill.models.drafters import load_drafter
+    from specdistill.models.target import load_target
 
     target = load_target()
     drafter = load_drafter("truncated:24", target)

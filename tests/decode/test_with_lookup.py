@@ -5,14 +5,20 @@ when a sampled drafter and the deterministic lookup propose at the same nodes.""
 import pytest
 import torch
 
-from decode.engine import SpeculativeEngine
-from decode.proposers import (LOOKUP_SOURCE, DraftModelProposer, PromptLookupProposer, Proposer, WithPromptLookup,
-                              build_proposer)
-from decode.proposers.medusa import MedusaProposer
-from decode.sampling import SamplingConfig
-from decode.tree import TokenTree
-from models.drafters import load_drafter
-from models.medusa import MedusaHeads
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.proposers import (
+    LOOKUP_SOURCE,
+    DraftModelProposer,
+    PromptLookupProposer,
+    Proposer,
+    WithPromptLookup,
+    build_proposer,
+)
+from specdistill.decode.proposers.medusa import MedusaProposer
+from specdistill.decode.sampling import SamplingConfig
+from specdistill.decode.tree import TokenTree
+from specdistill.models.drafters import load_drafter
+from specdistill.models.medusa import MedusaHeads
 from tests.conftest import make_tiny_llama
 from tests.decode.test_engine import target_greedy
 from tests.decode.test_sampling import chi2_pvalue, exact_marginals
@@ -29,8 +35,8 @@ class FixedChain(Proposer):
 
 
 def test_lookup_chain_merges_into_the_inner_tree_with_shared_prefixes_once():
-    tree = WithPromptLookup(FixedChain(), PromptLookupProposer(4), lookup_first=0).propose(REPEATING, 4, SamplingConfig(),
-                                                                                         None)
+    tree = WithPromptLookup(FixedChain(), PromptLookupProposer(4), lookup_first=0).propose(REPEATING, 4,
+                                                                                         SamplingConfig(), None)
     # inner: 7 -> 9 -> 8; lookup after "5 7": 9 3 5 7, sharing the 9
     assert tree.tokens == [7, 9, 8, 3, 5, 7]
     assert tree.parents == [-1, 0, 1, 1, 3, 4]

@@ -4,8 +4,8 @@ from collections import Counter
 
 import torch
 
-from distill.batching import batches_by_length, collate, fit_to_length, with_absent_column
-from distill.vocab import coverage, inverse_map, select_draft_vocab
+from specdistill.distill.batching import batches_by_length, collate, fit_to_length, with_absent_column
+from specdistill.distill.vocab import coverage, inverse_map, select_draft_vocab
 
 
 def test_labels_sit_where_logits_predict_the_response():
@@ -52,7 +52,7 @@ def test_reduced_vocab_maps_labels_and_drops_absent_ones():
 
 
 def test_tokens_to_add_are_the_most_frequent_absent_ones_above_the_count_floor():
-    from distill.vocab import tokens_to_add
+    from specdistill.distill.vocab import tokens_to_add
 
     counts = Counter({5: 9, 7: 4, 8: 4, 2: 50, 11: 2, 13: 6})
     vocab_map = torch.tensor([2, 5])

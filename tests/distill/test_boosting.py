@@ -7,9 +7,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distill.batching import collate
-from distill.boosting import (boost_weights, collate_weighted, coverage_report, covers, teacher_forced_coverage,
-                              weighted_token_ce)
+from specdistill.distill.batching import collate
+from specdistill.distill.boosting import (
+    boost_weights,
+    collate_weighted,
+    coverage_report,
+    covers,
+    teacher_forced_coverage,
+    weighted_token_ce,
+)
 from tests.conftest import make_tiny_llama
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distill.feature_cache import compute_shard, feature_cache_dir, feature_cache_key, open_or_build
-from distill.feature_capture import FeatureStaging, LayerCapture
-from distill.generation import generate_batch
+from specdistill.distill.feature_cache import compute_shard, feature_cache_dir, feature_cache_key, open_or_build
+from specdistill.distill.feature_capture import FeatureStaging, LayerCapture
+from specdistill.distill.generation import generate_batch
 from tests.train.support import peaked_tiny_target
 
 VOCAB = 32

@@ -10,12 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from distill.followups import FOLLOW_UPS, follow_up_prompts, load_follow_ups
-from distill.prompts import Prompt
+from specdistill.distill.followups import FOLLOW_UPS, follow_up_prompts, load_follow_ups
+from specdistill.distill.prompts import Prompt
+from specdistill.train import distill_steps as steps
+from specdistill.train.config import ConfigError
+from specdistill.train.distill_config import DistillConfig
 from tests.distill.conftest import IM_END, make_tiny_target, make_tiny_tokenizer
-from train import distill_steps as steps
-from train.config import ConfigError
-from train.distill_config import DistillConfig
 
 TOKENIZER = make_tiny_tokenizer()
 EOS = {TOKENIZER.eos_token_id, IM_END}

@@ -8,9 +8,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distill.losses import (
-    LOSS_KINDS, TopK, count_tokens, cross_entropy_loss, distill_loss, forward_kl, jsd, reverse_kl,
-    token_normalized, total_variation,
+from specdistill.distill.losses import (
+    LOSS_KINDS,
+    TopK,
+    count_tokens,
+    cross_entropy_loss,
+    distill_loss,
+    forward_kl,
+    jsd,
+    reverse_kl,
+    token_normalized,
+    total_variation,
 )
 
 DIVERGENCES = ("fkl", "rkl", "jsd", "tvd")
@@ -73,7 +81,8 @@ def test_cross_entropy_matches_torch_with_ignored_labels():
     labels = torch.randint(0, 10, (3, 6), generator=torch.Generator().manual_seed(0))
     mask = torch.rand(3, 6, generator=torch.Generator().manual_seed(1)) > 0.3
     expected = F.cross_entropy(draft.reshape(-1, 10), labels.masked_fill(~mask, -100).reshape(-1))
-    assert cross_entropy_loss(draft, labels.masked_fill(~mask, -100), mask).item() == pytest.approx(expected.item(), rel=1e-5)
+    assert (cross_entropy_loss(draft, labels.masked_fill(~mask, -100), mask).item()
+            == pytest.approx(expected.item(), rel=1e-5))
 
 
 # ---- JSD convention -----------------------------------------------------------------------------
@@ -104,7 +113,8 @@ def test_jsd_is_rescaled_gkd():
 @pytest.mark.parametrize("seed", range(5))
 def test_tvd_is_in_unit_interval(seed):
     for scale in (0.1, 3.0, 30.0):
-        draft, target = random_logits(4, 6, 13, seed=seed, scale=scale), random_logits(4, 6, 13, seed=seed + 50, scale=scale)
+        draft, target = (random_logits(4, 6, 13, seed=seed, scale=scale),
+                         random_logits(4, 6, 13, seed=seed + 50, scale=scale))
         per_token = total_variation(draft, target, reduction="none")
         assert (per_token >= 0).all() and (per_token <= 1).all()
         topk = total_variation(draft, full_topk(target, 4), reduction="none")
@@ -250,7 +260,7 @@ def test_bad_arguments_are_named():
 
 def test_outcomes_without_mass_on_either_side_keep_gradients_finite():
     """A top-k slot with -inf on both sides (an id outside a reduced head) must not poison the gradient."""
-    from distill.losses import TopK, distill_loss
+    from specdistill.distill.losses import TopK, distill_loss
 
     logits = torch.randn(1, 2, 5, requires_grad=True)
     with_absent = torch.cat([logits, torch.full((1, 2, 1), float("-inf"))], -1)

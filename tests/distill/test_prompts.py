@@ -8,9 +8,14 @@ import json
 import datasets
 import pytest
 
-import distill.prompts as prompts_module
-from distill.prompts import (
-    exclusion_texts, load_prompt_sources, load_prompts, normalize_text, parse_prompt_spec, sample_self_prompts,
+import specdistill.distill.prompts as prompts_module
+from specdistill.distill.prompts import (
+    exclusion_texts,
+    load_prompt_sources,
+    load_prompts,
+    normalize_text,
+    parse_prompt_spec,
+    sample_self_prompts,
 )
 from tests.conftest import SHARED_DATA
 

@@ -8,11 +8,16 @@ import shutil
 import pytest
 import torch
 
-import distill.teacher_data as teacher_data
-from distill.batching import collate
-from distill.losses import TopK, distill_loss
-from distill.prompts import Prompt
-from distill.teacher_data import TeacherDataSettings, generate_teacher_data, load_teacher_data, teacher_data_key
+import specdistill.distill.teacher_data as teacher_data
+from specdistill.distill.batching import collate
+from specdistill.distill.losses import TopK, distill_loss
+from specdistill.distill.prompts import Prompt
+from specdistill.distill.teacher_data import (
+    TeacherDataSettings,
+    generate_teacher_data,
+    load_teacher_data,
+    teacher_data_key,
+)
 from tests.distill.conftest import make_tiny_target
 
 WORDS = [f"w{i}" for i in range(50)]
@@ -48,9 +53,14 @@ def test_rows_are_deterministic_under_a_seed(target, tmp_path):
     assert first == again
     other_seed = TeacherDataSettings(**{**SETTINGS.__dict__, "seed": 6})
     other = rows(generate_teacher_data(target, prompts, other_seed, out_dir=tmp_path / "c"))
-    sampled = lambda data: [r["response_ids"] for r in data if r["sample_idx"] > 0]
+
+    def sampled(data):
+        return [r["response_ids"] for r in data if r["sample_idx"] > 0]
+
+    def greedy(data):
+        return [r["response_ids"] for r in data if r["sample_idx"] == 0]
+
     assert sampled(other) != sampled(first)
-    greedy = lambda data: [r["response_ids"] for r in data if r["sample_idx"] == 0]
     assert greedy(other) == greedy(first)                   # the seed only moves the samples
 
 
@@ -140,8 +150,10 @@ def test_resume_regenerates_only_missing_shards(target, tmp_path, monkeypatch):
 def test_processes_split_shards_and_together_equal_one_process(target, tmp_path):
     prompts = make_prompts(5)
     single = rows(generate_teacher_data(target, prompts, SETTINGS, out_dir=tmp_path / "one"))
-    part0 = rows(generate_teacher_data(target, prompts, SETTINGS, out_dir=tmp_path / "two", process_index=0, num_processes=2))
-    part1 = rows(generate_teacher_data(target, prompts, SETTINGS, out_dir=tmp_path / "two", process_index=1, num_processes=2))
+    part0 = rows(generate_teacher_data(target, prompts, SETTINGS, out_dir=tmp_path / "two", process_index=0,
+                                       num_processes=2))
+    part1 = rows(generate_teacher_data(target, prompts, SETTINGS, out_dir=tmp_path / "two", process_index=1,
+                                       num_processes=2))
     assert {r["prompt_id"] for r in part0} == {"p0", "p1", "p4"} and {r["prompt_id"] for r in part1} == {"p2", "p3"}
     assert rows(load_teacher_data(tmp_path / "two")) == single
     with pytest.raises(ValueError, match="process_index"):
@@ -195,7 +207,7 @@ class TeacherFromTarget:
         self.target = target
 
     def responses(self, prompts, samples, max_new_tokens, temperature, top_p):
-        from distill.generation import generate_batch
+        from specdistill.distill.generation import generate_batch
         TeacherFromTarget.calls.append((len(prompts), list(samples), temperature, top_p))
         eos = set(self.target.eos_token_ids)
         return [generate_batch(self.target.model, [p], max_new_tokens=max_new_tokens, pad_id=0, eos_token_ids=eos)[0]
@@ -252,7 +264,7 @@ def test_vllm_backend_asks_for_seeded_samples(target, tmp_path, monkeypatch):
 
 
 def test_vllm_backend_without_its_environment_is_a_clear_error(target, tmp_path, monkeypatch):
-    from models.vllm_env import PYTHON_ENV
+    from specdistill.models.vllm_env import PYTHON_ENV
     monkeypatch.setenv(PYTHON_ENV, str(tmp_path / "missing" / "python"))
     settings = TeacherDataSettings(**{**SETTINGS.__dict__, "backend": "vllm"})
     with pytest.raises(RuntimeError, match="teacher_backend vllm: no vLLM environment.*make vllm"):

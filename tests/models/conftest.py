@@ -8,8 +8,8 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import PreTrainedTokenizerFast
 
+from specdistill.models.target import Target, target_from_model
 from tests.conftest import make_tiny_llama
-from models.target import Target, target_from_model
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0..3, matching make_tiny_llama's pad/bos/eos ids
 

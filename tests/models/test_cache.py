@@ -11,10 +11,10 @@ import zipfile
 
 import pytest
 
-import models.embedded as embedded
-import models.gguf_convert as gguf_convert
-from models.cache import MARKER, CacheCorruptError, check_cached_model
-from models.target import load_target
+import specdistill.models.embedded as embedded
+import specdistill.models.gguf_convert as gguf_convert
+from specdistill.models.cache import MARKER, CacheCorruptError, check_cached_model
+from specdistill.models.target import load_target
 from tests.conftest import make_tiny_llama
 from tests.models.conftest import make_tiny_tokenizer
 
@@ -65,7 +65,7 @@ def test_directory_without_marker_is_rebuilt_not_used(cache, conversions, fake_g
     embedded.embedded_target_dir()
     assert len(conversions) == 1 and (final / MARKER).is_file()
     assert load_target(None).fingerprint == load_target(str(final)).fingerprint
-    from models.fingerprint import weights_fingerprint
+    from specdistill.models.fingerprint import weights_fingerprint
     assert weights_fingerprint(load_target(None).model) == weights_fingerprint(make_tiny_llama(seed=1))
 
 

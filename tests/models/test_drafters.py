@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from models import drafters as drafters_module
-from models.draft_models import apply_lora, build_small_drafter, build_truncated_drafter
-from models.drafters import MANIFEST, load_drafter, save_drafter
+from specdistill.models import drafters as drafters_module
+from specdistill.models.draft_models import apply_lora, build_small_drafter, build_truncated_drafter
+from specdistill.models.drafters import MANIFEST, load_drafter, save_drafter
 
 TOKENS = torch.tensor([[1, 5, 9, 17, 33, 5, 9, 60]])  # [B=1, T=8]
 
@@ -143,7 +143,7 @@ def test_save_load_round_trip_gives_identical_logits(make_target, tmp_path, tie)
 
 
 def test_reduced_vocabulary_round_trip(target, tmp_path):
-    from models.draft_models import replace_output_head
+    from specdistill.models.draft_models import replace_output_head
 
     draft = build_truncated_drafter(target.model, 1)
     vocab_map = torch.tensor([2, 7, 9, 11, 40, 63])
@@ -178,7 +178,7 @@ def test_loading_against_another_target_raises_naming_both(make_target, tmp_path
 
 
 def test_loading_with_another_tokenizer_raises_even_when_allowed(target, tmp_path, tiny_tokenizer):
-    from models.target import target_from_model
+    from specdistill.models.target import target_from_model
     from tests.models.conftest import make_tiny_tokenizer
 
     path = save_drafter(tmp_path / "d", None, target, "prompt_lookup", {})
@@ -277,7 +277,7 @@ def test_lora_is_merged_on_save(target, tmp_path):
 
 
 def test_full_vocab_view_of_a_reduced_head_scores_only_its_tokens():
-    from models.draft_models import full_vocab_view, reduce_head
+    from specdistill.models.draft_models import full_vocab_view, reduce_head
     from tests.conftest import make_tiny_llama
 
     model = make_tiny_llama(seed=2)
@@ -294,7 +294,7 @@ def test_full_vocab_view_of_a_reduced_head_scores_only_its_tokens():
 
 
 def test_a_grown_head_scores_new_tokens_as_the_tied_full_head_would_and_keeps_the_old_rows():
-    from models.draft_models import grow_head, reduce_head
+    from specdistill.models.draft_models import grow_head, reduce_head
     from tests.conftest import make_tiny_llama
 
     model = make_tiny_llama(seed=3, tie=True)

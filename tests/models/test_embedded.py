@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-import models.gguf_convert as gguf_convert
-from models.target import DEFAULT_TARGET, load_target
+import specdistill.models.gguf_convert as gguf_convert
+from specdistill.models.target import DEFAULT_TARGET, load_target
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +39,7 @@ def test_default_target_is_smollm2_and_answers_coherently(monkeypatch):
 
 def test_gguf_file_spec_gives_the_default_targets_weights(tmp_path, monkeypatch):
     """Loading the GGUF file by path converts it independently (own cache); same weights, same fingerprint."""
-    import models.embedded as embedded
+    import specdistill.models.embedded as embedded
 
     default = load_target(None)
     gguf = embedded.locate_embedded_gguf(tmp_path / "download")

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from models.drafters import save_drafter
-from models.eagle3 import Eagle3Drafter
-from models.export import (
+from specdistill.models.drafters import save_drafter
+from specdistill.models.eagle3 import Eagle3Drafter
+from specdistill.models.export import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     draft_logits_from_export,
@@ -19,9 +19,9 @@ from models.export import (
     load_speculators_export,
     main,
 )
-from models.target import load_target
-from tests.models.conftest import make_tiny_target, make_tiny_tokenizer
+from specdistill.models.target import load_target
 from tests.conftest import make_tiny_llama
+from tests.models.conftest import make_tiny_target, make_tiny_tokenizer
 
 # The names vLLM's Eagle3LlamaForCausalLM.load_weights accepts (vllm/model_executor/models/llama_eagle3.py,
 # read at commit 00bd1493): "midlayer." or "layers.0." for the decoder layer; q/k/v_proj and gate/up_proj

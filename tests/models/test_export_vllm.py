@@ -15,12 +15,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from models.draft_models import build_truncated_drafter, reduce_head
-from models.drafters import save_drafter
-from models.export import export_for_vllm, main
-from models.export_vllm import PROVENANCE_FILE, full_vocabulary_rows
-from models.medusa import MedusaHeads
-from models.target import load_target
+from specdistill.models.draft_models import build_truncated_drafter, reduce_head
+from specdistill.models.drafters import save_drafter
+from specdistill.models.export import export_for_vllm, main
+from specdistill.models.export_vllm import PROVENANCE_FILE, full_vocabulary_rows
+from specdistill.models.medusa import MedusaHeads
+from specdistill.models.target import load_target
 from tests.conftest import make_tiny_llama
 from tests.models.conftest import make_tiny_target, make_tiny_tokenizer
 

@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-from models.fingerprint import fingerprint_target, tokenizer_fingerprint, weights_fingerprint
+from specdistill.models.fingerprint import fingerprint_target, tokenizer_fingerprint, weights_fingerprint
 from tests.conftest import make_tiny_llama
 from tests.models.conftest import make_tiny_tokenizer
 

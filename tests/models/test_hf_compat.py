@@ -3,8 +3,8 @@ import warnings
 
 import torch
 
-from decode.runner import ModelRunner
-from models.hf_compat import cache_argument, output_cache
+from specdistill.decode.runner import ModelRunner
+from specdistill.models.hf_compat import cache_argument, output_cache
 
 
 class OldStyle(torch.nn.Module):

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from models import kernels
-from models.kernels import build
+from specdistill.models import kernels
+from specdistill.models.kernels import build
 
 needs_kernel = pytest.mark.skipif(kernels.unavailable() is not None,
                                   reason=f"the kernel library: {kernels.unavailable()}")

@@ -6,14 +6,37 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import kernels
-from models.kernel_linear import (GreedyHead, Q8Int8Linear, Q41Linear, Q80Linear, head_for_inference,
-                                  int8_inference_copy, q41_or_packed, q41_usable, q80_inference_copy, q80_usable)
-from models.kernels import MAX_ROWS, NO_AMX_ENV, amx_unavailable, vnni_unavailable
-from models.packed_linear import PackedLinear
-from models.quant_formats import (Q8Int8Weight, Q41Weight, grid_deviation, int8_rows, pack_q8_int8, pack_q41,
-                                  pack_q80, q80_codes, q80_deviation, q80_rounded, scales_are_fp16, unpack_q8_int8,
-                                  unpack_q41, unpack_q80)
+from specdistill.models import kernels
+from specdistill.models.kernel_linear import (
+    GreedyHead,
+    Q8Int8Linear,
+    Q41Linear,
+    Q80Linear,
+    head_for_inference,
+    int8_inference_copy,
+    q41_or_packed,
+    q41_usable,
+    q80_inference_copy,
+    q80_usable,
+)
+from specdistill.models.kernels import MAX_ROWS, NO_AMX_ENV, amx_unavailable, vnni_unavailable
+from specdistill.models.packed_linear import PackedLinear
+from specdistill.models.quant_formats import (
+    Q8Int8Weight,
+    Q41Weight,
+    grid_deviation,
+    int8_rows,
+    pack_q8_int8,
+    pack_q41,
+    pack_q80,
+    q80_codes,
+    q80_deviation,
+    q80_rounded,
+    scales_are_fp16,
+    unpack_q8_int8,
+    unpack_q41,
+    unpack_q80,
+)
 
 
 def q41_matrix(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -429,7 +452,8 @@ def boundary_calls(lib):
           (dict(m=q41.minimum.T.contiguous().T), ValueError, "m must be contiguous")]),
         ("Q41Matrix.gemm", lambda a: lib.Q41Matrix(q41.packed, q41.step, q41.minimum).gemm(a["x"]), dict(x=x),
          [(dict(x=x.double()), TypeError, "x must be float"), (dict(x=torch.randn(3, 96)), ValueError, "x must be"),
-          (dict(x=strided), ValueError, "x must be contiguous"), (dict(x=torch.randn(0, 64)), ValueError, "x must be")]),
+          (dict(x=strided), ValueError, "x must be contiguous"),
+          (dict(x=torch.randn(0, 64)), ValueError, "x must be")]),
         ("q80_gemm", lambda a: lib.q80_gemm(a["x"], a["codes"], a["d"]), dict(x=x, codes=q80.codes, d=q80.step),
          [(dict(codes=q80.codes.int()), TypeError, "codes must be"), (dict(d=q80.step[:, :1]), ValueError, "d must"),
           (dict(x=strided), ValueError, "contiguous")]),

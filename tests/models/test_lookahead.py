@@ -4,11 +4,11 @@ directory round trip with its target check."""
 import pytest
 import torch
 
+from specdistill.decode.proposers import build_proposer
+from specdistill.decode.proposers.lookahead import LookaheadProposer
+from specdistill.models.drafters import load_drafter, save_drafter
+from specdistill.models.lookahead import LookaheadTokens
 from tests.models.conftest import make_tiny_target
-from decode.proposers import build_proposer
-from decode.proposers.lookahead import LookaheadProposer
-from models.drafters import load_drafter, save_drafter
-from models.lookahead import LookaheadTokens
 
 
 def test_only_k_by_d_parameters_starting_near_the_mean_embedding():

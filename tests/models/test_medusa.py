@@ -3,10 +3,10 @@
 import pytest
 import torch
 
+from specdistill.models.drafters import load_drafter, save_drafter
+from specdistill.models.medusa import MedusaHeads
 from tests.conftest import make_tiny_llama
 from tests.models.conftest import make_tiny_target
-from models.drafters import load_drafter, save_drafter
-from models.medusa import MedusaHeads
 
 
 def test_layers_do_not_share_weights():
@@ -120,7 +120,7 @@ def test_prefix_layer_starts_as_the_identity():
 def test_prefix_layer_extended_piece_by_piece_is_one_causal_pass():
     """Decoding feeds the prefix layer a few accepted rows at a time through its KV cache: the outputs
     must be those of one causal pass over the whole sequence, and no row may see a later one."""
-    from models.medusa import PrefixCache
+    from specdistill.models.medusa import PrefixCache
 
     target = make_tiny_llama(seed=3)
     heads = prefix_heads(target)

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from decode.engine import SpeculativeEngine
-from decode.proposers import DraftModelProposer
-from models import packed_linear
-from models.packed_linear import DISABLE_ENV, GEMM_PAD_ENV, PackedLinear, gemm_padding, packed_for_inference
-from decode.runner import ModelRunner
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.proposers import DraftModelProposer
+from specdistill.decode.runner import ModelRunner
+from specdistill.models import packed_linear
+from specdistill.models.packed_linear import DISABLE_ENV, GEMM_PAD_ENV, PackedLinear, gemm_padding, packed_for_inference
 from tests.conftest import make_tiny_llama
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not built in")

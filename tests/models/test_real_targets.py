@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import models.real_targets as real_targets
-import models.target as target_module
-from models.cache import CacheCorruptError
-from models.real_targets import REAL_TARGETS, PartedGGUF, fetch_gguf, gguf_path
+import specdistill.models.real_targets as real_targets
+import specdistill.models.target as target_module
+from specdistill.models.cache import CacheCorruptError
+from specdistill.models.real_targets import REAL_TARGETS, PartedGGUF, fetch_gguf, gguf_path
 
 VERSION = "0.1.0"
 HIDDEN, VOCAB, LAYERS = 8, 32, 2

@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-import models.target as target_module
-from models.fingerprint import fingerprint_target
-from models.target import HubUnreachableError, load_target, target_from_model
+import specdistill.models.target as target_module
+from specdistill.models.fingerprint import fingerprint_target
+from specdistill.models.target import HubUnreachableError, load_target, target_from_model
 from tests.conftest import make_tiny_llama
 from tests.models.conftest import make_tiny_tokenizer
 

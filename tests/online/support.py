@@ -11,8 +11,8 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import PreTrainedTokenizerFast
 
-from models.drafters import save_drafter
-from models.target import Target, target_from_model
+from specdistill.models.drafters import save_drafter
+from specdistill.models.target import Target, target_from_model
 from tests.conftest import make_tiny_llama
 
 VOCAB = 64
@@ -71,7 +71,7 @@ def save_target_dir(path: Path, seed: int = 0, peak: float = 4.0) -> Path:
 def served_record(target: Target, request_id: str, prompt_ids: list[int], max_tokens: int = 12,
                   version: str = "v000000") -> dict:
     """A log record as the server writes it, with the target's real greedy output."""
-    from decode.request_log import SCHEMA_VERSION
+    from specdistill.decode.request_log import SCHEMA_VERSION
 
     out = greedy_reference(target, prompt_ids, max_tokens)
     return {"schema": SCHEMA_VERSION, "id": request_id, "time": 0.0, "endpoint": "completions", "model": "tiny",

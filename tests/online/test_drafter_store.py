@@ -6,11 +6,17 @@ import os
 
 import pytest
 
-import models.drafter_store as store_mod
-from models.drafter_store import (StoreError, current_path, current_version, init_store, list_versions,
-                                  set_manifest_extra,
-                                  publish_version)
-from models.drafters import load_drafter
+import specdistill.models.drafter_store as store_mod
+from specdistill.models.drafter_store import (
+    StoreError,
+    current_path,
+    current_version,
+    init_store,
+    list_versions,
+    publish_version,
+    set_manifest_extra,
+)
+from specdistill.models.drafters import load_drafter
 from tests.conftest import make_tiny_llama
 from tests.online.support import VOCAB, make_target, save_tiny_drafter
 

@@ -13,15 +13,15 @@ import time
 
 import pytest
 
-from decode.request_log import RequestLogWriter, segment_name
-from models.drafter_store import current_version, list_versions
-from models.target import load_target
+from specdistill.decode.request_log import RequestLogWriter, segment_name
+from specdistill.models.drafter_store import current_version, list_versions
+from specdistill.models.target import load_target
+from specdistill.train.config import ConfigError
+from specdistill.train.online import OnlineDaemon
+from specdistill.train.online_config import OnlineConfig
+from specdistill.train.online_state import DEAD, METRICS, STATE, USED
 from tests.conftest import ROOT
 from tests.online.support import prompt_for, save_target_dir, save_tiny_drafter, served_record
-from train.config import ConfigError
-from train.online import OnlineDaemon
-from train.online_config import OnlineConfig
-from train.online_state import DEAD, METRICS, STATE, USED
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def used_ids(work):
 
 
 def drain(daemon):
-    from decode.request_log import read_lines
+    from specdistill.decode.request_log import read_lines
     while lines := read_lines(daemon.cfg.log_dir, daemon.state.position, daemon.cfg.read_batch):
         daemon.ingest(lines)
 
@@ -80,10 +80,10 @@ def test_a_crash_inside_a_commit_neither_loses_nor_repeats_a_request(env, tmp_pa
     write_log(tmp_path, env["records"][:15])
     cfg = config(env, tmp_path)
     daemon = OnlineDaemon(cfg)
-    from decode.request_log import read_lines
+    from specdistill.decode.request_log import read_lines
     daemon.ingest(read_lines(cfg.log_dir, daemon.state.position, 5))  # one clean commit first
 
-    import train.online_state as st
+    import specdistill.train.online_state as st
 
     class Crash(Exception):
         pass
@@ -169,7 +169,8 @@ def test_sigkill_at_random_points_during_a_stream_then_restart_uses_every_reques
     from collections import Counter
     twice = [i for i, n in Counter(ids).items() if n > 1]
     missing = sorted({r["id"] for r in env["records"]} - set(ids))
-    assert not twice and not missing, f"after {kills} kills: used twice {twice}, missing {missing}; {final.stderr[-3000:]}"
+    assert not twice and not missing, (f"after {kills} kills: used twice {twice}, missing {missing}; "
+                                       f"{final.stderr[-3000:]}")
     state = json.loads((tmp_path / "work" / STATE).read_text())
     assert state["counters"]["ingested"] == 40 and state["counters"]["updates"] >= 1
     assert current_version(tmp_path / "store") in list_versions(tmp_path / "store")
@@ -189,7 +190,7 @@ def test_an_update_publishes_a_better_candidate_and_rolls_back_a_worse_one(env, 
 
     import torch
 
-    import train.online as online
+    import specdistill.train.online as online
 
     def sabotage(model, *a, **k):
         with torch.no_grad():
@@ -215,7 +216,7 @@ def test_config_errors_name_the_field(env, tmp_path):
 
 
 def test_plot_reads_a_daemon_journal(env, tmp_path):
-    from train.tools.plot_online import from_daemon_journal, plot
+    from specdistill.train.tools.plot_online import from_daemon_journal, plot
 
     write_log(tmp_path, env["records"][:24])
     daemon = OnlineDaemon(config(env, tmp_path))
@@ -231,10 +232,10 @@ def test_vocab_growth_adds_the_traffics_missing_tokens_to_a_reduced_head_and_pub
         env, tmp_path, monkeypatch):
     import torch
 
-    import train.online as online
-    from distill.vocab import count_response_tokens
-    from models.draft_models import reduce_head
-    from models.drafters import load_drafter, save_drafter
+    import specdistill.train.online as online
+    from specdistill.distill.vocab import count_response_tokens
+    from specdistill.models.draft_models import reduce_head
+    from specdistill.models.drafters import load_drafter, save_drafter
     from tests.conftest import make_tiny_llama
     from tests.online.support import VOCAB
 
@@ -262,10 +263,10 @@ def test_vocab_growth_adds_the_traffics_missing_tokens_to_a_reduced_head_and_pub
 
 
 def test_the_guard_comes_from_the_anchor_only_and_rehearsal_data_is_rehearsed_whole(env, tmp_path):
-    from distill.prompts import Prompt
-    from distill.teacher_data import TeacherDataSettings, generate_teacher_data
+    from specdistill.distill.prompts import Prompt
+    from specdistill.distill.teacher_data import TeacherDataSettings, generate_teacher_data
+    from specdistill.train.online import load_anchors
     from tests.online.support import words
-    from train.online import load_anchors
 
     settings = TeacherDataSettings(max_new_tokens=6, greedy=True, batch_size=4)
 
@@ -289,10 +290,10 @@ def test_a_drafter_served_with_prompt_vocab_is_judged_and_trained_with_it_and_it
         env, tmp_path, monkeypatch):
     import torch
 
-    import train.online as online
-    import train.online_learn as learn
-    from models.draft_models import reduce_head
-    from models.drafters import load_drafter, save_drafter
+    import specdistill.train.online as online
+    import specdistill.train.online_learn as learn
+    from specdistill.models.draft_models import reduce_head
+    from specdistill.models.drafters import load_drafter, save_drafter
     from tests.conftest import make_tiny_llama
     from tests.online.support import VOCAB
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from distill.prompts import load_prompts, normalize_text
-from train.tools.online_demo import drafter_training_texts
+from specdistill.distill.prompts import load_prompts, normalize_text
+from specdistill.train.tools.online_demo import drafter_training_texts
 
 
 def test_the_anchor_excludes_the_drafters_file_prompts_with_their_limits(tmp_path):
@@ -27,8 +27,8 @@ def test_a_drafter_without_a_training_config_excludes_nothing(tmp_path):
 def test_finish_refuses_a_run_whose_stream_did_not_complete(tmp_path):
     import pytest
 
-    from decode.request_log import segment_name
-    from train.tools.online_demo import check_finishable
+    from specdistill.decode.request_log import segment_name
+    from specdistill.train.tools.online_demo import check_finishable
 
     with pytest.raises(SystemExit, match="no served run"):
         check_finishable(tmp_path, tmp_path / "store", tmp_path / "logs", 3)

@@ -8,15 +8,20 @@ import random
 import pytest
 import torch
 
-from decode.engine import SpeculativeEngine
-from decode.proposers import DraftModelProposer
-from distill.batching import collate
-from distill.replay import Entry, ReplayBuffer, is_held_out, mismatch_priority
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.proposers import DraftModelProposer
+from specdistill.distill.batching import collate
+from specdistill.distill.replay import Entry, ReplayBuffer, is_held_out, mismatch_priority
+from specdistill.train.online_config import OnlineConfig
+from specdistill.train.online_learn import (
+    acceptance,
+    kd_step_loss,
+    score_requests,
+    simulate_chain_acceptance,
+    train_candidate,
+)
 from tests.conftest import make_tiny_llama
 from tests.online.support import VOCAB, make_target, prompt_for
-from train.online_config import OnlineConfig
-from train.online_learn import (acceptance, kd_step_loss, score_requests, simulate_chain_acceptance,
-                                 train_candidate)
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +157,7 @@ def test_prompt_weight_zero_positions_leave_the_loss_of_the_outputs_alone(target
 
 
 def test_a_negative_prompt_weight_is_refused():
-    from train.config import ConfigError
+    from specdistill.train.config import ConfigError
     with pytest.raises(ConfigError, match="prompt_weight"):
         OnlineConfig(log_dir="x", store="y", work_dir="z", prompt_weight=-1.0)
 
@@ -165,4 +170,5 @@ def test_replay_buffer_evicts_oldest_and_samples_by_priority():
     draws = [e.id for e in buf.sample(1000, random.Random(0))]
     assert draws.count("e3") > 900
     assert mismatch_priority([1, 2, 3], [1, 0, 0]) == 3.0
-    assert is_held_out("abc", 0) is False and [is_held_out(f"id{i}", 5) for i in range(200)].count(True) in range(20, 60)
+    assert is_held_out("abc", 0) is False
+    assert [is_held_out(f"id{i}", 5) for i in range(200)].count(True) in range(20, 60)

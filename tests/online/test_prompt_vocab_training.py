@@ -11,17 +11,22 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from decode.engine import SpeculativeEngine
-from decode.proposers import DraftModelProposer
-from distill.batching import collate
-from distill.prompt_vocab import (extended_logits, extra_id_matrix, indices_to_target, prompt_only_tokens,
-                                  with_prompt_vocab)
-from distill.replay import Entry, ReplayBuffer
-from distill.vocab import inverse_map
-from models.draft_models import reduce_head
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.proposers import DraftModelProposer
+from specdistill.distill.batching import collate
+from specdistill.distill.prompt_vocab import (
+    extended_logits,
+    extra_id_matrix,
+    indices_to_target,
+    prompt_only_tokens,
+    with_prompt_vocab,
+)
+from specdistill.distill.replay import Entry, ReplayBuffer
+from specdistill.distill.vocab import inverse_map
+from specdistill.models.draft_models import reduce_head
+from specdistill.train.online_config import OnlineConfig
+from specdistill.train.online_learn import acceptance, score_requests, train_candidate
 from tests.conftest import make_tiny_llama
-from train.online_config import OnlineConfig
-from train.online_learn import acceptance, score_requests, train_candidate
 
 V = 64
 PROMPT = list(range(1, 48, 2))  # 24 distinct odd tokens
@@ -71,7 +76,8 @@ def test_extended_logits_are_the_tied_full_heads_and_the_engines(tied_target):
     # inside the prompt, a prompt-only token's column opens where the text first reads it (PROMPT[j] at j)
     for t in range(len(PROMPT)):
         opened = got[t, len(base):]
-        assert torch.isinf(opened[t + 1:]).all() and torch.allclose(opened[:t + 1], full[t, PROMPT[:10]][:t + 1], atol=1e-4)
+        assert torch.isinf(opened[t + 1:]).all()
+        assert torch.allclose(opened[:t + 1], full[t, PROMPT[:10]][:t + 1], atol=1e-4)
         assert torch.allclose(got[t, :len(base)], full[t, base], atol=1e-4)
 
 
@@ -135,7 +141,7 @@ def prompt_position_batches(tied_target):
 def test_the_daemons_loss_stays_bounded_with_prompt_weight_and_prompt_vocab(tied_target, loss):
     """Every batch with prompt positions holds some prompt-only token's first appearance; a target id
     mapped to its still-closed (-inf) column made the loss infinite (fkl 2e36 here: the losses' floor of -inf)."""
-    from train.online_learn import kd_step_loss
+    from specdistill.train.online_learn import kd_step_loss
 
     drafter, batch = prompt_position_batches(tied_target)
     value = kd_step_loss(drafter, batch(), loss, 0.5, 0.25)
@@ -146,7 +152,7 @@ def test_ce_leaves_out_a_greedy_token_the_head_cannot_draft(tied_target):
     """At a prompt position the label is the prompt's next token (in the head), yet the target's greedy
     token there may be outside it (the absent column): ce on it was -log 0 = inf. It must leave the loss,
     which then equals the loss over the other positions."""
-    from train.online_learn import kd_step_loss
+    from specdistill.train.online_learn import kd_step_loss
 
     drafter, batch = prompt_position_batches(tied_target)
     plain = batch()
@@ -227,8 +233,8 @@ def test_train_candidate_refuses_prompt_vocab_on_a_full_head(tied_target):
 
 
 def test_the_daemon_follows_the_served_manifest_unless_told():
-    from train.config import ConfigError
-    from train.online import resolve_prompt_vocab
+    from specdistill.train.config import ConfigError
+    from specdistill.train.online import resolve_prompt_vocab
 
     reduced_on = SimpleNamespace(vocab_map=without(PROMPT), manifest={"extra": {"prompt_vocab": True}})
     reduced_off = SimpleNamespace(vocab_map=without(PROMPT), manifest={"extra": {}})

@@ -1,17 +1,18 @@
-"""`specdistill replay-online` (train.tools.replay_online): a logged stream replayed through the daemon's update rule, offline."""
+"""`specdistill replay-online` (train.tools.replay_online): a logged stream replayed through the daemon's update
+rule, offline."""
 
 from __future__ import annotations
 
 import json
 
-from decode.request_log import RequestLogWriter
-from distill.replay import is_held_out
-from models.target import load_target
+from specdistill.decode.request_log import RequestLogWriter
+from specdistill.distill.replay import is_held_out
+from specdistill.models.target import load_target
 from tests.online.support import prompt_for, save_target_dir, save_tiny_drafter, served_record
 
 
 def test_replay_trains_on_the_non_held_out_requests_and_writes_the_agreement_curve(tmp_path, monkeypatch):
-    from train.tools.replay_online import main
+    from specdistill.train.tools.replay_online import main
 
     monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
     target_dir = save_target_dir(tmp_path / "target")

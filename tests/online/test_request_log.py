@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 
-from decode.request_log import LogPosition, RequestLogWriter, list_segments, read_lines, segment_name
+from specdistill.decode.request_log import LogPosition, RequestLogWriter, list_segments, read_lines, segment_name
+
+START = LogPosition()  # a log's beginning (frozen: safe as a shared default)
 
 
-def read_all(log_dir, start=LogPosition(), batch=3):
+def read_all(log_dir, start=START, batch=3):
     got, pos = [], start
     while lines := read_lines(log_dir, pos, batch):
         got += lines

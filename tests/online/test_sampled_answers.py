@@ -11,13 +11,13 @@ import random
 import pytest
 import torch
 
-from distill.replay import Entry
-from distill.teacher_data import teacher_forced_topk
+from specdistill.distill.replay import Entry
+from specdistill.distill.teacher_data import teacher_forced_topk
+from specdistill.train.config import ConfigError
+from specdistill.train.online import OnlineDaemon
+from specdistill.train.online_learn import attach_samples, pick_variant, score_requests
 from tests.online.support import make_target, prompt_for, served_record
 from tests.online.test_online_daemon import config, drain, env, write_log  # noqa: F401 (env is a fixture)
-from train.config import ConfigError
-from train.online import OnlineDaemon
-from train.online_learn import attach_samples, pick_variant, score_requests
 
 
 @pytest.fixture(scope="module")

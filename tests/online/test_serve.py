@@ -9,9 +9,9 @@ import threading
 import pytest
 from fastapi.testclient import TestClient
 
-from decode.request_log import list_segments, segment_name
-from decode.serve import build_server, create_app
-from models.drafter_store import init_store, publish_version
+from specdistill.decode.request_log import list_segments, segment_name
+from specdistill.decode.serve import build_server, create_app
+from specdistill.models.drafter_store import init_store, publish_version
 from tests.conftest import make_tiny_llama
 from tests.online.support import VOCAB, greedy_reference, make_target, save_tiny_drafter, words
 

@@ -21,8 +21,8 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
-from decode.request_log import LogPosition, list_segments, parse_record, read_lines, segment_name
-from decode.serve import UNSUPPORTED, build_server, create_app
+from specdistill.decode.request_log import LogPosition, list_segments, parse_record, read_lines, segment_name
+from specdistill.decode.serve import UNSUPPORTED, build_server, create_app
 from tests.online.support import greedy_reference, make_target, save_target_dir, save_tiny_drafter
 
 MODEL = "tiny"
@@ -290,7 +290,7 @@ def free_port() -> int:
 
 
 def start_server_process(target_dir: Path, log_dir: Path, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "decode.serve", "--target", str(target_dir), "--log-dir", str(log_dir),
+    cmd = [sys.executable, "-m", "specdistill.decode.serve", "--target", str(target_dir), "--log-dir", str(log_dir),
            "--port", str(port), "--model-name", MODEL, "--device", "cpu"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     end = time.time() + 120

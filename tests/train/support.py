@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from models.target import target_from_model
+from specdistill.models.target import target_from_model
 from tests.conftest import make_tiny_llama
 from tests.distill.conftest import make_tiny_tokenizer
 

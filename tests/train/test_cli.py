@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-from train import cli
+from specdistill.train import cli
 
 CONFIG = "configs/distill/quickstart.yaml"
 
@@ -33,9 +33,11 @@ def test_train_refuses_a_missing_config(capsys):
     assert "no_such_job.yaml does not exist" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command, module", [("eval", "decode.evaluate"), ("serve", "decode.serve"),
-                                             ("export", "models.export"), ("speedup-model", "train.tools.speedup_model"),
-                                             ("training-gain", "train.tools.training_gain")])
+@pytest.mark.parametrize("command, module", [("eval", "specdistill.decode.evaluate"),
+                                             ("serve", "specdistill.decode.serve"),
+                                             ("export", "specdistill.models.export"),
+                                             ("speedup-model", "specdistill.train.tools.speedup_model"),
+                                             ("training-gain", "specdistill.train.tools.training_gain")])
 def test_a_command_hands_its_arguments_to_its_module(monkeypatch, command, module):
     seen = []
     monkeypatch.setattr(importlib.import_module(module), "main", lambda argv: seen.append(argv) or 3)
@@ -45,7 +47,7 @@ def test_a_command_hands_its_arguments_to_its_module(monkeypatch, command, modul
 
 def test_every_tool_is_a_module_with_a_main():
     for module, _ in cli.TOOLS.values():
-        assert callable(importlib.import_module(f"train.tools.{module}").main)
+        assert callable(importlib.import_module(f"specdistill.train.tools.{module}").main)
 
 
 def test_unknown_commands_and_benchmarks_exit_2(capsys):

@@ -14,16 +14,16 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration
 
-from decode.engine import SpeculativeEngine
-from decode.proposers import DraftModelProposer
-from decode.proposers.ensemble import EnsembleProposer
-from models.drafters import load_drafter
-from models.target import target_from_model
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.proposers import DraftModelProposer
+from specdistill.decode.proposers.ensemble import EnsembleProposer
+from specdistill.models.drafters import load_drafter
+from specdistill.models.target import target_from_model
+from specdistill.train.colbt import split_held_out, train_colbt, with_boost_weights
+from specdistill.train.config import ConfigError
+from specdistill.train.distill_config import DistillConfig
 from tests.conftest import make_tiny_llama
 from tests.distill.conftest import VOCAB_SIZE, make_tiny_tokenizer
-from train.colbt import split_held_out, train_colbt, with_boost_weights
-from train.config import ConfigError
-from train.distill_config import DistillConfig
 
 MEMBERS = ["truncated:1", "small:layers=1,hidden=32,seed=1", "truncated:2"]
 

@@ -8,10 +8,10 @@ import dataclasses
 
 import pytest
 
-from train.config import ConfigError, load_config, sections, to_dict
-from train.distill_config import DistillConfig
-from train.eagle3 import Eagle3Config
-from train.methods import method_named, methods
+from specdistill.train.config import ConfigError, load_config, sections, to_dict
+from specdistill.train.distill_config import DistillConfig
+from specdistill.train.eagle3 import Eagle3Config
+from specdistill.train.methods import method_named, methods
 
 
 def job(tmp_path, text: str):
@@ -91,8 +91,8 @@ def test_every_method_with_a_section_is_a_field_of_the_config_and_the_other_way_
 
 def test_a_drafter_saved_with_the_flat_config_of_before_still_loads(tmp_path):
     """Manifests keep the config they were written with; loading reads only the architecture's keys."""
-    from models.drafters import load_drafter, save_drafter
-    from models.medusa import MedusaHeads
+    from specdistill.models.drafters import load_drafter, save_drafter
+    from specdistill.models.medusa import MedusaHeads
     from tests.train.support import peaked_tiny_target
 
     target = peaked_tiny_target(64, seed=0)

@@ -45,10 +45,10 @@ def assert_deepspeed_at(out, stage: int) -> None:
 
 def assert_decodes_losslessly(target_dir, drafter_dir, **proposer_options):
     """The published drafter's greedy speculation equals plain decoding; returns the loaded drafter."""
-    from decode.engine import SpeculativeEngine
-    from decode.proposers import build_proposer
-    from models.drafters import load_drafter
-    from models.target import load_target
+    from specdistill.decode.engine import SpeculativeEngine
+    from specdistill.decode.proposers import build_proposer
+    from specdistill.models.drafters import load_drafter
+    from specdistill.models.target import load_target
 
     target = load_target(str(target_dir))
     drafter = load_drafter(str(drafter_dir), target)

@@ -18,10 +18,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from specdistill.train.config import ConfigError, load_config
+from specdistill.train.distill_config import DistillConfig
 from tests.conftest import ROOT
 from tests.distill.conftest import make_tiny_target
-from train.config import ConfigError, load_config
-from train.distill_config import DistillConfig
 
 PY = sys.executable
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
@@ -89,7 +89,7 @@ def test_config_typo_is_an_error_naming_the_key(tmp_path):
 
 
 def test_teacher_settings_keep_the_greedy_answer_beside_samples_when_asked():
-    from train.distill_steps import teacher_settings
+    from specdistill.train.distill_steps import teacher_settings
 
     greedy = teacher_settings(load_config(DistillConfig, []))
     assert (greedy.sample_indices, greedy.shard_size) == ([0], 64)  # the defaults keep every existing cache key
@@ -106,7 +106,7 @@ def test_teacher_settings_keep_the_greedy_answer_beside_samples_when_asked():
 
 
 def test_cpu_training_uses_the_machines_cores_not_accelerates_one_thread():
-    from train.distill import cpu_threads
+    from specdistill.train.distill import cpu_threads
 
     cores = len(os.sched_getaffinity(0))
     assert cpu_threads(0, 1) == cores  # accelerate launch's OMP_NUM_THREADS=1 is not what a lone process gets
@@ -117,11 +117,11 @@ def test_cpu_training_uses_the_machines_cores_not_accelerates_one_thread():
 
 
 def test_auto_mixed_precision_is_bf16_on_cuda_and_for_eagle3_on_cpus_with_native_bf16(monkeypatch):
-    import train.distill as distill
+    import specdistill.train.distill as distill
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for native, expected in ((True, "bf16"), (False, "no")):
-        monkeypatch.setattr(distill, "native_bf16_cpu", lambda: native)
+        monkeypatch.setattr(distill, "native_bf16_cpu", lambda native=native: native)
         assert distill.resolve_mixed_precision("auto", "eagle3") == expected
         assert distill.resolve_mixed_precision("auto", "eagle3", deepspeed=True) == "no"  # bf16 weights, not autocast
         assert distill.resolve_mixed_precision("auto", "kd") == "no"  # not measured under bf16 on a CPU
@@ -134,7 +134,7 @@ def test_auto_mixed_precision_is_bf16_on_cuda_and_for_eagle3_on_cpus_with_native
 
 @pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads the CPU's flags from /proc/cpuinfo")
 def test_native_bf16_is_what_the_cpu_flags_say():
-    from train.distill import native_bf16_cpu
+    from specdistill.train.distill import native_bf16_cpu
 
     flags = set(Path("/proc/cpuinfo").read_text().split())
     assert native_bf16_cpu() == bool({"avx512_bf16", "amx_tile"} & flags)
@@ -158,7 +158,7 @@ def test_literal_accelerate_launch_trains_and_resumes(tiny_target_dir, prompts_f
     assert manifest["kind"] == "draft_model"
     assert manifest["config"]["output_dir"] == str(full / "drafter")
     # the record names the precision that ran (auto resolved), the log that it was auto's choice
-    from train.distill import resolve_mixed_precision
+    from specdistill.train.distill import resolve_mixed_precision
     assert manifest["config"]["mixed_precision"] == resolve_mixed_precision("auto", "seqkd")
     assert f"mixed precision: {manifest['config']['mixed_precision']} (auto)" in res.stderr
 
@@ -212,10 +212,10 @@ def test_two_cpu_processes_agree_on_the_weights(tiny_target_dir, prompts_file, t
 def test_colbt_ensemble_trains_loads_and_decodes_losslessly(tiny_target_dir, prompts_file, tmp_path):
     """method colbt through the entrypoint: an ensemble directory whose members load on their own,
     and whose merged-tree decoding is the target's greedy output."""
-    from decode.engine import SpeculativeEngine
-    from decode.proposers import build_proposer
-    from models.drafters import load_drafter
-    from models.target import load_target
+    from specdistill.decode.engine import SpeculativeEngine
+    from specdistill.decode.proposers import build_proposer
+    from specdistill.models.drafters import load_drafter
+    from specdistill.models.target import load_target
 
     res = run_entrypoint(job_args(tiny_target_dir, prompts_file, tmp_path, method="colbt", epochs=1,
                                   **{"colbt.holdout": 4, "colbt.max_tree_nodes": 8})

@@ -12,18 +12,32 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
-from decode.engine import SpeculativeEngine
-from decode.proposers import build_proposer
-from distill.feature_cache import (FeatureCache, FeatureCacheError, compute_shard, feature_cache_dir,
-                                   feature_cache_key, open_or_build, partial_dir)
-from models.drafters import load_drafter
-from models.eagle3 import Eagle3Drafter
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.proposers import build_proposer
+from specdistill.distill.feature_cache import (
+    FeatureCache,
+    FeatureCacheError,
+    compute_shard,
+    feature_cache_dir,
+    feature_cache_key,
+    open_or_build,
+    partial_dir,
+)
+from specdistill.models.drafters import load_drafter
+from specdistill.models.eagle3 import Eagle3Drafter
+from specdistill.train.config import ConfigError
+from specdistill.train.distill_config import DistillConfig
+from specdistill.train.eagle3 import (
+    Eagle3Config,
+    eagle3_loss,
+    lengths_mask,
+    noisy_features,
+    pad_batch,
+    position_weights,
+    repeats_context,
+    train_eagle3,
+)
 from tests.train.support import greedy_records, peaked_tiny_target
-from train.config import ConfigError
-from train.distill_config import DistillConfig
-from train.eagle3 import Eagle3Config
-from train.eagle3 import (eagle3_loss, lengths_mask, measure_acceptance, noisy_features, pad_batch, position_weights,
-                          repeats_context, train_eagle3)
 
 VOCAB = 32
 LAYERS = [0, 1, 1]
@@ -265,7 +279,7 @@ def test_resume_ends_where_an_uninterrupted_run_does(target, records, tmp_path, 
 @pytest.mark.parametrize("precision, autocast", [("bf16", True), ("no", False)])
 def test_mixed_precision_runs_the_loss_under_autocast_and_keeps_fp32_weights(target, records, tmp_path, monkeypatch,
                                                                               precision, autocast):
-    import train.eagle3 as eagle3_training
+    import specdistill.train.eagle3 as eagle3_training
 
     seen, loss = [], eagle3_training.eagle3_loss
 

@@ -4,21 +4,27 @@ losslessly through the drafter directory."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from accelerate import Accelerator
 
-from decode.engine import SpeculativeEngine
-from decode.proposers import build_proposer
-from decode.proposers.lookahead import LookaheadProposer
-from distill.batching import collate
-from models.drafters import load_drafter
-from models.lookahead import LookaheadTokens
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.proposers import build_proposer
+from specdistill.decode.proposers.lookahead import LookaheadProposer
+from specdistill.distill.batching import collate
+from specdistill.models.drafters import load_drafter
+from specdistill.models.lookahead import LookaheadTokens
+from specdistill.train.config import ConfigError
+from specdistill.train.distill_config import DistillConfig
+from specdistill.train.lookahead import (
+    Insertions,
+    LookaheadConfig,
+    lookahead_logits,
+    measure_acceptance,
+    sample_insertions,
+    train_lookahead,
+)
 from tests.train.support import greedy_records, peaked_tiny_target
-from train.config import ConfigError
-from train.distill_config import DistillConfig
-from train.lookahead import Insertions, LookaheadConfig, lookahead_logits, measure_acceptance, sample_insertions, train_lookahead
 
 VOCAB = 24  # a small vocabulary: the peaked target's generations settle on few tokens, learnable by k x D numbers
 K = 3

@@ -3,22 +3,27 @@ targets, the calibrated tree is stored, and the trained drafter decodes lossless
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from accelerate import Accelerator
 
-from decode.engine import SpeculativeEngine
-from decode.proposers import build_proposer
-from decode.proposers.medusa import check_tree
-from models.drafters import load_drafter
-from models.medusa import MedusaHeads
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.proposers import build_proposer
+from specdistill.decode.proposers.medusa import check_tree
+from specdistill.models.drafters import load_drafter
+from specdistill.models.medusa import MedusaHeads
+from specdistill.train.config import ConfigError
+from specdistill.train.distill_config import DistillConfig
+from specdistill.train.medusa import (
+    MedusaConfig,
+    head_rows,
+    medusa_loss,
+    target_hidden_states,
+    topk_accuracy,
+    train_medusa,
+)
 from tests.distill.conftest import VOCAB_SIZE
 from tests.train.support import greedy_records, peaked_tiny_target
-from train.config import ConfigError
-from train.distill_config import DistillConfig
-from train.medusa import MedusaConfig
-from train.medusa import head_rows, medusa_loss, target_hidden_states, topk_accuracy, train_medusa
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +154,7 @@ def test_sequential_rows_are_teacher_forced_on_the_targets_tokens(target):
                  torch.randint(0, VOCAB_SIZE, (r,), generator=gen)) for r in (6, 2, 5)]
     embed = target.model.get_input_embeddings()
     with torch.no_grad():
-        for k, head, states, labels, used in head_rows(heads, examples, embed):
+        for k, _, states, labels, used in head_rows(heads, examples, embed):
             i = 0
             assert used == [e for e, (h, _) in enumerate(examples) if h.shape[0] > k]
             for e in used:
@@ -167,7 +172,7 @@ def test_sequential_rows_are_teacher_forced_on_the_targets_tokens(target):
 def test_prefix_sources_are_one_pass_over_each_whole_sequence(target):
     """With a prefix layer, the heads' s_0 at an example's response rows is the layer's output over
     that example's whole sequence (prompt rows included), whatever else shares the padded batch."""
-    from train.medusa import head_sources
+    from specdistill.train.medusa import head_sources
 
     heads = MedusaHeads.from_target(target.model, 3, 1, sequential=True, prefix_layer=True)
     with torch.no_grad():

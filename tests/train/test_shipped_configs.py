@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from train.config import load_config
-from train.distill_config import DistillConfig
+from specdistill.train.config import load_config
+from specdistill.train.distill_config import DistillConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-import train.step_budget as step_budget
+import specdistill.train.step_budget as step_budget
+from specdistill.train.config import ConfigError
+from specdistill.train.distill_config import DistillConfig
+from specdistill.train.distill_steps import WarmupCosine, make_optimizer, set_schedule_length
+from specdistill.train.eagle3 import BatchPlan, train_eagle3
+from specdistill.train.step_budget import StepBudget, evaluations_after, fit_step_price, steps_within
 from tests.train.test_eagle3_train import LAYERS, eagle3_config, records, target  # noqa: F401 (tiny fixtures)
-from train.config import ConfigError
-from train.distill_config import DistillConfig
-from train.distill_steps import WarmupCosine, make_optimizer, set_schedule_length
-from train.eagle3 import BatchPlan, train_eagle3
-from train.step_budget import StepBudget, evaluations_after, fit_step_price, steps_within
 
 
 def cost(s, done, per_step, per_eval, every):
@@ -121,7 +121,7 @@ def test_fit_step_price(seconds, work, expected):
 
 def test_the_plan_knows_each_batch_s_counted_positions_before_reading_it(target, records, tmp_path, monkeypatch):
     """BatchPlan.work equals the counted positions of the batch BatchPlan.batch then reads."""
-    from distill.feature_cache import open_or_build
+    from specdistill.distill.feature_cache import open_or_build
     monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
     cache = open_or_build(target, records[:40], LAYERS, 48, 8, 0)
     plan = BatchPlan(cache, 4, seed=3)

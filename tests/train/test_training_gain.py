@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from train.tools.training_gain import main
+from specdistill.train.tools.training_gain import main
 
 
 def row(tokens_per_s, tau=None, acceptance=None, mismatches=0):

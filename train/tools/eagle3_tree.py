@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from models.drafters import load_drafter, save_drafter
-from models.eagle3 import Eagle3Drafter
-from models.target import load_target
+from specdistill.models.drafters import load_drafter, save_drafter
+from specdistill.models.eagle3 import Eagle3Drafter
+from specdistill.models.target import load_target
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from decode.proposers.medusa import choose_tree, expected_accept_length
-from distill.teacher_data import load_teacher_data
-from distill.vocab import count_response_tokens, coverage, select_draft_vocab
-from models.drafters import load_drafter, save_drafter
-from models.target import load_target
+from specdistill.decode.proposers.medusa import choose_tree, expected_accept_length
+from specdistill.distill.teacher_data import load_teacher_data
+from specdistill.distill.vocab import count_response_tokens, coverage, select_draft_vocab
+from specdistill.models.drafters import load_drafter, save_drafter
+from specdistill.models.target import load_target
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -38,21 +38,24 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
 import httpx
 import torch
 
-from decode.questions import load_questions
-from distill.prompts import exclusion_texts, load_prompt_sources
-from distill.teacher_data import (TeacherDataSettings, generate_teacher_data, teacher_data_dir,
-                                  teacher_data_key)
-from decode.request_log import list_segments, segment_name
-from models.drafter_store import current_version, init_store, set_manifest_extra, version_path
-from models.drafters import load_drafter
-from models.target import load_target
-from train.acceptance import measure_acceptance
+from specdistill.decode.questions import load_questions
+from specdistill.decode.request_log import list_segments, segment_name
+from specdistill.distill.prompts import exclusion_texts, load_prompt_sources
+from specdistill.distill.teacher_data import (
+    TeacherDataSettings,
+    generate_teacher_data,
+    teacher_data_dir,
+    teacher_data_key,
+)
+from specdistill.models.drafter_store import current_version, init_store, set_manifest_extra, version_path
+from specdistill.models.drafters import load_drafter
+from specdistill.models.target import load_target
+from specdistill.train.acceptance import measure_acceptance
 
+ROOT = Path(__file__).resolve().parents[2]
 log = logging.getLogger("specdistill.online_demo")
 SHARED = ROOT.parent / "shared" / "data"
 # general prompts outside smollm2_general's training set (163 after skipping the 3 in-loop eval prompts)
@@ -137,7 +140,7 @@ def drafter_teacher_data(target, drafter_dir: str) -> str:
     (its manifest's prompts and generation settings); made again, resumably, if the cache lacks it."""
     from types import SimpleNamespace
 
-    from train.distill_steps import teacher_data_plan
+    from specdistill.train.distill_steps import teacher_data_plan
 
     config = json.loads((Path(drafter_dir) / "manifest.json").read_text()).get("config") or {}
     if not config.get("prompts"):
@@ -239,8 +242,9 @@ def free_port() -> int:
 
 
 def start_server(args, store: Path, logs: Path, port: int, out: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "decode.serve", "--drafter", str(store), "--log-dir", str(logs), "--port", str(port),
-           "--model-name", "specdistill", "--gamma", str(args.gamma), "--no-adaptive", "--max-tokens-limit", "1024"]
+    cmd = [sys.executable, "-m", "specdistill.decode.serve", "--drafter", str(store), "--log-dir", str(logs),
+           "--port", str(port), "--model-name", "specdistill", "--gamma", str(args.gamma), "--no-adaptive",
+           "--max-tokens-limit", "1024"]
     if args.target:
         cmd += ["--target", args.target]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=open(out / "server.log", "w"), stderr=subprocess.STDOUT)
@@ -377,7 +381,7 @@ def finish(target, args, store: Path, logs: Path, work: Path, out: Path, heldout
         },
     }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
-    from train.tools.plot_online import plot
+    from specdistill.train.tools.plot_online import plot
 
     plot(metrics, out / "acceptance.png")
     log.info("held-out alpha %.3f -> %.3f; general %.3f -> %.3f; %d mismatches; %d published, %d rollbacks",

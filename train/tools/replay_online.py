@@ -26,24 +26,28 @@ import random
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
 import torch
 
-from distill.generation import pad_token_id
-from distill.replay import Entry, ReplayBuffer, is_held_out
-from distill.teacher_data import (TeacherDataSettings, generate_teacher_data, load_teacher_data,
-                                  teacher_data_dir, teacher_data_key)
-from distill.prompts import Prompt
-from distill.vocab import inverse_map
-from models.drafters import load_drafter
-from models.target import load_target
-from train.tools.online_demo import SHARED, read_log, read_questions
-from train.config import load_config
-from train.online import load_anchors, resolve_prompt_vocab
-from train.online_config import OnlineConfig
-from train.online_learn import acceptance, attach_samples, score_requests, train_candidate
+from specdistill.distill.generation import pad_token_id
+from specdistill.distill.prompts import Prompt
+from specdistill.distill.replay import Entry, ReplayBuffer, is_held_out
+from specdistill.distill.teacher_data import (
+    TeacherDataSettings,
+    generate_teacher_data,
+    load_teacher_data,
+    teacher_data_dir,
+    teacher_data_key,
+)
+from specdistill.distill.vocab import inverse_map
+from specdistill.models.drafters import load_drafter
+from specdistill.models.target import load_target
+from specdistill.train.config import load_config
+from specdistill.train.online import load_anchors, resolve_prompt_vocab
+from specdistill.train.online_config import OnlineConfig
+from specdistill.train.online_learn import acceptance, attach_samples, score_requests, train_candidate
+from specdistill.train.tools.online_demo import SHARED, read_log, read_questions
 
+ROOT = Path(__file__).resolve().parents[2]
 log = logging.getLogger("specdistill.replay_online")
 
 
@@ -116,7 +120,7 @@ def main(argv=None) -> dict:
         sampled = attach_samples(target, list(buffer.train.values()), cfg.samples_per_request, cfg.sample_temperature,
                                  cfg.topk, pad_id, cfg.seed)
         log.info("%d sampled answer tokens in %.0f s", sampled, time.time() - t0)
-    from decode.questions import load_questions
+    from specdistill.decode.questions import load_questions
 
     general = [[{"role": "user", "content": q.turns[0]}]
                for q in load_questions(str(SHARED / "mt_bench" / "question.jsonl"))[:args.general]]

@@ -27,13 +27,12 @@ import statistics
 import time
 from pathlib import Path
 
-
 import torch
 
-from decode.cost_model import acceptance_needed, best_depth, interpolate, report_costs
-from decode.report import BASELINE
-from decode.runner import ModelRunner
-from models.target import load_target
+from specdistill.decode.cost_model import acceptance_needed, best_depth, interpolate, report_costs
+from specdistill.decode.report import BASELINE
+from specdistill.decode.runner import ModelRunner
+from specdistill.models.target import load_target
 
 MAX_DEPTH = 8  # the deepest chain considered when asking what acceptance a goal needs
 

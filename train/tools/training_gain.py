@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from decode.report import BASELINE, new_figure
+from specdistill.decode.report import BASELINE, new_figure
 
 
 def method_of(name: str, methods: dict) -> str:

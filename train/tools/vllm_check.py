@@ -10,16 +10,16 @@ import argparse
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.metrics import aggregate_stats
+from specdistill.decode.proposers import build_proposer
+from specdistill.decode.proposers.medusa import MedusaProposer, default_chain
+from specdistill.decode.questions import load_questions
+from specdistill.decode.vllm_peer import VllmWorker, exported_config, stats_from, target_directory
+from specdistill.models.drafters import load_drafter
+from specdistill.models.target import load_target
 
-from decode.engine import SpeculativeEngine
-from decode.metrics import aggregate_stats
-from decode.proposers import build_proposer
-from decode.proposers.medusa import MedusaProposer, default_chain
-from decode.questions import load_questions
-from decode.vllm_peer import VllmWorker, exported_config, stats_from, target_directory
-from models.drafters import load_drafter
-from models.target import load_target
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def chain_proposer(drafter, target, depth: int):
@@ -69,10 +69,11 @@ def main(argv=None) -> dict:
     positions = len(stats[0].accepted_per_position)
     vllm = {"tau": sum(s.new_tokens for s in stats) / sum(s.target_forwards for s in stats),
             "alpha": sum(s.accepted for s in stats) / sum(s.drafted for s in stats),
-            "per_position": [sum(s.accepted_per_position[i] for s in stats) / sum(s.drafted_per_position[i] for s in stats)
-                             for i in range(positions)],
+            "per_position": [sum(s.accepted_per_position[i] for s in stats)
+                             / sum(s.drafted_per_position[i] for s in stats) for i in range(positions)],
             "mismatches_vs_our_plain": sum(r["tokens"] != t for r, t in zip(replies, plain_tokens))}
-    ours_per_position = [a / d if d else None for a, d in zip(ours["accepted_per_position"], ours["drafted_per_position"])]
+    ours_per_position = [a / d if d else None
+                         for a, d in zip(ours["accepted_per_position"], ours["drafted_per_position"])]
     report = {"depth": depth, "prompts": len(prompts), "ours": {"tau": ours["tau"], "alpha": ours["alpha"],
               "per_position": ours_per_position}, "vllm": vllm, "speculative_config": config}
     print(f"chain depth {depth}, {len(prompts)} prompts, {n} tokens: ours tau {ours['tau']:.3f}, vLLM tau "
