@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--old", required=True, help="the older commit (any git ref)")
     p.add_argument("--rounds", type=int, default=3, help="runs per side, alternating")
     args = p.parse_args(ours)
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # the evaluations run from their own trees
     runs: dict[str, list[dict]] = {"old": [], "new": []}
     with tempfile.TemporaryDirectory() as tmp:
         old_tree = worktree(args.old, Path(tmp))
