@@ -158,31 +158,6 @@ def inline(value, nested: bool = False) -> str:
     return "-" if value is None else str(value)
 
 
-# ---- what training gained ----------------------------------------------------------------------------
-
-def training_gain(summary: dict, trained: str, untrained: str) -> str:
-    """Lines saying what the `trained` method gained over plain decoding (the baseline) and over the
-    `untrained` method, the drafter it started from, measured in the same run. A method missing from the
-    summary is a KeyError naming it and the methods present; a mismatch against plain decoding is a
-    ValueError (speculation that changed the target's output gained nothing)."""
-    for name in (BASELINE, trained, untrained):
-        if name not in summary:
-            raise KeyError(f"no method {name!r} in the report; it has {', '.join(summary)}")
-    base, new, old = summary[BASELINE], summary[trained], summary[untrained]
-    for name, row in ((trained, new), (untrained, old)):
-        if row.get("mismatches"):
-            raise ValueError(f"{name}: {row['mismatches']} of {row['turns']} turns differ from plain decoding")
-    rate = "{:.1f}".format
-    return "\n".join([
-        f"{trained}: {new['turns']} turns, {new['new_tokens']} new tokens, every turn equal to plain decoding",
-        f"  over plain decoding:           {ratio(new['tokens_per_s'], base['tokens_per_s']):.2f}x "
-        f"({rate(new['tokens_per_s'])} against {rate(base['tokens_per_s'])} tokens/s; tau {new['tau']:.2f})",
-        f"  over the untrained start ({untrained}): {ratio(new['tokens_per_s'], old['tokens_per_s']):.2f}x "
-        f"({rate(new['tokens_per_s'])} against {rate(old['tokens_per_s'])} tokens/s; "
-        f"tau {new['tau']:.2f} against {old['tau']:.2f})",
-    ])
-
-
 # ---- files -----------------------------------------------------------------------------------------
 
 def write_report(out_dir: str | Path, config: dict, summary: dict, results: list[TurnResult],

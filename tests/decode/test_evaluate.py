@@ -27,7 +27,7 @@ from specdistill.decode.evaluate import (
 )
 from specdistill.decode.peers import Method, TurnOutput, assisted_skip_reason
 from specdistill.decode.questions import Question, QuestionFileError, categories, load_questions
-from specdistill.decode.report import BASELINE, lossless_failures, training_gain, write_report
+from specdistill.decode.report import BASELINE, lossless_failures, write_report
 from specdistill.decode.runtime_facts import KERNEL_FLAGS
 from specdistill.decode.sampling import Verdict
 from specdistill.models.drafters import Drafter, load_drafter
@@ -360,27 +360,6 @@ def test_prompt_vocab_flag_defaults_to_the_manifest(tmp_path):
     assert config_from_args(parse(base)).prompt_vocab is None
     assert config_from_args(parse(base + ["--prompt-vocab"])).prompt_vocab is True
     assert config_from_args(parse(base + ["--no-prompt-vocab"])).prompt_vocab is False
-
-
-def summary_row(tokens_per_s: float, tau: float, mismatches: int = 0) -> dict:
-    return {"tokens_per_s": tokens_per_s, "tau": tau, "mismatches": mismatches, "turns": 16, "new_tokens": 1024}
-
-
-def test_training_gain_is_measured_against_plain_decoding_and_the_untrained_start():
-    summary = {BASELINE: summary_row(20.0, 1.0), "speculative[trained]": summary_row(25.0, 1.5),
-               "speculative[untrained]": summary_row(16.0, 1.0)}
-    lines = training_gain(summary, "speculative[trained]", "speculative[untrained]").splitlines()
-    assert "1.25x (25.0 against 20.0 tokens/s; tau 1.50)" in lines[1]
-    assert "1.56x (25.0 against 16.0 tokens/s; tau 1.50 against 1.00)" in lines[2]
-
-
-def test_training_gain_names_a_missing_method_and_refuses_a_mismatch():
-    summary = {BASELINE: summary_row(20.0, 1.0), "speculative[trained]": summary_row(25.0, 1.5, mismatches=1),
-               "speculative[untrained]": summary_row(16.0, 1.0)}
-    with pytest.raises(KeyError, match="no method 'speculative\\[other\\]'.*speculative\\[untrained\\]"):
-        training_gain(summary, "speculative[trained]", "speculative[other]")
-    with pytest.raises(ValueError, match="speculative\\[trained\\]: 1 of 16 turns differ"):
-        training_gain(summary, "speculative[trained]", "speculative[untrained]")
 
 
 # ---- losslessness binds; the report records what ran --------------------------------------------------
