@@ -69,9 +69,12 @@ def plot_gain(trained: dict, untrained: dict, names: tuple[str, str], path: Path
     """Acceptance per draft position, untrained and trained, side by side."""
     fig = new_figure(6.0, 4.0)
     ax = fig.add_subplot()
+    depth = 1
     for row, label, shift in ((untrained, names[1], -0.2), (trained, names[0], 0.2)):
         rates = row["acceptance_per_position"] or []
         ax.bar([k + 1 + shift for k in range(len(rates))], rates, width=0.4, label=label)
+        depth = max(depth, len(rates))
+    ax.set_xticks(range(1, depth + 1))
     ax.set_xlabel("draft position (fixed depth)")
     ax.set_ylabel("accepted share of drafted tokens")
     ax.set_ylim(0, 1.05)
