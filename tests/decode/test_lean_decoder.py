@@ -107,8 +107,16 @@ def test_lean_forward_with_extra_rows_given_as_embeddings():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_greedy_speculation_with_the_lean_forward_equals_transformers_generate():
-    target, drafter = make_tiny_llama(layers=2, seed=0, peak=4.0), make_tiny_llama(layers=1, seed=1, peak=4.0)
+def tiny_pair(architecture: str):
+    """(target, drafter) of one architecture: Llama with peaked heads, or Qwen2 with its biases."""
+    if architecture == "qwen2":
+        return make_tiny_qwen2(seed=0), make_tiny_qwen2(seed=1)
+    return make_tiny_llama(layers=2, seed=0, peak=4.0), make_tiny_llama(layers=1, seed=1, peak=4.0)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_greedy_speculation_with_the_lean_forward_equals_transformers_generate(architecture):
+    target, drafter = tiny_pair(architecture)
     prompt = [1, 5, 9, 14, 5, 9]
     ids = torch.tensor([prompt])
     with torch.inference_mode():
@@ -318,19 +326,6 @@ def test_lean_forward_computes_what_transformers_does_for_qwen2_with_its_biases(
         unbiased.model.layers[0].self_attn.k_proj.bias.zero_()
     with torch.inference_mode():
         assert not torch.allclose(forwards(runner(unbiased, True, static_shapes))[0], lean[0])  # the biases are read
-
-
-def test_greedy_speculation_on_qwen2_with_the_lean_forward_equals_transformers_generate():
-    target, drafter = make_tiny_qwen2(seed=0), make_tiny_qwen2(seed=1)
-    prompt = [1, 5, 9, 14, 5, 9]
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        expected = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                                   eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    for proposer in (None, DraftModelProposer(drafter, gamma=4), PromptLookupProposer(num_tokens=3)):
-        engine = SpeculativeEngine(target, proposer)
-        assert engine.target.lean is not None
-        assert engine.generate(prompt, 24).tokens == expected
 
 
 def test_lean_forward_declines_what_it_does_not_compute():
