@@ -234,7 +234,7 @@ class BatchPlan:
         """Batch `index`'s positions that the loss counts, known before it is read: its records' response
         positions, or every position that has a next token when prompt tokens are weighted too. A training
         step's time grows with it (the shipped recipe: 0.39 s + 0.63 ms a position, correlation 0.90 over 120
-        steps; BENCHMARKS.md, stop 53)."""
+        steps; docs/journal.md, stop 53)."""
         shard, rows = self.locate(index)
         if shard not in self.sizes:
             self.sizes[shard] = self.cache.response_counts(shard)
@@ -336,7 +336,7 @@ def eagle3_loss(drafter: Eagle3Drafter, embed: torch.nn.Module, head_rows: torch
     head on its final state at t+1+j; the row's weight is that position's (`position_weights`: 1 when it
     predicts a response token, prompt_weight when a prompt token), times copy_weight where the next token
     continues an earlier occurrence of the last two (`repeats_context`). every_row: unroll every position, not
-    only the counted ones (the same loss, slower: for scripts/bench_eagle3_train_step.py). feature_noise:
+    only the counted ones (the same loss, slower: the comparison of docs/journal.md, stop 52). feature_noise:
     `noisy_features`' scale (0: the features as the target computed them), drawn from `noise`. Returns (the
     loss, per step the share of response rows where the drafter's argmax is the target's)."""
     device = drafter.fc.weight.device
@@ -462,6 +462,6 @@ def save_snapshot(cfg, target, drafter: Eagle3Drafter, state, name: str) -> Path
 
 
 # mixed_precision auto trains EAGLE-3 under bf16 autocast on a CPU with native bf16 GEMMs: a step 1.5x faster and
-# drafters as fast as fp32's (BENCHMARKS.md, "EAGLE-3 training in bf16 on the CPU")
+# drafters as fast as fp32's (docs/journal.md, "EAGLE-3 training in bf16 on the CPU")
 register_method(Method("eagle3", train_eagle3, Eagle3Config, check=check_job, staging=feature_staging,
                        deepspeed_stages=(2, 3), budgeted=True, cpu_bf16=True))
