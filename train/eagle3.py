@@ -336,8 +336,8 @@ def eagle3_loss(drafter: Eagle3Drafter, embed: torch.nn.Module, head_rows: torch
     head on its final state at t+1+j; the row's weight is that position's (`position_weights`: 1 when it
     predicts a response token, prompt_weight when a prompt token), times copy_weight where the next token
     continues an earlier occurrence of the last two (`repeats_context`). every_row: unroll every position, not
-    only the counted ones (the same loss, slower: the comparison of docs/journal.md, stop 52). feature_noise:
-    `noisy_features`' scale (0: the features as the target computed them), drawn from `noise`. Returns (the
+    only the counted ones (the same loss, slower: docs/journal.md, stop 34, "EAGLE-3 training unrolls only the
+    positions its loss counts"). feature_noise: `noisy_features`' scale (0: the features as the target computed them), drawn from `noise`. Returns (the
     loss, per step the share of response rows where the drafter's argmax is the target's)."""
     device = drafter.fc.weight.device
     ids, features, final, mask, lengths = pad_batch(records, device)
