@@ -337,8 +337,9 @@ def eagle3_loss(drafter: Eagle3Drafter, embed: torch.nn.Module, head_rows: torch
     predicts a response token, prompt_weight when a prompt token), times copy_weight where the next token
     continues an earlier occurrence of the last two (`repeats_context`). every_row: unroll every position, not
     only the counted ones (the same loss, slower: docs/journal.md, stop 34, "EAGLE-3 training unrolls only the
-    positions its loss counts"). feature_noise: `noisy_features`' scale (0: the features as the target computed them), drawn from `noise`. Returns (the
-    loss, per step the share of response rows where the drafter's argmax is the target's)."""
+    positions its loss counts"). feature_noise: `noisy_features`' scale (0: the features as the target computed
+    them), drawn from `noise`. Returns (the loss, per step the share of response rows where the drafter's argmax
+    is the target's)."""
     device = drafter.fc.weight.device
     ids, features, final, mask, lengths = pad_batch(records, device)
     if feature_noise > 0:
