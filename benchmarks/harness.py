@@ -14,16 +14,17 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import time
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+from specdistill.decode.runtime_facts import KERNEL_FLAGS, git_commit
+
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = ROOT.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
-CPU_FLAGS = ("avx2", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+CPU_FLAGS = KERNEL_FLAGS  # the flags that decide which kernels run, as every evaluation report records them
 
 
 def cpu_info(cpuinfo: str) -> tuple[str, list[str]]:
@@ -37,18 +38,6 @@ def cpu_info(cpuinfo: str) -> tuple[str, list[str]]:
             flags = set(value.split())
             break
     return model, [flag for flag in CPU_FLAGS if flag in flags]
-
-
-def git_commit() -> str | None:
-    """HEAD's commit, with "+dirty" when the work tree has changes; None outside a git checkout."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return head + ("+dirty" if dirty else "")
 
 
 def fingerprint() -> dict:

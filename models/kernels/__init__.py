@@ -11,7 +11,7 @@ What it holds (AVX-512; the design note docs/design/exact-kernels.md says why ea
 
 `library()` is the loaded module, or None where it cannot run (`unavailable()` says why). Every fallback from a
 fast path is a WARNING once per process naming the reason and its cost (`warn_fallback`), and `fallbacks()` lists
-them for the reports.
+them for the reports (decode.runtime_facts.kernel_facts).
 """
 
 from __future__ import annotations
@@ -123,10 +123,3 @@ def vnni_unavailable() -> str | None:
     missing = [f for f in ("avx512bw", "avx512_vnni") if f not in cpu_flags()]
     return unavailable() or (f"this CPU has no {', '.join(missing)}" if missing else None)
 
-
-def describe() -> dict:
-    """What this process's kernels are, for reports: the library's state, the GEMM form, the int8 kernels."""
-    return {"library": "loaded" if unavailable() is None else f"unavailable: {unavailable()}",
-            "form": None if unavailable() else ("amx" if amx_unavailable() is None else "fma"),
-            "amx_unavailable": amx_unavailable(), "int8_unavailable": vnni_unavailable(),
-            "fallbacks": fallbacks()}

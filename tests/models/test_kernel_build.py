@@ -101,4 +101,6 @@ def test_a_fallback_from_the_library_is_one_warning_naming_reason_and_cost(monke
     assert len(warned) == 1
     assert "no C++ compiler" in warned[0].getMessage() and "1.5x slower" in warned[0].getMessage()
     assert "no C++ compiler" in kernels.fallbacks()["the CPU kernel library"]
-    assert kernels.describe()["library"].startswith("unavailable: no C++ compiler")
+    from specdistill.decode.runtime_facts import kernel_facts  # what every evaluation report records
+    facts = kernel_facts()
+    assert facts["state"] == "unavailable" and facts["unavailable_reason"].startswith("no C++ compiler")
