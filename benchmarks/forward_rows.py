@@ -1,6 +1,6 @@
 """What a target forward of N rows costs against one row: the price of verifying an N-node tree.
 
-    python -m benchmarks.forward_rows [--rows 1 2 4 8 12 16 24] [--context 300] [--reps 30] [--out DIR]
+    python -m benchmarks.forward_rows [--target T] [--rows 1 2 4 8 12 16 24] [--context 300] [--reps 30] [--out DIR]
 
 The cost model (decode/cost_model.py, docs/design/cost-model.md) prices every draft by this ratio. One process
 builds a ModelRunner per form of the kernel library this CPU runs (models/kernels: "fma", and "amx" where the
@@ -41,6 +41,7 @@ def parse_args(argv=None):
     p = parser(__doc__, "forward_rows", reps=30)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 24])
     p.add_argument("--context", type=int, default=300)
+    p.add_argument("--target", default=None, help="the target (models.target.load_target; default: the embedded one)")
     args = p.parse_args(argv)
     if any(not 1 <= r <= 64 for r in args.rows) or args.context < 1 or args.reps < 1:
         p.error("--rows between 1 and 64, --context and --reps at least 1")
@@ -55,7 +56,7 @@ def main(argv=None) -> dict:
     from specdistill.models.target import load_target
 
     torch.set_num_threads(min(torch.get_num_threads(), os.cpu_count() or 1))
-    model = load_target().model
+    model = load_target(args.target).model
     context = [(37 * i) % 30000 + 100 for i in range(args.context)]
     forms = ["fma"] + (["amx"] if amx_unavailable() is None else [])
     runners = {form: runner_for(model, form, context) for form in forms}
@@ -69,7 +70,8 @@ def main(argv=None) -> dict:
     first = args.rows[0]
     print_table(["rows"] + [h for f in forms for h in (f"{f} form, ms", "x one row")],
                 [[r] + [v for f in forms for v in (ms[f, r], ms[f, r] / ms[f, first])] for r in args.rows])
-    results = {"context": args.context, "amx": amx_unavailable() or "available", "same_greedy_tokens": same,
+    results = {"target": args.target or "default", "context": args.context,
+               "amx": amx_unavailable() or "available", "same_greedy_tokens": same,
                "ms": {f: {r: ms[f, r] for r in args.rows} for f in forms},
                "x_one_row": {f: {r: ms[f, r] / ms[f, first] for r in args.rows} for f in forms}}
     write_report(args.out, "forward_rows", results, args)

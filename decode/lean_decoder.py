@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from specdistill.models import kernels
-from specdistill.models.kernel_linear import KernelLinear, Q41Linear, q41_or_packed
+from specdistill.models.gguf_blocks import ATTRIBUTE as KQUANT_ATTRIBUTE
+from specdistill.models.kernel_linear import KernelLinear, KQuantLinear, Q41Linear, kquant_segments, q41_or_packed
 from specdistill.models.kernels import MAX_ROWS, amx_unavailable
 from specdistill.models.packed_linear import (
     cached_copy,
@@ -113,6 +114,11 @@ def built_decoder(decoder: torch.nn.Module, weights: str) -> "LeanDecoder":
     lean = LeanDecoder(decoder, linear_class(decoder, weights))
     if next(decoder.parameters()).device.type == "cpu" and weights == "float32":
         linears = [m for layer in lean.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        on_kquant = sum(isinstance(m, KQuantLinear) for m in linears)
+        if on_kquant:
+            log.info("fp32 layer GEMMs: the K-quant kernels for %d of %d matrices (the GGUF's own blocks)",
+                     on_kquant, len(linears))
+            return lean
         on_q41 = sum(isinstance(m, Q41Linear) for m in linears)
         reason = kernels.unavailable()
         if reason is None and on_q41 < len(linears):
@@ -141,6 +147,9 @@ def fused_linear(linears: list[torch.nn.Linear], packed_class) -> torch.nn.Modul
     fused.weight = torch.nn.Parameter(torch.cat([m.weight.detach() for m in linears]), requires_grad=False)
     if fused.bias is not None:
         fused.bias = torch.nn.Parameter(torch.cat([m.bias.detach() for m in linears]), requires_grad=False)
+    segments = [kquant_segments(m) for m in linears]
+    if all(s is not None for s in segments):  # a K-quant GGUF's blocks, side by side as the weights are
+        setattr(fused, KQUANT_ATTRIBUTE, [block for s in segments for block in s])
     return packed_class(fused)
 
 
@@ -189,7 +198,7 @@ class FusedLayer:
 def direct_call(linear: torch.nn.Module):
     """What computes `linear` in the lean forward: a kernel matrix's `rows` (models.kernel_linear.KernelLinear: the
     same GEMM without nn.Module's dispatch, about 4 us a call, 120 calls a forward), else the module itself."""
-    return linear.rows if isinstance(linear, KernelLinear) else linear
+    return linear.rows if isinstance(linear, (KernelLinear, KQuantLinear)) else linear
 
 
 class LeanLayer:

@@ -1,12 +1,14 @@
-"""Question files for evaluation: MT-bench / Spec-Bench JSONL, or plain `{"prompt": ...}` JSONL.
+"""Question files for evaluation: MT-bench / Spec-Bench JSONL, or plain `{"prompt": ...}` JSONL (HumanEval's
+`{"task_id", "prompt", ...}` among them), either one gzip-compressed (a name ending in .gz).
 
 MT-bench and Spec-Bench lines are `{"question_id", "category", "turns": [turn1, turn2, ...]}`; a
-plain line is `{"prompt": "..."}` (optionally with "question_id"/"id" and "category") and becomes a
+plain line is `{"prompt": "..."}` (optionally with "question_id"/"id"/"task_id" and "category") and becomes a
 one-turn question in category "default". Every error names the file and the line.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +39,7 @@ def load_questions(path: str | Path, limit: int | None = None, per_category: int
             raise ValueError(f"{name} must be a positive integer, got {value}")
     questions: list[Question] = []
     taken: dict[str, int] = {}
-    with path.open(encoding="utf-8") as lines:
+    with open_text(path) as lines:
         for line_no, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
@@ -52,6 +54,11 @@ def load_questions(path: str | Path, limit: int | None = None, per_category: int
         raise QuestionFileError(f"question file {path} has no questions")
     check_unique_ids(questions, path)
     return questions
+
+
+def open_text(path: Path):
+    """A question file's lines: gzip-compressed where its name ends in .gz."""
+    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")
 
 
 def parse_question(line: str, where: str, line_no: int) -> Question:
@@ -84,7 +91,7 @@ def parse_prompt(record: dict, where: str, line_no: int) -> Question:
     prompt = record["prompt"]
     if not isinstance(prompt, str) or not prompt:
         raise QuestionFileError(f"{where}: 'prompt' must be a non-empty string")
-    question_id = record.get("question_id", record.get("id", line_no))
+    question_id = record.get("question_id", record.get("id", record.get("task_id", line_no)))
     return Question(str(question_id), str(record.get("category", DEFAULT_CATEGORY)), (prompt,))
 
 

@@ -83,7 +83,9 @@ def target_facts(target, runner) -> dict:
 def matrix_kind(module: torch.nn.Module) -> str:
     """A matrix's inference class with its kernel form where it has one: "Q41Linear (fma)", "PackedLinearFP16".
     The kernel library's matrices carry their form on `codes` (read by attribute so that this module imports the
-    library's state functions only)."""
+    library's state functions only). A K-quant matrix names its segments' formats: "KQuantLinear (Q4_K+Q6_K)"."""
+    if callable(describe := getattr(module, "describe", None)):
+        return describe()
     form = getattr(getattr(module, "codes", None), "form", None)
     return type(module).__name__ + (f" ({form})" if form else "")
 

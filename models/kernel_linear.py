@@ -22,7 +22,10 @@ from collections.abc import Callable
 import torch
 
 from specdistill.models import kernels
+from specdistill.models.gguf_blocks import ATTRIBUTE as KQUANT_ATTRIBUTE
 from specdistill.models.kernels import MAX_ROWS, amx_unavailable, vnni_unavailable
+from specdistill.models.kquant import KQuantBlocks
+from specdistill.models.kquant import pack as kquant_pack
 from specdistill.models.packed_linear import (
     PackedLinear,
     cached_copy,
@@ -132,6 +135,68 @@ class Q8Int8Linear(KernelLinear):
         return self.matrix.gemm
 
 
+class KQuantLinear(torch.nn.Module):
+    """y = x W^T (+ b) over a GGUF's own K-quant blocks (models.kquant: Q4_K and Q6_K) on the library's VNNI GEMMs,
+    llama.cpp's arithmetic: each row of x rounded to int8 per block of 256 once, then every segment of the matrix
+    (a fused projection's parts, each in its own format) writes its columns of one output. Every row count,
+    prefill included, runs here, each row computed alike whatever the rows beside it. Inference only."""
+
+    def __init__(self, segments: list[KQuantBlocks], bias: torch.Tensor | None, lib):
+        super().__init__()
+        self.in_features = segments[0].shape[1]
+        if any(s.shape[1] != self.in_features for s in segments):
+            raise ValueError(f"KQuantLinear: segments of different K: {[list(s.shape) for s in segments]}")
+        self.out_features = sum(s.shape[0] for s in segments)
+        self.lib = lib
+        self.kinds = [s.kind for s in segments]
+        self.matrices = [kquant_matrix(lib, s) for s in segments]
+        self.columns = [sum(s.shape[0] for s in segments[:i]) for i in range(len(segments))]
+        self.bias = None if bias is None else bias.detach().float().clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if x.requires_grad and torch.is_grad_enabled():
+            raise RuntimeError("KQuantLinear is for inference; train the original module")
+        rows = x.numel() // self.in_features
+        y = self.gemm(x.reshape(rows, self.in_features).float().contiguous())
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """forward for the lean forwards' hot path: x fp32 [1, N, in] -> [1, N, out]."""
+        return self.gemm(x.reshape(-1, self.in_features).contiguous()).view(1, x.shape[1], -1)
+
+    def gemm(self, x: torch.Tensor) -> torch.Tensor:  # [R, in] fp32 contiguous -> [R, out]
+        q, d, sums = self.lib.quantize_rows_q8k(x)
+        y = torch.empty(x.shape[0], self.out_features)
+        for matrix, column in zip(self.matrices, self.columns):
+            matrix.gemm_into(q, d, sums, y, column)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def describe(self) -> str:
+        return "KQuantLinear (" + "+".join(self.kinds) + ")"
+
+
+def kquant_matrix(lib, blocks: KQuantBlocks):
+    """The library's Q4KMatrix or Q6KMatrix over `blocks`, packed (models.kquant.pack)."""
+    packed = kquant_pack(blocks)
+    return lib.Q4KMatrix(**packed) if blocks.kind == "Q4_K" else lib.Q6KMatrix(**packed)
+
+
+def kquant_segments(linear: torch.nn.Module) -> list[KQuantBlocks] | None:
+    """The K-quant blocks a linear was found to be exactly (models.gguf_blocks), in output order, or None."""
+    return getattr(linear, KQUANT_ATTRIBUTE, None)
+
+
+def kquant_usable(linear: torch.nn.Module) -> bool:
+    """A CPU fp32 linear with K-quant blocks attached, on a CPU whose library runs the VNNI GEMMs."""
+    segments = kquant_segments(linear)
+    return (segments is not None and vnni_unavailable() is None and linear.weight.dtype == torch.float32
+            and linear.weight.device.type == "cpu" and all(s.shape[0] % 16 == 0 for s in segments))
+
+
+def kquant_linear(linear: torch.nn.Module) -> KQuantLinear:
+    return KQuantLinear(kquant_segments(linear), linear.bias, kernels.library())
+
+
 def q80_usable(linear: torch.nn.Module) -> bool:
     """A bias-free fp32 CPU nn.Linear of a shape the kernel takes, exactly on its Q8_0 grid up to float rounding."""
     w = getattr(linear, "weight", None)
@@ -143,6 +208,8 @@ def head_for_inference(head: torch.nn.Module) -> torch.nn.Module:
     """The target's output head for the engine: on the Q8_0 kernel where it is exactly Q8_0 (the default
     target's tied embedding) and the library runs, else models.packed_linear's packed copy. Logged once per head;
     the grid check (a pass over every weight) and the copy are cached until the weights change."""
+    if kquant_usable(head):  # a K-quant GGUF's own head (a real-size target's untied Q6_K output)
+        return cached_copy(_copies, head, ("kquant", weights_signature(head)), lambda: kquant_linear(head))
     usable = cached_copy(_head_checks, head, weights_signature(head), lambda: q80_usable(head))
     if not usable or kernels.unavailable() is not None:
         return packed_for_inference(head)
@@ -243,7 +310,10 @@ def q41_usable(linear: torch.nn.Linear) -> bool:
 
 
 def q41_or_packed(linear: torch.nn.Module) -> torch.nn.Module:
-    """Q41Linear where `q41_usable` and the library runs, else PackedLinear (oneDNN)."""
+    """KQuantLinear where a K-quant GGUF's blocks are attached (`kquant_usable`), Q41Linear where `q41_usable` and
+    the library runs, else PackedLinear (oneDNN)."""
+    if kquant_usable(linear):
+        return kquant_linear(linear)
     if kernels.unavailable() is None and q41_usable(linear):
         return Q41Linear(linear, kernels.library())
     return PackedLinear(linear)
@@ -261,7 +331,9 @@ def q41_for_inference(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def _on_a_kernel_or_packed(linear: torch.nn.Linear) -> torch.nn.Module:
-    """Q41Linear, else Q80Linear (a head), else PackedLinear; each grid checked once."""
+    """KQuantLinear, else Q41Linear, else Q80Linear (a head), else PackedLinear; each grid checked once."""
+    if kquant_usable(linear):
+        return kquant_linear(linear)
     if kernels.unavailable() is None:
         if q41_usable(linear):
             return Q41Linear(linear, kernels.library())

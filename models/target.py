@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdistill.models.embedded import EMBEDDED_NAME, embedded_target_dir
 from specdistill.models.fingerprint import fingerprint_target, tokenizer_fingerprint
+from specdistill.models.gguf_blocks import attach_kquant_blocks, gguf_has_kquants, gguf_source
 from specdistill.models.gguf_convert import cached_gguf_dir
 from specdistill.models.packed_linear import float16_weights_supported, inference_weights, set_inference_weights
 from specdistill.models.real_targets import REAL_TARGETS, real_target_dir
@@ -178,8 +179,24 @@ def load_target(spec: str | None = None, device: str = "cpu", dtype: str | torch
         model, tokenizer = load_local(source, torch_dtype)
     target = target_from_model(model.to(device), tokenizer, name)
     set_inference_weights(target.model, weights)
+    if source is not None and torch.device(device).type == "cpu" and weights == "float32":
+        attach_gguf_blocks(target.model, source)
     log.info("loaded target %s (%s, %s, fingerprint %s)", name, device, target.precision, target.fingerprint[:12])
     return target
+
+
+def attach_gguf_blocks(model: torch.nn.Module, directory: Path) -> None:
+    """Where `directory` is a converted GGUF (its cache marker names the file) holding K-quant blocks, attach them to
+    the linears they are exactly (models.gguf_blocks): the engine then computes those matrices from the blocks."""
+    gguf_file = gguf_source(directory)
+    if gguf_file is None:
+        return
+    if not gguf_file.is_file():
+        log.warning("target %s was converted from %s, which is gone: its matrices run in fp32 (fetch the GGUF again "
+                    "to run them on the K-quant kernels)", directory, gguf_file)
+        return
+    if gguf_has_kquants(gguf_file):
+        attach_kquant_blocks(model, gguf_file)
 
 
 def resolve_target_source(spec: str) -> Path | None:

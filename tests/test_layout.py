@@ -188,7 +188,9 @@ C_SOURCE = re.compile(r"#\s*include\s*[<\"]|\b_mm(256|512)?_\w+\(|\b__m(256|512)
 
 
 def python_files() -> list[Path]:
-    skip = {".venv", ".venv-vllm", "runs", ".git", "__pycache__", "build"}
+    """The project's Python files: not the virtual environments, runs, builds or llama.cpp's tree (`make llamacpp`
+    puts it in .llamacpp)."""
+    skip = {".venv", ".venv-vllm", ".llamacpp", "runs", ".git", "__pycache__", "build"}
     return sorted(p for p in ROOT.rglob("*.py") if not skip & set(p.relative_to(ROOT).parts))
 
 

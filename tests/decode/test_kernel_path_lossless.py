@@ -16,12 +16,15 @@ import torch
 from specdistill.decode.engine import SpeculativeEngine
 from specdistill.decode.proposers import build_proposer
 from specdistill.decode.runtime_facts import runtime_facts
+from specdistill.models import kernels
 from specdistill.models.drafters import Drafter, load_drafter
 from specdistill.models.eagle3 import Eagle3Drafter
+from specdistill.models.gguf_blocks import attach_kquant_blocks
 from specdistill.models.lookahead import LookaheadTokens
 from specdistill.models.medusa import MedusaHeads
 from specdistill.models.target import target_from_model
 from tests.conftest import make_tiny_llama
+from tests.models.kquant_fixtures import make_tiny_kquant_qwen2, write_gguf
 
 GROUP = 32  # the kernels' group of weights sharing one step (Q4_1 and Q8_0)
 PROMPTS = ([1, 5, 9, 3, 17, 22, 40, 5, 9, 3], [1, 30, 31, 32, 30, 31], [1, 7, 8, 9, 10, 11, 12, 13])
@@ -140,3 +143,18 @@ def test_the_switched_off_paths_are_reported_and_stay_lossless(switch, monkeypat
     facts = assert_every_kind_decodes_plain_decodings_output(target, drafters, PROMPTS[:1], 24)
     assert facts["switches"][switch] == "1"
     assert facts["target"]["fused_layers" if switch == "SPECDISTILL_UNFUSED_LAYERS" else "greedy_head"] in (0, False)
+
+
+def test_every_proposer_kind_is_lossless_on_a_kquant_qwen2(tmp_path):
+    """A real-size target's path in small: a Qwen2 (q/k/v biases, untied head) whose linears are a GGUF's Q4_K and
+    Q6_K blocks, attached from the file as models.target attaches them, every matrix (head included) on the K-quant
+    kernels where the CPU has AVX512-VNNI, each drafter kind's greedy output plain decoding's."""
+    model, tensors = make_tiny_kquant_qwen2(seed=4)
+    attach_kquant_blocks(model, write_gguf(tmp_path / "tiny.gguf", "qwen2", tensors))
+    target = target_from_model(model, None, "tiny-kquant-qwen2")
+    facts = assert_every_kind_decodes_plain_decodings_output(target, every_kind(target, 1, [0, 1, 1], 3), PROMPTS,
+                                                             32)
+    if kernels.vnni_unavailable() is None:
+        matrices = facts["target"]["layer_matrices"]
+        assert all(kind.startswith("KQuantLinear (") for kind in matrices), matrices
+        assert "Q6_K" in "".join(matrices) and facts["target"]["head"] == "KQuantLinear (Q6_K)"

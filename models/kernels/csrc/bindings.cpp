@@ -108,6 +108,124 @@ struct Int8Matrix {
     }
 };
 
+// ---- K-quant matrices (kquant.cpp): x is rounded to int8 once per call (`quantize_rows_q8k`) and may then feed
+// several matrices (a fused projection's segments) through `gemm_into`, each writing its columns of one output.
+// Any number of rows: prefill runs here too, each row computed as at decode time.
+
+constexpr int64_t kSuper = 256;  // weights per K-quant block
+
+bool vnni_cpu() { return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw"); }
+
+void check_vnni(const char *fn) {
+    TORCH_CHECK(vnni_cpu(), fn, ": needs AVX512-VNNI, which this CPU lacks");
+}
+
+// x fp32 [R, K] -> (q int8 [R, K], d fp32 [R, K/256], sums int32 [R, K/16])
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows_q8k_op(const at::Tensor &x) {
+    const char *fn = "quantize_rows_q8k";
+    check_vnni(fn);
+    check_tensor(x, at::kFloat, fn, "x");
+    TORCH_CHECK_VALUE(x.dim() == 2 && x.size(0) >= 1 && x.size(1) % kSuper == 0 && x.size(1) > 0, fn,
+                      ": x must be [R >= 1, K] with K a multiple of 256, got ", x.sizes());
+    int64_t R = x.size(0), K = x.size(1);
+    auto q = at::empty({R, K}, x.options().dtype(at::kChar));
+    auto d = at::empty({R, K / kSuper}, x.options());
+    auto sums = at::empty({R, K / 16}, x.options().dtype(at::kInt));
+    quantize_rows_q8k(x.data_ptr<float>(), R, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), sums.data_ptr<int32_t>());
+    return {q, d, sums};
+}
+
+q8k_rows checked_rows(const at::Tensor &q, const at::Tensor &d, const at::Tensor &sums, int64_t K, const char *fn) {
+    check_tensor(q, at::kChar, fn, "q");
+    TORCH_CHECK_VALUE(q.dim() == 2 && q.size(0) >= 1 && q.size(1) == K, fn, ": q must be [R >= 1, ", K, "], got ",
+                      q.sizes());
+    int64_t R = q.size(0);
+    check_tensor(d, at::kFloat, fn, "d");
+    check_shape(d, {R, K / kSuper}, fn, "d");
+    check_tensor(sums, at::kInt, fn, "sums");
+    check_shape(sums, {R, K / 16}, fn, "sums");
+    return {q.data_ptr<int8_t>(), d.data_ptr<float>(), sums.data_ptr<int32_t>(), static_cast<int>(R),
+            static_cast<int>(K)};
+}
+
+// y fp32 [R, W] contiguous with this matrix's N columns from `column` on inside it
+void check_output(const at::Tensor &y, int64_t R, int64_t N, int64_t column, const char *fn) {
+    check_tensor(y, at::kFloat, fn, "y");
+    TORCH_CHECK_VALUE(y.dim() == 2 && y.size(0) == R && column >= 0 && column + N <= y.size(1), fn,
+                      ": y must be [", R, ", >= column + ", N, "] with column >= 0, got ", y.sizes(), " and column ",
+                      column);
+}
+
+// The shared part of both K-quant matrices: the blocked shape [N/16, K/256, ...] read off a tensor, N and K.
+struct KQuantShape {
+    int64_t N = 0, K = 0;
+
+    void read(const at::Tensor &t, at::IntArrayRef inner, const char *fn, const char *name) {
+        TORCH_CHECK_VALUE(t.dim() == 2 + static_cast<int64_t>(inner.size()) && t.size(0) > 0 && t.size(1) > 0 &&
+                              t.sizes().slice(2) == inner,
+                          fn, ": ", name, " must be [N/16, K/256, ", inner, "], got ", t.sizes());
+        N = t.size(0) * 16, K = t.size(1) * kSuper;
+    }
+};
+
+struct Q4KMatrix : KQuantShape {
+    at::Tensor codes, sc, m, d, dmin;
+
+    Q4KMatrix(at::Tensor codes_, at::Tensor sc_, at::Tensor m_, at::Tensor d_, at::Tensor dmin_)
+        : codes(std::move(codes_)), sc(std::move(sc_)), m(std::move(m_)), d(std::move(d_)), dmin(std::move(dmin_)) {
+        const char *fn = "Q4KMatrix";
+        check_vnni(fn);
+        check_tensor(codes, at::kByte, fn, "codes");
+        read(codes, {8, 4, 64}, fn, "codes");
+        check_tensor(sc, at::kByte, fn, "sc");
+        check_shape(sc, {N / 16, K / kSuper, 8, 16}, fn, "sc");
+        check_tensor(m, at::kByte, fn, "m");
+        check_shape(m, {N / 16, K / kSuper, 8, 16}, fn, "m");
+        check_tensor(d, at::kFloat, fn, "d");
+        check_shape(d, {N / 16, K / kSuper, 16}, fn, "d");
+        check_tensor(dmin, at::kFloat, fn, "dmin");
+        check_shape(dmin, {N / 16, K / kSuper, 16}, fn, "dmin");
+    }
+
+    void gemm_into(const at::Tensor &q, const at::Tensor &dx, const at::Tensor &sums, at::Tensor &y,
+                   int64_t column) const {
+        const char *fn = "Q4KMatrix.gemm_into";
+        q8k_rows x = checked_rows(q, dx, sums, K, fn);
+        check_output(y, x.R, N, column, fn);
+        q4k_matrix w = {codes.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(), m.data_ptr<uint8_t>(),
+                        d.data_ptr<float>(), dmin.data_ptr<float>(), static_cast<int>(N)};
+        q4k_gemm(x, w, y.data_ptr<float>() + column, static_cast<int>(y.size(1)), threads());
+    }
+};
+
+struct Q6KMatrix : KQuantShape {
+    at::Tensor low, high, sc, d;
+
+    Q6KMatrix(at::Tensor low_, at::Tensor high_, at::Tensor sc_, at::Tensor d_)
+        : low(std::move(low_)), high(std::move(high_)), sc(std::move(sc_)), d(std::move(d_)) {
+        const char *fn = "Q6KMatrix";
+        check_vnni(fn);
+        check_tensor(low, at::kByte, fn, "low");
+        read(low, {8, 4, 64}, fn, "low");
+        check_tensor(high, at::kByte, fn, "high");
+        check_shape(high, {N / 16, K / kSuper, 8, 2, 64}, fn, "high");
+        check_tensor(sc, at::kChar, fn, "sc");
+        check_shape(sc, {N / 16, K / kSuper, 16, 16}, fn, "sc");
+        check_tensor(d, at::kFloat, fn, "d");
+        check_shape(d, {N / 16, K / kSuper, 16}, fn, "d");
+    }
+
+    void gemm_into(const at::Tensor &q, const at::Tensor &dx, const at::Tensor &sums, at::Tensor &y,
+                   int64_t column) const {
+        const char *fn = "Q6KMatrix.gemm_into";
+        q8k_rows x = checked_rows(q, dx, sums, K, fn);
+        check_output(y, x.R, N, column, fn);
+        q6k_matrix w = {low.data_ptr<uint8_t>(), high.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(),
+                        d.data_ptr<float>(), static_cast<int>(N)};
+        q6k_gemm(x, w, y.data_ptr<float>() + column, static_cast<int>(y.size(1)), threads());
+    }
+};
+
 // ---- the other GEMM forms, over tensors -------------------------------------------------------------------------
 
 at::Tensor q80_gemm_op(const at::Tensor &x, const at::Tensor &codes, const at::Tensor &d) {
@@ -427,6 +545,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readonly("N", &Int8Matrix::N)
         .def_readonly("K", &Int8Matrix::K)
         .def("gemm", &Int8Matrix::gemm, py::arg("x"));
+    py::class_<Q4KMatrix>(m, "Q4KMatrix")
+        .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(), py::arg("codes"), py::arg("sc"),
+             py::arg("m"), py::arg("d"), py::arg("dmin"))
+        .def_readonly("N", &Q4KMatrix::N)
+        .def_readonly("K", &Q4KMatrix::K)
+        .def("gemm_into", &Q4KMatrix::gemm_into, py::arg("q"), py::arg("d"), py::arg("sums"), py::arg("y"),
+             py::arg("column"));
+    py::class_<Q6KMatrix>(m, "Q6KMatrix")
+        .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(), py::arg("low"), py::arg("high"),
+             py::arg("sc"), py::arg("d"))
+        .def_readonly("N", &Q6KMatrix::N)
+        .def_readonly("K", &Q6KMatrix::K)
+        .def("gemm_into", &Q6KMatrix::gemm_into, py::arg("q"), py::arg("d"), py::arg("sums"), py::arg("y"),
+             py::arg("column"));
+    m.def("quantize_rows_q8k", &quantize_rows_q8k_op, py::arg("x"));
     m.def("q80_gemm", &q80_gemm_op, py::arg("x"), py::arg("codes"), py::arg("d"));
     m.def("q41_amx", &q41_amx_op, py::arg("x"), py::arg("packed"), py::arg("d"), py::arg("m"));
     m.def("q80_amx", &q80_amx_op, py::arg("x"), py::arg("codes"), py::arg("d"));

@@ -24,6 +24,26 @@ typedef struct {  // an int8 matrix (Q8Int8Weight): codes [N/16][K/32][8][16][4]
     int N;
 } int8_matrix;
 
+typedef struct {  // rows of x rounded to int8 per block of 256 (quantize_rows_q8k): q [R][K], d [R][K/256], sums [R][K/16]
+    const int8_t *q;
+    const float *d;
+    const int32_t *sums;
+    int R, K;
+} q8k_rows;
+
+typedef struct {  // a Q4_K matrix in kquant.cpp's layout: codes [N/16][K/256][8][4][64], sc and m [N/16][K/256][8][16]
+    const uint8_t *codes, *sc, *m;
+    const float *d, *dmin;  // [N/16][K/256][16]
+    int N;
+} q4k_matrix;
+
+typedef struct {  // a Q6_K matrix in kquant.cpp's layout: low [N/16][K/256][8][4][64], high [..][8][2][64]
+    const uint8_t *low, *high;
+    const int8_t *sc;  // [N/16][K/256][16][16]
+    const float *d;    // [N/16][K/256][16]
+    int N;
+} q6k_matrix;
+
 // gemm_fma.cpp
 void q41_gemm(const float *x, int R, int K, const uint8_t *packed, const float *d, const float *m, int N, float *y,
               int threads);
@@ -44,6 +64,11 @@ int layer_rows_attention(const float *x, int N, int D, const float *norm_in, flo
                          float *work, int threads);
 void layer_rows_down(float *y, int N, int D, const float *activated, int I, q41_matrix down, float *work,
                      int threads);
+
+// kquant.cpp (AVX512-VNNI): y[r][0..N) at row stride ldy
+void quantize_rows_q8k(const float *x, int R, int K, int8_t *xq, float *dx, int32_t *xs);
+void q4k_gemm(const q8k_rows &x, q4k_matrix w, float *y, int ldy, int threads);
+void q6k_gemm(const q8k_rows &x, q6k_matrix w, float *y, int ldy, int threads);
 
 // gemm_amx.cpp
 int amx_request(void);

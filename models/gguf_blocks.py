@@ -1,0 +1,119 @@
+"""A GGUF target's own K-quant blocks, found again for the model loaded from its conversion (models.gguf_convert),
+so that the engine computes its matrices from the file's 1.0 GB of blocks rather than its 7.1 GB of fp32 weights.
+
+`attach_kquant_blocks(model, gguf_file)` reads the file's Q4_K and Q6_K tensors, finds the nn.Linear each one
+is (llama.cpp's tensor names, `HF_NAMES`; a Llama file's q and k rows permuted back as transformers' loader does),
+checks that the blocks dequantize to exactly that linear's weights (a single differing weight and the matrix keeps
+its fp32 path, with a WARNING naming it), and sets `linear.kquant_blocks = [KQuantBlocks]`. The engine's choice of
+kernel reads that attribute (models.kernel_linear.kquant_segments). The model's parameters are not touched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdistill.models.cache import MARKER
+from specdistill.models.kquant import BLOCK_BYTES, KQuantBlocks, dequantize
+
+log = logging.getLogger("specdistill.kernels")
+
+ATTRIBUTE = "kquant_blocks"
+HF_NAMES = {  # llama.cpp's tensor name (without ".weight") -> transformers' module, {i} the layer
+    "output": "lm_head",
+    "blk.{i}.attn_q": "model.layers.{i}.self_attn.q_proj",
+    "blk.{i}.attn_k": "model.layers.{i}.self_attn.k_proj",
+    "blk.{i}.attn_v": "model.layers.{i}.self_attn.v_proj",
+    "blk.{i}.attn_output": "model.layers.{i}.self_attn.o_proj",
+    "blk.{i}.ffn_gate": "model.layers.{i}.mlp.gate_proj",
+    "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
+    "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
+}
+PERMUTED = ("attn_q", "attn_k")  # llama.cpp's converter permutes these rows for Llama models (rope layout)
+
+
+def module_name(tensor_name: str) -> str | None:
+    """llama.cpp's "blk.3.attn_q.weight" -> "model.layers.3.self_attn.q_proj"; None for anything else."""
+    stem = tensor_name.removesuffix(".weight")
+    layer = re.match(r"blk\.(\d+)\.(.+)$", stem)
+    key = f"blk.{{i}}.{layer.group(2)}" if layer else stem
+    pattern = HF_NAMES.get(key)
+    return None if pattern is None else pattern.format(i=layer.group(1) if layer else "")
+
+
+def llama_row_order(rows: int, heads: int) -> torch.Tensor:
+    """The row permutation transformers applies to a Llama GGUF's q or k matrix (its reverse_permute_weights):
+    row i of the model is row order[i] of the file."""
+    index = torch.arange(rows)
+    return index.reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
+
+
+def file_blocks(tensor) -> KQuantBlocks:
+    """A GGUFReader tensor of a K-quant type -> KQuantBlocks [N, K/256 * bytes] (copied out of the memory map)."""
+    kind = tensor.tensor_type.name
+    raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
+    return KQuantBlocks(kind, raw.reshape(raw.shape[0], -1))
+
+
+def heads_for(model: torch.nn.Module, short: str) -> int:
+    config = model.config.get_text_config()
+    return config.num_attention_heads if short == "attn_q" else config.num_key_value_heads
+
+
+def gguf_source(directory: Path) -> Path | None:
+    """The GGUF file a cached conversion was made from, as its marker records it (models.cache), or None."""
+    marker = Path(directory) / MARKER
+    if not marker.is_file():
+        return None
+    info = json.loads(marker.read_text())
+    source = info.get("gguf") or info.get("source")
+    return Path(source) if source and str(source).endswith(".gguf") else None
+
+
+def gguf_has_kquants(gguf_file: Path) -> bool:
+    """Whether `gguf_file` holds Q4_K or Q6_K tensors; False, with a WARNING, where it cannot be read as a GGUF."""
+    from gguf import GGUFReader
+
+    try:
+        return any(t.tensor_type.name in BLOCK_BYTES for t in GGUFReader(str(gguf_file)).tensors)
+    except (ValueError, OSError) as err:
+        log.warning("%s cannot be read as a GGUF file (%s): its matrices run in fp32", gguf_file, err)
+        return False
+
+
+def attach_kquant_blocks(model: torch.nn.Module, gguf_file: str | Path) -> dict[str, int]:
+    """Attach each K-quant tensor of `gguf_file` to the model's linear it is exactly (see the module docstring).
+    Returns {"attached": n, "differing": n, "unmatched": n}."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_file))
+    architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    modules = dict(model.named_modules())
+    counts = {"attached": 0, "differing": 0, "unmatched": 0}
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name not in BLOCK_BYTES:
+            continue
+        linear = modules.get(module_name(tensor.name) or "")
+        if not isinstance(linear, torch.nn.Linear):
+            counts["unmatched"] += tensor.name != "token_embd.weight"  # the embedding is a lookup, not a GEMM
+            continue
+        blocks = file_blocks(tensor)
+        short = tensor.name.split(".")[-2]
+        if architecture == "llama" and short in PERMUTED:
+            order = llama_row_order(blocks.raw.shape[0], heads_for(model, short))
+            blocks = KQuantBlocks(blocks.kind, blocks.raw[order].contiguous())
+        if not torch.equal(dequantize(blocks), linear.weight.detach().float()):
+            log.warning("%s: its %s blocks do not dequantize to %s's weights; that matrix stays on fp32",
+                        tensor.name, blocks.kind, module_name(tensor.name))
+            counts["differing"] += 1
+            continue
+        setattr(linear, ATTRIBUTE, [blocks])
+        counts["attached"] += 1
+    log.info("K-quant blocks of %s: %d matrices attached, %d differing, %d without a linear", Path(gguf_file).name,
+             counts["attached"], counts["differing"], counts["unmatched"])
+    return counts

@@ -1,0 +1,137 @@
+"""models.kquant, the library's K-quant GEMMs (models/kernels/csrc/kquant.cpp), KQuantLinear and models.gguf_blocks:
+blocks decode to gguf-py's weights, the kernels compute what their integer arithmetic says and each row alike
+whatever the rows beside it, a fused matrix of mixed formats equals its parts, and a GGUF's blocks are attached
+only to the linears they are exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specdistill.models import kernels
+from specdistill.models.gguf_blocks import ATTRIBUTE, attach_kquant_blocks, llama_row_order, module_name
+from specdistill.models.kernel_linear import KQuantLinear, kquant_matrix
+from specdistill.models.kquant import KQuantBlocks, dequantize, gemm_reference, pack, quantize_rows_reference
+from tests.models.kquant_fixtures import make_tiny_kquant_qwen2, random_blocks, write_gguf
+
+needs_vnni = pytest.mark.skipif(kernels.vnni_unavailable() is not None,
+                                reason=f"the K-quant kernels: {kernels.vnni_unavailable()}")
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_blocks_decode_to_gguf_pys_weights(kind):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    blocks = random_blocks(kind, 48, 512, seed=1)
+    reference = gguf_dequantize(blocks.raw.numpy(), GGMLQuantizationType[kind])
+    assert torch.equal(dequantize(blocks), torch.from_numpy(np.ascontiguousarray(reference)).reshape(48, 512))
+
+
+def test_blocks_refuse_a_bad_kind_or_a_ragged_row():
+    with pytest.raises(ValueError, match="kind must be one of"):
+        KQuantBlocks("Q5_K", torch.zeros(16, 176, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"raw must be uint8 \[N, K/256 \* 144\]"):
+        KQuantBlocks("Q4_K", torch.zeros(16, 150, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="N must be a multiple of 16"):
+        pack(random_blocks("Q4_K", 8, 256))
+
+
+def test_rows_are_rounded_to_int8_per_block_of_256():
+    x = torch.randn(3, 512) * torch.tensor([1.0, 100.0, 0.01])[:, None]
+    x[2, 256:] = 0  # an all-zero block: step 0, codes 0
+    q, d, sums = quantize_rows_reference(x)
+    assert q.abs().max() == 127 and d[2, 1] == 0 and torch.all(q[2, 256:] == 0)
+    rebuilt = q.float().reshape(3, 2, 256) * d[..., None]
+    assert torch.all((rebuilt.reshape(3, 512) - x).abs() <= d.repeat_interleave(256, 1) / 2 + 1e-6)
+    assert torch.equal(sums, q.reshape(3, 32, 16).sum(-1, dtype=torch.int32))
+
+
+@needs_vnni
+def test_the_librarys_rounding_is_the_reference_rounding():
+    x = torch.randn(5, 768) * 3
+    for ours, reference in zip(kernels.library().quantize_rows_q8k(x), quantize_rows_reference(x)):
+        assert torch.equal(ours, reference)
+
+
+@needs_vnni
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_kernel_computes_its_integer_arithmetic_and_each_row_alike(kind):
+    lib = kernels.library()
+    blocks = random_blocks(kind, 48, 768, seed=2)
+    matrix = kquant_matrix(lib, blocks)
+    x = torch.randn(9, 768)  # 9 rows: two groups of 4 and one of 1
+    y = torch.full((9, 48 + 32), float("nan"))
+    matrix.gemm_into(*lib.quantize_rows_q8k(x), y, 16)
+    assert torch.isnan(y[:, :16]).all() and torch.isnan(y[:, 64:]).all()  # only its columns written
+    reference = gemm_reference(x, blocks)
+    assert float((y[:, 16:64].double() - reference).abs().max() / reference.abs().max()) < 1e-5
+    for rows in (range(0, 1), range(3, 6), range(5, 9)):  # alone, and in groups of other sizes and offsets
+        part = x[rows.start:rows.stop].contiguous()
+        out = torch.empty(len(rows), 48)
+        matrix.gemm_into(*lib.quantize_rows_q8k(part), out, 0)
+        assert torch.equal(out, y[rows.start:rows.stop, 16:64])
+    dense = x @ dequantize(blocks).T  # the rounding of x is the only approximation
+    assert float((y[:, 16:64] - dense).abs().max() / dense.abs().max()) < 0.03
+
+
+@needs_vnni
+def test_kernel_boundary_names_what_is_wrong():
+    lib = kernels.library()
+    matrix = kquant_matrix(lib, random_blocks("Q4_K", 16, 256))
+    q, d, sums = lib.quantize_rows_q8k(torch.randn(2, 256))
+    with pytest.raises(ValueError, match=r"Q4KMatrix.gemm_into: y must be \[2, >= column \+ 16\]"):
+        matrix.gemm_into(q, d, sums, torch.empty(2, 16), 8)
+    with pytest.raises(TypeError, match="Q4KMatrix.gemm_into: q must be Char"):
+        matrix.gemm_into(q.float(), d, sums, torch.empty(2, 16), 0)
+    with pytest.raises(ValueError, match="quantize_rows_q8k: x must be .* K a multiple of 256"):
+        lib.quantize_rows_q8k(torch.randn(2, 300))
+    packed = pack(random_blocks("Q6_K", 16, 256))
+    packed["sc"] = packed["sc"][:, :, :8].contiguous()
+    with pytest.raises(ValueError, match="Q6KMatrix: sc must have shape"):
+        lib.Q6KMatrix(**packed)
+
+
+@needs_vnni
+def test_a_fused_matrix_of_mixed_formats_equals_its_parts_with_its_bias():
+    lib = kernels.library()
+    parts = [random_blocks("Q4_K", 32, 512, seed=3), random_blocks("Q6_K", 16, 512, seed=4),
+             random_blocks("Q4_K", 16, 512, seed=5)]
+    bias = torch.randn(64)
+    fused = KQuantLinear(parts, bias, lib)
+    x = torch.randn(1, 6, 512)
+    with torch.inference_mode():
+        y = fused(x)
+        alone = torch.cat([KQuantLinear([p], None, lib)(x) for p in parts], dim=-1) + bias
+    assert y.shape == (1, 6, 64) and torch.equal(y, alone) and torch.equal(fused.rows(x), y)
+    with pytest.raises(ValueError, match="segments of different K"):
+        KQuantLinear([parts[0], random_blocks("Q4_K", 16, 256)], None, lib)
+
+
+def test_llama_cpp_names_map_to_transformers_modules():
+    assert module_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj"
+    assert module_name("blk.12.ffn_down.weight") == "model.layers.12.mlp.down_proj"
+    assert module_name("output.weight") == "lm_head"
+    assert module_name("token_embd.weight") is None and module_name("blk.0.attn_norm.weight") is None
+
+
+def test_llama_row_order_is_transformers_reverse_permutation():
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    rows, heads = 48, 3
+    file_rows = torch.randn(rows, 4)
+    expected = torch.from_numpy(LlamaTensorProcessor()._reverse_permute_weights(file_rows.numpy(), heads, heads))
+    assert torch.equal(file_rows[llama_row_order(rows, heads)], expected)
+
+
+def test_a_gguf_is_attached_to_exactly_the_linears_it_is(tmp_path):
+    model, tensors = make_tiny_kquant_qwen2(seed=1, layers=2)
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[0, 0] += 1e-3  # one weight off its block: not attached
+    path = write_gguf(tmp_path / "tiny.gguf", "qwen2", tensors)
+    counts = attach_kquant_blocks(model, path)
+    assert counts == {"attached": len(tensors) - 1, "differing": 1, "unmatched": 0}
+    assert not hasattr(model.model.layers[1].mlp.up_proj, ATTRIBUTE)
+    head = getattr(model.lm_head, ATTRIBUTE)
+    assert head[0].kind == "Q6_K" and torch.equal(head[0].raw, tensors["output.weight"].raw)
