@@ -108,6 +108,12 @@ def nibble_layout(codes: torch.Tensor) -> torch.Tensor:
     return (c[..., 0, :, :] | (c[..., 1, :, :] << 4)).reshape(n // 16, k // SUPER, 8, 4, 64).contiguous()
 
 
+def min_pairs(m: torch.Tensor) -> torch.Tensor:
+    """[N/16, KB, 8, 16] -> [N/16, KB, 4, 16, 2]: sub-blocks 2j and 2j + 1 side by side per output (vpdpwssd)."""
+    nb, kb = m.shape[:2]
+    return m.reshape(nb, kb, 4, 2, 16).transpose(3, 4).contiguous()
+
+
 def high_layout(codes: torch.Tensor) -> torch.Tensor:
     """codes uint8 [N, K] (6 bits) -> their top 2 bits [N/16, K/256, 8, 2, 64]: byte 4o + i of vector h of
     sub-block s holds those of chunk t = 4h + u (k = 32s + 4t + i) at bits 2u."""
@@ -130,7 +136,7 @@ def pack(w: KQuantBlocks) -> dict[str, torch.Tensor]:
     check_packable(w, "kquant.pack")
     if w.kind == "Q4_K":
         f = q4k_fields(w)
-        return {"codes": nibble_layout(f["codes"]), "sc": sides(f["sc"], 8), "m": sides(f["m"], 8),
+        return {"codes": nibble_layout(f["codes"]), "sc": sides(f["sc"], 8), "m": min_pairs(sides(f["m"], 8)),
                 "d": sides(f["d"], 1)[:, :, 0], "dmin": sides(f["dmin"], 1)[:, :, 0]}
     f = q6k_fields(w)
     return {"low": nibble_layout(f["codes"] & 0x0F), "high": high_layout(f["codes"]), "sc": sides(f["sc"], 16),

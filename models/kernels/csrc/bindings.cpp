@@ -180,7 +180,7 @@ struct Q4KMatrix : KQuantShape {
         check_tensor(sc, at::kByte, fn, "sc");
         check_shape(sc, {N / 16, K / kSuper, 8, 16}, fn, "sc");
         check_tensor(m, at::kByte, fn, "m");
-        check_shape(m, {N / 16, K / kSuper, 8, 16}, fn, "m");
+        check_shape(m, {N / 16, K / kSuper, 4, 16, 2}, fn, "m");
         check_tensor(d, at::kFloat, fn, "d");
         check_shape(d, {N / 16, K / kSuper, 16}, fn, "d");
         check_tensor(dmin, at::kFloat, fn, "dmin");
@@ -194,7 +194,7 @@ struct Q4KMatrix : KQuantShape {
         check_output(y, x.R, N, column, fn);
         q4k_matrix w = {codes.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(), m.data_ptr<uint8_t>(),
                         d.data_ptr<float>(), dmin.data_ptr<float>(), static_cast<int>(N)};
-        q4k_gemm(x, w, y.data_ptr<float>() + column, static_cast<int>(y.size(1)), threads());
+        check_memory(q4k_gemm(x, w, y.data_ptr<float>() + column, static_cast<int>(y.size(1)), threads()), fn);
     }
 };
 

@@ -31,7 +31,7 @@ typedef struct {  // rows of x rounded to int8 per block of 256 (quantize_rows_q
     int R, K;
 } q8k_rows;
 
-typedef struct {  // a Q4_K matrix in kquant.cpp's layout: codes [N/16][K/256][8][4][64], sc and m [N/16][K/256][8][16]
+typedef struct {  // a Q4_K matrix in kquant.cpp's layout: codes [N/16][K/256][8][4][64], sc [..][8][16], m [..][4][16][2]
     const uint8_t *codes, *sc, *m;
     const float *d, *dmin;  // [N/16][K/256][16]
     int N;
@@ -67,7 +67,7 @@ void layer_rows_down(float *y, int N, int D, const float *activated, int I, q41_
 
 // kquant.cpp (AVX512-VNNI): y[r][0..N) at row stride ldy
 void quantize_rows_q8k(const float *x, int R, int K, int8_t *xq, float *dx, int32_t *xs);
-void q4k_gemm(const q8k_rows &x, q4k_matrix w, float *y, int ldy, int threads);
+int q4k_gemm(const q8k_rows &x, q4k_matrix w, float *y, int ldy, int threads);  // 0, or -1 (no memory)
 void q6k_gemm(const q8k_rows &x, q6k_matrix w, float *y, int ldy, int threads);
 
 // gemm_amx.cpp

@@ -10,8 +10,9 @@
 // Layouts (models/kquant.py packs them): 16 outputs side by side, 4 consecutive k of each in 4 bytes, so one
 // vpdpbusd adds 4 products to each of 16 outputs. For output block nb and block kb of 256:
 //   Q4_K: codes [NB][KB][8 sub][4 pair][64]: byte 4o + i of pair p of sub-block s holds the code of output o at
-//         k = 32s + 8p + i (low nibble) and 32s + 8p + 4 + i (high); sc and m [NB][KB][8][16] the 6-bit scale and
-//         min of each sub-block of 32; d, dmin [NB][KB][16] fp32. w = d sc q - dmin m.
+//         k = 32s + 8p + i (low nibble) and 32s + 8p + 4 + i (high); sc [NB][KB][8][16] the 6-bit scale of each
+//         sub-block of 32, m [NB][KB][4][16][2] its 6-bit min, sub-blocks 2j and 2j + 1 side by side (one
+//         vpdpwssd takes both, against x's sums over them); d, dmin [NB][KB][16] fp32. w = d sc q - dmin m.
 //   Q6_K: low [NB][KB][8][4][64] the codes' low 4 bits as Q4_K's codes; high [NB][KB][8][2][64] their top 2 bits,
 //         byte 4o + i of vector h of sub-block s holding those of chunk t = 4h + u (k = 32s + 4t + i) at bits 2u;
 //         sc [NB][KB][16 sub-blocks of 16][16] int8; d [NB][KB][16] fp32. w = d sc (q - 32).
@@ -44,8 +45,20 @@ static inline __m512i broadcast4(const int8_t *p) {  // 4 bytes of x to every 32
 }
 
 // Rows r0 .. r0 + RB - 1 of one output block nb of a Q4_K matrix: y[r][16 nb ..] for the block's 16 outputs.
+// x's code sums over sub-blocks of 32 in pairs, as vpdpwssd reads them: pairs [R][K/64], sub-block 2j's sum in the
+// low 16 bits and 2j + 1's in the high (|sum| <= 32 * 127 fits 16 bits).
+static void sub_block_sum_pairs(const q8k_rows &x, int32_t *pairs) {
+    for (int r = 0; r < x.R; r++)
+        for (int j = 0; j < x.K / 64; j++) {
+            const int32_t *sums = x.sums + (size_t)r * (x.K / 16) + 4 * j;
+            uint32_t low = (uint16_t)(int16_t)(sums[0] + sums[1]), high = (uint16_t)(int16_t)(sums[2] + sums[3]);
+            pairs[(size_t)r * (x.K / 64) + j] = (int32_t)(low | high << 16);
+        }
+}
+
 template <int RB>
-VNNI_TARGET static void q4k_block(const q8k_rows &x, int r0, q4k_matrix w, int nb, float *y, int ldy) {
+VNNI_TARGET static void q4k_block(const q8k_rows &x, const int32_t *pairs, int r0, q4k_matrix w, int nb, float *y,
+                                  int ldy) {
     const int K = x.K, KB = K / 256;
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     __m512 out[RB];
@@ -68,12 +81,13 @@ VNNI_TARGET static void q4k_block(const q8k_rows &x, int r0, q4k_matrix w, int n
                 }
             }
             __m512i scale = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + 16 * s)));
-            __m512i minimum = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mn + 16 * s)));
-            for (int r = 0; r < RB; r++) {
-                const int32_t *sums = x.sums + (size_t)(r0 + r) * (K / 16) + kb * 16 + 2 * s;
-                total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(acc[r], scale));
-                mins[r] = _mm512_add_epi32(mins[r], _mm512_mullo_epi32(minimum, _mm512_set1_epi32(sums[0] + sums[1])));
-            }
+            for (int r = 0; r < RB; r++) total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(acc[r], scale));
+        }
+        for (int j = 0; j < 4; j++) {  // the mins' share: sum over sub-blocks of m times x's code sum
+            __m512i minimum = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(mn + 32 * j)));
+            for (int r = 0; r < RB; r++)
+                mins[r] = _mm512_dpwssd_epi32(mins[r], minimum,
+                                              _mm512_set1_epi32(pairs[(size_t)(r0 + r) * (K / 64) + kb * 4 + j]));
         }
         __m512 d = _mm512_loadu_ps(w.d + block * 16), dmin = _mm512_loadu_ps(w.dmin + block * 16);
         for (int r = 0; r < RB; r++) {
@@ -97,7 +111,8 @@ VNNI_TARGET static inline __m512i high_bits(__m512i h, int u) {
 }
 
 template <int RB>
-VNNI_TARGET static void q6k_block(const q8k_rows &x, int r0, q6k_matrix w, int nb, float *y, int ldy) {
+VNNI_TARGET static void q6k_block(const q8k_rows &x, const int32_t *, int r0, q6k_matrix w, int nb, float *y,
+                                  int ldy) {
     const int K = x.K, KB = K / 256;
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     __m512 out[RB];
@@ -139,28 +154,34 @@ VNNI_TARGET static void q6k_block(const q8k_rows &x, int r0, q6k_matrix w, int n
 }
 
 // Every row of x through `block` in groups of 4 rows (the last group 1..3), output blocks split among threads.
-template <typename Matrix, void (*B1)(const q8k_rows &, int, Matrix, int, float *, int),
-          void (*B2)(const q8k_rows &, int, Matrix, int, float *, int),
-          void (*B3)(const q8k_rows &, int, Matrix, int, float *, int),
-          void (*B4)(const q8k_rows &, int, Matrix, int, float *, int)>
-static void kquant_gemm(const q8k_rows &x, Matrix w, float *y, int ldy, int threads) {
+// `extra`: what the matrix's blocks read beside x (Q4_K: the sub-block sum pairs), or nullptr.
+template <typename Matrix, void (*B1)(const q8k_rows &, const int32_t *, int, Matrix, int, float *, int),
+          void (*B2)(const q8k_rows &, const int32_t *, int, Matrix, int, float *, int),
+          void (*B3)(const q8k_rows &, const int32_t *, int, Matrix, int, float *, int),
+          void (*B4)(const q8k_rows &, const int32_t *, int, Matrix, int, float *, int)>
+static void kquant_gemm(const q8k_rows &x, const int32_t *extra, Matrix w, float *y, int ldy, int threads) {
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int nb = 0; nb < w.N / 16; nb++) {
         int r0 = 0;
-        for (; r0 + 4 <= x.R; r0 += 4) B4(x, r0, w, nb, y, ldy);
+        for (; r0 + 4 <= x.R; r0 += 4) B4(x, extra, r0, w, nb, y, ldy);
         switch (x.R - r0) {
-            case 3: B3(x, r0, w, nb, y, ldy); break;
-            case 2: B2(x, r0, w, nb, y, ldy); break;
-            case 1: B1(x, r0, w, nb, y, ldy); break;
+            case 3: B3(x, extra, r0, w, nb, y, ldy); break;
+            case 2: B2(x, extra, r0, w, nb, y, ldy); break;
+            case 1: B1(x, extra, r0, w, nb, y, ldy); break;
             default: break;
         }
     }
 }
 
-void q4k_gemm(const q8k_rows &x, q4k_matrix w, float *y, int ldy, int threads) {
-    kquant_gemm<q4k_matrix, q4k_block<1>, q4k_block<2>, q4k_block<3>, q4k_block<4>>(x, w, y, ldy, threads);
+int q4k_gemm(const q8k_rows &x, q4k_matrix w, float *y, int ldy, int threads) {
+    int32_t *pairs = (int32_t *)malloc(sizeof(int32_t) * (size_t)x.R * (x.K / 64));
+    if (pairs == NULL) return -1;
+    sub_block_sum_pairs(x, pairs);
+    kquant_gemm<q4k_matrix, q4k_block<1>, q4k_block<2>, q4k_block<3>, q4k_block<4>>(x, pairs, w, y, ldy, threads);
+    free(pairs);
+    return 0;
 }
 
 void q6k_gemm(const q8k_rows &x, q6k_matrix w, float *y, int ldy, int threads) {
-    kquant_gemm<q6k_matrix, q6k_block<1>, q6k_block<2>, q6k_block<3>, q6k_block<4>>(x, w, y, ldy, threads);
+    kquant_gemm<q6k_matrix, q6k_block<1>, q6k_block<2>, q6k_block<3>, q6k_block<4>>(x, nullptr, w, y, ldy, threads);
 }
