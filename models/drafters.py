@@ -36,7 +36,8 @@ from specdistill.models.draft_models import (
     replace_output_head,
 )
 from specdistill.models.fingerprint import tokenizer_fingerprint
-from specdistill.models.target import Target, load_causal_lm
+from specdistill.models.real_targets import REAL_TARGETS, real_target_dir
+from specdistill.models.target import Target, attach_gguf_blocks, load_causal_lm
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 ACCEPTED_SPECS = ("'truncated:N' (the target's first N layers), "
                   "'small:layers=L,hidden=H[,heads=..,kv_heads=..,intermediate=..,seed=..]' (a fresh small Llama), "
                   "'prompt_lookup' (alias 'ngram'), a drafter directory (with manifest.json), "
-                  "or an HF causal LM directory (with config.json); any of these but prompt_lookup "
+                  "an HF causal LM directory (with config.json), or a named real target as a draft model "
+                  "('qwen2.5-coder-0.5b': fetched and converted like a target); any of these but prompt_lookup "
                   "followed by '+prompt_lookup' adds a prompt-lookup chain to its trees")
 LOOKUP_SUFFIX = "+prompt_lookup"
 
@@ -98,6 +100,12 @@ def load_drafter(spec: str | Path, target: Target, device: str | None = None,
     if text.startswith("small:"):
         model = build_small_drafter(target.model, **parse_small_spec(text[len("small:"):]))
         return Drafter("draft_model", model.to(device), None, synthesize_manifest(target, "draft_model", text), None)
+    if text in REAL_TARGETS:  # the classic pair: a smaller sibling of the target, as it comes
+        directory = real_target_dir(text)
+        drafter = load_hf_drafter(directory, target, device, name=text)
+        if torch.device(device).type == "cpu":  # it drafts on its GGUF's own blocks, as a target would run
+            attach_gguf_blocks(drafter.model, directory)
+        return drafter
     path = Path(text).expanduser()
     if (path / MANIFEST).is_file():
         return load_drafter_dir(path, target, device, allow_target_mismatch)
@@ -242,8 +250,9 @@ def check_all_weights_loaded(model, state: dict, result, model_dir: Path) -> Non
                          f"unexpected {list(result.unexpected_keys)}")
 
 
-def load_hf_drafter(path: Path, target: Target, device: str) -> Drafter:
-    """A plain HF causal LM used as a drafter: same vocabulary and, when it has one, same tokenizer."""
+def load_hf_drafter(path: Path, target: Target, device: str, name: str | None = None) -> Drafter:
+    """A plain HF causal LM used as a drafter: same vocabulary and, when it has one, same tokenizer. `name`: the
+    spec it was asked by (a named real target), recorded in its manifest in place of the path."""
     model = load_causal_lm(str(path), target.dtype)
     check_head_size(model, target, None, path)
     if any((path / name).is_file() for name in TOKENIZER_FILES):
@@ -251,7 +260,7 @@ def load_hf_drafter(path: Path, target: Target, device: str) -> Drafter:
         if draft_tok != target.tokenizer_fingerprint:
             raise ValueError(f"drafter {path} has another tokenizer (fingerprint {draft_tok}) than target "
                              f"{target.name!r} (fingerprint {target.tokenizer_fingerprint})")
-    manifest = synthesize_manifest(target, "draft_model", str(path))
+    manifest = synthesize_manifest(target, "draft_model", name or str(path))
     return Drafter("draft_model", model.to(device).eval(), None, manifest, str(path))
 
 

@@ -1,10 +1,11 @@
-"""A GGUF target's own K-quant blocks, found again for the model loaded from its conversion (models.gguf_convert),
-so that the engine computes its matrices from the file's 1.0 GB of blocks rather than its 7.1 GB of fp32 weights.
+"""A GGUF target's own quantized blocks (K-quants, and the Q8_0 / Q5_0 a small model mixes in), found again for
+the model loaded from its conversion (models.gguf_convert), so that the engine computes its matrices from the
+file's 1.0 GB of blocks rather than its 7.1 GB of fp32 weights.
 
-`attach_kquant_blocks(model, gguf_file)` reads the file's Q4_K and Q6_K tensors, finds the nn.Linear each one
-is (llama.cpp's tensor names, `HF_NAMES`; a Llama file's q and k rows permuted back as transformers' loader does),
-checks that the blocks dequantize to exactly that linear's weights (a single differing weight and the matrix keeps
-its fp32 path, with a WARNING naming it), and sets `linear.kquant_blocks = [KQuantBlocks]`. The engine's choice of
+`attach_kquant_blocks(model, gguf_file)` reads the file's Q4_K, Q6_K, Q8_0 and Q5_0 tensors, finds the nn.Linear
+each one is (llama.cpp's tensor names, `HF_NAMES`; a Llama file's q and k rows permuted back as transformers' loader
+does), checks that the blocks dequantize to exactly that linear's weights (a single differing weight and the matrix
+keeps its fp32 path, with a WARNING naming it), and sets `linear.kquant_blocks = [KQuantBlocks]`. The engine's choice of
 kernel reads that attribute (models.kernel_linear.kquant_segments). The model's parameters are not touched.
 """
 
@@ -76,11 +77,13 @@ def gguf_source(directory: Path) -> Path | None:
 
 
 def gguf_has_kquants(gguf_file: Path) -> bool:
-    """Whether `gguf_file` holds Q4_K or Q6_K tensors; False, with a WARNING, where it cannot be read as a GGUF."""
+    """Whether `gguf_file` holds Q4_K or Q6_K tensors (a K-quant file: its Q8_0 and Q5_0 tensors then join them; a
+    Q4_1 file such as the default target's keeps its exact Q4_1 / Q8_0 kernels); False, with a WARNING, where it
+    cannot be read as a GGUF."""
     from gguf import GGUFReader
 
     try:
-        return any(t.tensor_type.name in BLOCK_BYTES for t in GGUFReader(str(gguf_file)).tensors)
+        return any(t.tensor_type.name in ("Q4_K", "Q6_K") for t in GGUFReader(str(gguf_file)).tensors)
     except (ValueError, OSError) as err:
         log.warning("%s cannot be read as a GGUF file (%s): its matrices run in fp32", gguf_file, err)
         return False

@@ -24,7 +24,7 @@ import torch
 from specdistill.models import kernels
 from specdistill.models.gguf_blocks import ATTRIBUTE as KQUANT_ATTRIBUTE
 from specdistill.models.kernels import MAX_ROWS, amx_unavailable, vnni_unavailable
-from specdistill.models.kquant import KQuantBlocks
+from specdistill.models.kquant import INT8_KINDS, KQuantBlocks, int8_fields
 from specdistill.models.kquant import pack as kquant_pack
 from specdistill.models.packed_linear import (
     PackedLinear,
@@ -165,10 +165,15 @@ class KQuantLinear(torch.nn.Module):
         return self.gemm(x.reshape(-1, self.in_features).contiguous()).view(1, x.shape[1], -1)
 
     def gemm(self, x: torch.Tensor) -> torch.Tensor:  # [R, in] fp32 contiguous -> [R, out]
-        q, d, sums = self.lib.quantize_rows_q8k(x)
         y = torch.empty(x.shape[0], self.out_features)
-        for matrix, column in zip(self.matrices, self.columns):
-            matrix.gemm_into(q, d, sums, y, column)
+        rounded = None  # x rounded per block of 256, once for every K-quant segment
+        for matrix, column, kind in zip(self.matrices, self.columns, self.kinds):
+            if kind in INT8_KINDS:  # the int8 kernel rounds x per group of 32 itself, MAX_ROWS rows a call
+                for start in range(0, x.shape[0], MAX_ROWS):
+                    y[start:start + MAX_ROWS, column:column + matrix.N] = matrix.gemm(x[start:start + MAX_ROWS])
+                continue
+            rounded = self.lib.quantize_rows_q8k(x) if rounded is None else rounded
+            matrix.gemm_into(*rounded, y, column)
         return y if self.bias is None else y.add_(self.bias)
 
     def describe(self) -> str:
@@ -176,7 +181,13 @@ class KQuantLinear(torch.nn.Module):
 
 
 def kquant_matrix(lib, blocks: KQuantBlocks):
-    """The library's Q4KMatrix or Q6KMatrix over `blocks`, packed (models.kquant.pack)."""
+    """The library's matrix over a GGUF's `blocks`: Q4KMatrix or Q6KMatrix (models.kquant.pack), or for Q8_0 and
+    Q5_0 (int8 codes times a step per 32) the int8 kernel's Int8Matrix over exactly those codes and steps."""
+    if blocks.kind in INT8_KINDS:
+        fields = int8_fields(blocks)
+        n, k = blocks.shape
+        w = int8_layout(fields["codes"].reshape(n, k // GROUP, GROUP), fields["d"])
+        return lib.Int8Matrix(w.codes, w.step, w.bias)
     packed = kquant_pack(blocks)
     return lib.Q4KMatrix(**packed) if blocks.kind == "Q4_K" else lib.Q6KMatrix(**packed)
 
@@ -190,7 +201,8 @@ def kquant_usable(linear: torch.nn.Module) -> bool:
     """A CPU fp32 linear with K-quant blocks attached, on a CPU whose library runs the VNNI GEMMs."""
     segments = kquant_segments(linear)
     return (segments is not None and vnni_unavailable() is None and linear.weight.dtype == torch.float32
-            and linear.weight.device.type == "cpu" and all(s.shape[0] % 16 == 0 for s in segments))
+            and linear.weight.device.type == "cpu"
+            and all(s.shape[0] % (INT8_OUTPUT_BLOCK if s.kind in INT8_KINDS else 16) == 0 for s in segments))
 
 
 def kquant_linear(linear: torch.nn.Module) -> KQuantLinear:

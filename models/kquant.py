@@ -22,13 +22,16 @@ from dataclasses import dataclass
 import torch
 
 SUPER = 256  # weights per K-quant block
-BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
+BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210, "Q5_0": 22, "Q8_0": 34}
+BLOCK_WEIGHTS = {"Q4_K": SUPER, "Q6_K": SUPER, "Q5_0": 32, "Q8_0": 32}
+INT8_KINDS = ("Q5_0", "Q8_0")  # blocks of 32 that are exactly int8 codes times a step: the int8 kernel's Q8_0 form
 OUTPUTS_SIDE_BY_SIDE = 16  # the kernel's output block: N must be a multiple
 
 
 @dataclass
 class KQuantBlocks:
-    """One [N, K] matrix as a GGUF stores it: `kind` ("Q4_K" or "Q6_K") and raw uint8 [N, K/256 * block bytes]."""
+    """One [N, K] matrix as a GGUF stores it: `kind` (a key of BLOCK_BYTES) and raw uint8 [N, K / block weights *
+    block bytes]."""
 
     kind: str
     raw: torch.Tensor
@@ -37,14 +40,15 @@ class KQuantBlocks:
         if self.kind not in BLOCK_BYTES:
             raise ValueError(f"KQuantBlocks: kind must be one of {sorted(BLOCK_BYTES)}, got {self.kind!r}")
         if self.raw.dtype != torch.uint8 or self.raw.dim() != 2 or self.raw.shape[1] % BLOCK_BYTES[self.kind]:
-            raise ValueError(f"KQuantBlocks: raw must be uint8 [N, K/256 * {BLOCK_BYTES[self.kind]}], got "
+            raise ValueError(f"KQuantBlocks: raw must be uint8 [N, K/{BLOCK_WEIGHTS[self.kind]} * "
+                             f"{BLOCK_BYTES[self.kind]}], got "
                              f"{self.raw.dtype} {list(self.raw.shape)}")
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.raw.shape[0], self.raw.shape[1] // BLOCK_BYTES[self.kind] * SUPER
+        return self.raw.shape[0], self.raw.shape[1] // BLOCK_BYTES[self.kind] * BLOCK_WEIGHTS[self.kind]
 
-    def blocks(self) -> torch.Tensor:  # [N, K/256, block bytes]
+    def blocks(self) -> torch.Tensor:  # [N, K / block weights, block bytes]
         return self.raw.reshape(self.raw.shape[0], -1, BLOCK_BYTES[self.kind])
 
 
@@ -80,9 +84,26 @@ def q6k_fields(w: KQuantBlocks) -> dict[str, torch.Tensor]:
     return {"codes": codes, "sc": sc, "d": fp16_at(b, 208)}
 
 
+def int8_fields(w: KQuantBlocks) -> dict[str, torch.Tensor]:
+    """Q8_0 or Q5_0 -> codes int8 [N, K] (Q5_0: its 5-bit q - 16), d fp32 [N, K/32]: w = d * code."""
+    b = w.blocks()
+    n = b.shape[0]
+    if w.kind == "Q8_0":
+        codes = b[..., 2:].contiguous().view(torch.int8)
+    else:
+        high = b[..., 2:6].contiguous().view(torch.int32)  # bit i: the 5th bit of weight i
+        high = (high >> torch.arange(32, dtype=torch.int32)) & 1  # [N, KB, 32]
+        low = torch.cat([b[..., 6:22] & 0x0F, b[..., 6:22] >> 4], dim=-1).to(torch.int32)
+        codes = (low | (high << 4)).to(torch.int8) - 16
+    return {"codes": codes.reshape(n, -1), "d": fp16_at(b, 0)}
+
+
 def dequantize(w: KQuantBlocks) -> torch.Tensor:
     """The fp32 [N, K] weights, computed as gguf-py's dequantization computes them (the same roundings)."""
     n, k = w.shape
+    if w.kind in INT8_KINDS:
+        f = int8_fields(w)
+        return (f["d"][..., None] * f["codes"].reshape(n, -1, 32).float()).reshape(n, k)
     if w.kind == "Q4_K":
         f = q4k_fields(w)
         scale = (f["d"][..., None] * f["sc"].reshape(n, -1, 8).float()).reshape(n, -1, 1)

@@ -47,6 +47,8 @@ import weakref
 import torch
 from torch.nn import functional as F
 
+from specdistill.models.gguf_blocks import ATTRIBUTE as GGUF_BLOCKS
+
 __all__ = ["DRAFTING_WEIGHTS", "GEMM_PAD_ENV", "PackedLinear", "PackedLinearFP16", "WEIGHT_FORMATS", "cached_copy",
            "check_weight_format", "drafting_weights", "float16_weights_supported", "gemm_padding",
            "gemm_padding_source", "inference_weights", "measured_gemm_padding", "packed_class", "packed_for_inference",
@@ -224,8 +226,9 @@ DRAFTING_WEIGHTS = ("auto",) + WEIGHT_FORMATS + ("q8_0", "int8")
 
 def drafting_weights(drafter: torch.nn.Module, choice: str | None = "auto") -> str:
     """The weight format of a drafter's inference copies, whatever the target computes in. "auto" (or None):
-    float16 where the drafter packs on this CPU and FBGEMM's fp16 GEMM runs (see the module docstring: only
-    which tokens are proposed can change), else float32 (the parameters as they are: a GPU, another dtype,
+    float32 for a drafter with a GGUF's blocks attached (they run as they are), else float16 where the drafter
+    packs on this CPU and FBGEMM's fp16 GEMM runs (see the module docstring: only which tokens are proposed can
+    change), else float32 (the parameters as they are: a GPU, another dtype,
     a CPU without F16C). "float32" / "float16" force one (float16 where it cannot run is an error)."""
     choice = choice or "auto"
     if choice not in DRAFTING_WEIGHTS:
@@ -233,6 +236,8 @@ def drafting_weights(drafter: torch.nn.Module, choice: str | None = "auto") -> s
     if choice in ("q8_0", "int8"):
         raise ValueError(f"drafter weights {choice}: only EAGLE-3 drafters draft in it; use auto, float32 or float16")
     fp16_runs = packing_supported(drafter) and float16_weights_supported()
+    if choice == "auto" and any(hasattr(m, GGUF_BLOCKS) for m in drafter.modules()):
+        return "float32"  # a GGUF model's own quantized blocks on the kernel library (models.gguf_blocks)
     if choice == "auto":
         return "float16" if fp16_runs else "float32"
     if choice == "float16" and not fp16_runs:

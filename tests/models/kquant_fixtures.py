@@ -8,14 +8,18 @@ import numpy as np
 import torch
 
 from specdistill.models.gguf_blocks import ATTRIBUTE
-from specdistill.models.kquant import BLOCK_BYTES, SUPER, KQuantBlocks, dequantize
+from specdistill.models.kquant import BLOCK_BYTES, BLOCK_WEIGHTS, SUPER, KQuantBlocks, dequantize
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int = 0, scale: float = 1.0) -> KQuantBlocks:
     """[n, k] of valid `kind` blocks: random codes and scales, fp16 steps sized for weights of about 0.1 * scale."""
     g = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 256, (n, k // SUPER, BLOCK_BYTES[kind]), generator=g, dtype=torch.uint8)
-    if kind == "Q4_K":  # w = d sc q - dmin m, sc, m < 64, q < 16
+    per = BLOCK_WEIGHTS[kind]
+    raw = torch.randint(0, 256, (n, k // per, BLOCK_BYTES[kind]), generator=g, dtype=torch.uint8)
+    if kind in ("Q5_0", "Q8_0"):  # w = d * code, |code| <= 16 or 128
+        steps = torch.rand(n, k // per, 1, generator=g) * (6e-3 if kind == "Q5_0" else 8e-4) * scale
+        raw[..., 0:2] = steps.half().view(torch.uint8).reshape(n, k // per, 2)
+    elif kind == "Q4_K":  # w = d sc q - dmin m, sc, m < 64, q < 16
         steps = torch.rand(n, k // SUPER, 2, generator=g) * torch.tensor([3e-4, 2e-4]) * scale
         raw[..., 0:4] = steps.half().view(torch.uint8).reshape(n, k // SUPER, 4)
     else:  # w = d sc (q - 32), |sc| <= 128, |q - 32| <= 32

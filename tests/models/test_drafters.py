@@ -310,3 +310,18 @@ def test_a_grown_head_scores_new_tokens_as_the_tied_full_head_would_and_keeps_th
     torch.testing.assert_close(model(ids).logits, full_logits[..., grown])  # tied: input row = head row
     with pytest.raises(ValueError, match="already in the vocab_map"):
         grow_head(model, grown, torch.tensor([9]))
+
+
+def test_a_named_real_target_loads_as_a_draft_model_by_its_name(target, tmp_path, monkeypatch):
+    """`--drafter qwen2.5-coder-0.5b`: the named target's cached directory as a plain draft model (here a stand-in
+    directory in place of the fetched one), recorded under its name; with no GGUF marker nothing is attached."""
+    draft = build_truncated_drafter(target.model, 1)
+    draft.save_pretrained(tmp_path / "small")
+    target.tokenizer.save_pretrained(tmp_path / "small")
+    asked = []
+    monkeypatch.setattr(drafters_module, "real_target_dir", lambda name: asked.append(name) or tmp_path / "small")
+    loaded = load_drafter("qwen2.5-coder-0.5b", target)
+    assert asked == ["qwen2.5-coder-0.5b"] and loaded.kind == "draft_model"
+    assert loaded.manifest["config"] == {"spec": "qwen2.5-coder-0.5b"}
+    assert not any(hasattr(m, "kquant_blocks") for m in loaded.model.modules())
+    torch.testing.assert_close(logits(loaded.model), logits(draft))

@@ -19,7 +19,7 @@ needs_vnni = pytest.mark.skipif(kernels.vnni_unavailable() is not None,
                                 reason=f"the K-quant kernels: {kernels.vnni_unavailable()}")
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q5_0", "Q8_0"])
 def test_blocks_decode_to_gguf_pys_weights(kind):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
@@ -107,6 +107,33 @@ def test_a_fused_matrix_of_mixed_formats_equals_its_parts_with_its_bias():
     assert y.shape == (1, 6, 64) and torch.equal(y, alone) and torch.equal(fused.rows(x), y)
     with pytest.raises(ValueError, match="segments of different K"):
         KQuantLinear([parts[0], random_blocks("Q4_K", 16, 256)], None, lib)
+
+
+@needs_vnni
+def test_q5_0_and_q8_0_segments_run_on_the_int8_kernel_over_exactly_their_codes():
+    """A small model's Q5_0 / Q8_0 matrices (the 0.5B draft model's) beside a K-quant one: each segment computes
+    x rounded per group of 32 (the int8 kernel's rounding) times exactly the file's codes and steps, more than
+    MAX_ROWS rows in chunks, each row alike alone."""
+    from specdistill.models.kernels import MAX_ROWS
+    from specdistill.models.kquant import int8_fields
+    from specdistill.models.quant_formats import int8_rows
+
+    lib = kernels.library()
+    parts = [random_blocks("Q5_0", 32, 512, seed=6), random_blocks("Q8_0", 64, 512, seed=7),
+             random_blocks("Q4_K", 16, 512, seed=8)]
+    fused = KQuantLinear(parts, None, lib)
+    x = torch.randn(MAX_ROWS + 3, 512)
+    y = fused.gemm(x)
+    xq, dx = int8_rows(x)  # [R, G, 32], [R, G]
+    for part, start in zip(parts[:2], (0, 32)):
+        f = int8_fields(part)
+        codes = f["codes"].double().reshape(part.shape[0], -1, 32)  # [N, G, 32]
+        dots = torch.einsum("rgk,ngk->rng", xq.double(), codes)  # exact integer sums
+        expected = (dots * dx.double()[:, None, :] * f["d"].double()[None]).sum(-1)
+        got = y[:, start:start + part.shape[0]].double()
+        assert float((got - expected).abs().max() / expected.abs().max()) < 1e-5
+    assert torch.equal(fused.gemm(x[5:6].contiguous())[0], y[5])
+    assert torch.equal(fused.gemm(x[MAX_ROWS:].contiguous())[1], y[MAX_ROWS + 1])
 
 
 def test_llama_cpp_names_map_to_transformers_modules():
