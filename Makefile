@@ -8,7 +8,7 @@ BOOT_PYTHON := $(shell command -v python3.11 || command -v python3)
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
 QUESTIONS ?= ../shared/data/mt_bench/question.jsonl
 
-.PHONY: venv vllm lint test test-all test-gpu demo bench
+.PHONY: venv vllm llamacpp lint test test-all test-gpu demo bench
 
 venv: $(STAMP)
 
@@ -72,4 +72,40 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	rm -f $(VLLM_VENV)/.installed-*
+	touch $@
+
+# llama.cpp (the --peers llamacpp methods, decode/llamacpp_peer.py), built from the llama.cpp tree that the pinned
+# llama-cpp-python sdist vendors: package registries are reachable here, GitHub is not. The sdist is fetched with pip
+# and its sha256 checked before anything is unpacked; then cmake + ninja build the server and tools for this CPU
+# (GGML_NATIVE: do not copy the binaries to another machine), static, with no HTTPS (LLAMA_OPENSSL=OFF; the pin's
+# llama.cpp has no LLAMA_CURL any more) and no web UI (whose default downloads prebuilt assets from the HF hub).
+# The binaries land in .llamacpp/bin; rebuilt when this pin changes. Not part of `make venv` or `make test`.
+LLAMACPP_DIR := .llamacpp
+LLAMACPP_VERSION := 0.3.36
+LLAMACPP_PIN := llama-cpp-python==$(LLAMACPP_VERSION)
+LLAMACPP_SDIST := $(LLAMACPP_DIR)/sdist/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz
+LLAMACPP_SHA256 := 832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+LLAMACPP_STAMP := $(LLAMACPP_DIR)/.built-$(subst ==,-,$(LLAMACPP_PIN))
+LLAMACPP_BINARIES := llama-server llama-bench llama-cli llama-speculative llama-lookup
+LLAMACPP_JOBS ?= 2
+
+llamacpp: $(LLAMACPP_STAMP)
+
+$(LLAMACPP_STAMP):
+	rm -rf $(LLAMACPP_DIR)/bin $(LLAMACPP_DIR)/src $(LLAMACPP_DIR)/.built-* \
+		$(filter-out $(LLAMACPP_DIR)/build-$(LLAMACPP_VERSION),$(wildcard $(LLAMACPP_DIR)/build-*))
+	mkdir -p $(LLAMACPP_DIR)/sdist $(LLAMACPP_DIR)/src
+	test -f $(LLAMACPP_SDIST) || $(BOOT_PYTHON) -m pip download --no-deps --no-binary :all: '$(LLAMACPP_PIN)' \
+		-d $(LLAMACPP_DIR)/sdist
+	echo "$(LLAMACPP_SHA256)  $(LLAMACPP_SDIST)" | sha256sum --check --strict \
+		|| { rm -f $(LLAMACPP_SDIST); echo "$(LLAMACPP_SDIST) is not the pinned sdist: removed" >&2; exit 1; }
+	tar -xzf $(LLAMACPP_SDIST) -C $(LLAMACPP_DIR)/src --strip-components=3 \
+		llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp
+	cmake -S $(LLAMACPP_DIR)/src -B $(LLAMACPP_DIR)/build-$(LLAMACPP_VERSION) -G Ninja -DCMAKE_BUILD_TYPE=Release \
+		-DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF \
+		-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF
+	cmake --build $(LLAMACPP_DIR)/build-$(LLAMACPP_VERSION) -j $(LLAMACPP_JOBS) --target $(LLAMACPP_BINARIES)
+	mkdir -p $(LLAMACPP_DIR)/bin
+	cp $(addprefix $(LLAMACPP_DIR)/build-$(LLAMACPP_VERSION)/bin/,$(LLAMACPP_BINARIES)) $(LLAMACPP_DIR)/bin/
+	$(LLAMACPP_DIR)/bin/llama-server --version
 	touch $@

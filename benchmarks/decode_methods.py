@@ -1,6 +1,7 @@
 """The decoding table of docs/results.md: every method against plain decoding of the default target, in one process.
 
-    python -m benchmarks.decode_methods [--preset lookup|table] [--sets mt-bench arena-heldout] [--dry-run]
+    python -m benchmarks.decode_methods [--preset lookup|table|qwen-coder] [--sets mt-bench arena-heldout humaneval]
+                                        [--dry-run]
 
 A wrapper around `python -m decode.evaluate` (Spec-Bench's protocol: greedy, batch size 1, warm-up, methods
 interleaved per question, turn 2 on the method's own turn 1; greedy outputs checked token for token) that fixes the
@@ -12,11 +13,17 @@ methods and question sets the results page quotes, so its figures come from one 
   quickstart's heads, [LA], the Seq-KD quickstart's drafter. Each drafter is the `output_dir` of its shipped job
   (train them first: `specdistill train configs/distill/<job>.yaml`; `--drafter` replaces the list, and a
   missing drafter is an error that names the job to run).
+- `--preset qwen-coder`: the real-size target (`--target qwen2.5-coder-1.5b`, docs/design/kquant-kernels.md) on
+  HumanEval's first 8 problems and MT-bench `--per-category 1`: prompt lookup, the 0.5B sibling as a draft model,
+  the EAGLE-3 drafter of configs/distill/qwen_coder_eagle3.yaml alone and with prompt lookup, and llama.cpp's plain
+  decoding, n-gram and draft-model speculation on the same GGUF (`--peers llamacpp`; `make llamacpp` first).
 
-Question sets, 128 new tokens a turn: `mt-bench` (MT-bench `--per-category 2`: 16 questions, both turns) and
-`arena-heldout` (8 Arena-Hard v2.0 prompts no shipped job trains on: records past the 400th under 700 characters, at
-most 4 per subcategory; written to OUT/heldout_arena_v2.jsonl). Each set writes OUT/<set>/report.{json,md},
-turns.jsonl and plots (decode.evaluate's report records the machine) and prints its tables.
+Question sets, 128 new tokens a turn: `mt-bench` (MT-bench `--per-category 2`: 16 questions, both turns; the
+qwen-coder preset: 1 a category), `arena-heldout` (8 Arena-Hard v2.0 prompts no shipped job trains on: records past
+the 400th under 700 characters, at most 4 per subcategory; written to OUT/heldout_arena_v2.jsonl) and `humaneval`
+(HumanEval's first 8 problems, which configs/distill/qwen_coder_eagle3.yaml leaves out of its training). Each set
+writes OUT/<set>/report.{json,md}, turns.jsonl and plots (decode.evaluate's report records the machine) and prints
+its tables.
 """
 
 from __future__ import annotations
@@ -29,20 +36,26 @@ from pathlib import Path
 from benchmarks.harness import QUESTIONS, ROOT, parser
 
 ARENA = ROOT.parent / "shared" / "data" / "arena_hard" / "question_v2.0.jsonl"
+HUMANEVAL = ROOT.parent / "shared" / "data" / "humaneval" / "HumanEval.jsonl.gz"
 EAGLE3 = "runs/smollm2_eagle3/drafter"
+QWEN_EAGLE3 = "runs/qwen_coder_eagle3/drafter"
 JOBS = {  # drafter of the table -> the shipped job that writes it
     EAGLE3: "configs/distill/smollm2_eagle3.yaml",
     "runs/quickstart/drafter": "configs/distill/quickstart.yaml",
     "runs/smollm2_lookahead/drafter": "configs/distill/smollm2_lookahead.yaml",
     "runs/quickstart_seqkd/drafter": "configs/distill/quickstart_seqkd.yaml",
+    QWEN_EAGLE3: "configs/distill/qwen_coder_eagle3.yaml",
 }
 PRESETS = {
     "lookup": {"drafters": ["prompt_lookup"], "peers": ["hf"], "sets": ["mt-bench"]},
     "table": {"drafters": ["prompt_lookup", EAGLE3, f"{EAGLE3}+prompt_lookup", "runs/quickstart/drafter",
                            "runs/smollm2_lookahead/drafter", "runs/quickstart_seqkd/drafter"],
               "peers": [], "sets": ["mt-bench", "arena-heldout"]},
+    "qwen-coder": {"drafters": ["prompt_lookup", "qwen2.5-coder-0.5b", QWEN_EAGLE3, f"{QWEN_EAGLE3}+prompt_lookup"],
+                   "peers": ["llamacpp"], "sets": ["humaneval", "mt-bench"], "target": "qwen2.5-coder-1.5b",
+                   "per_category": 1, "extra": ["--llamacpp-draft", "qwen2.5-coder-0.5b"]},
 }
-SETS = ("mt-bench", "arena-heldout")
+SETS = ("mt-bench", "arena-heldout", "humaneval")
 
 
 def write_heldout_arena(source: Path, dest: Path, skip: int = 400, max_chars: int = 700, per_category: int = 4) -> Path:
@@ -68,7 +81,10 @@ def evaluate_argv(args, question_set: str, questions: Path | str) -> list[str]:
     argv = ["--questions", str(questions), "--max-new-tokens", str(args.max_new_tokens), "--warmup",
             str(args.warmup), "--out", str(Path(args.out) / question_set)]
     if question_set == "mt-bench":
-        argv += ["--per-category", "2"]
+        argv += ["--per-category", str(PRESETS[args.preset].get("per_category", 2))]
+    if question_set == "humaneval":
+        argv += ["--limit", "8"]
+    argv += PRESETS[args.preset].get("extra", [])
     for spec in args.drafter:
         argv += ["--drafter", spec]
     for peer in args.peers:
@@ -96,7 +112,7 @@ def parse_args(argv=None):
     p.add_argument("--preset", choices=list(PRESETS), default="lookup")
     p.add_argument("--sets", nargs="+", choices=SETS, default=None, help="default: the preset's")
     p.add_argument("--drafter", action="append", default=None, help="replaces the preset's drafters (repeat)")
-    p.add_argument("--peers", action="append", choices=["hf", "vllm"], default=None,
+    p.add_argument("--peers", action="append", choices=["hf", "vllm", "llamacpp"], default=None,
                    help="replaces the preset's peers (repeat)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--mt-bench", default=str(QUESTIONS), help="MT-bench's question.jsonl")
@@ -109,6 +125,7 @@ def parse_args(argv=None):
     args.drafter = args.drafter or list(preset["drafters"])
     args.peers = args.peers if args.peers is not None else list(preset["peers"])
     args.sets = args.sets or list(preset["sets"])
+    args.target = args.target or preset.get("target")
     if args.reps != 1:
         p.error("--reps: decode.evaluate runs each question once per method; run the benchmark again instead")
     return args
@@ -118,8 +135,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     runs = []
     for question_set in args.sets:
-        questions = (Path(args.mt_bench) if question_set == "mt-bench"
-                     else Path(args.out) / "heldout_arena_v2.jsonl")
+        questions = {"mt-bench": Path(args.mt_bench), "humaneval": HUMANEVAL,
+                     "arena-heldout": Path(args.out) / "heldout_arena_v2.jsonl"}[question_set]
         runs.append((question_set, questions, evaluate_argv(args, question_set, questions)))
     for _, _, argv_ in runs:
         print("python -m decode.evaluate " + " ".join(argv_))

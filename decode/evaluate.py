@@ -32,7 +32,9 @@ from specdistill.decode.peers import (
     Method,
     assistant_model_of,
     assisted_skip_reason,
+    divergences,
     engine_method,
+    format_divergences,
     hf_method,
 )
 from specdistill.decode.proposers import build_proposer
@@ -45,7 +47,7 @@ from specdistill.models.target import PRECISIONS
 
 log = logging.getLogger(__name__)
 
-PEERS = ("none", "hf", "vllm")
+PEERS = ("none", "hf", "vllm", "llamacpp")
 EXIT_MISMATCH = 3  # a lossless method's greedy output differed from the baseline's (2 is argparse's bad argument)
 
 
@@ -62,8 +64,11 @@ class EvalConfig:
     fixed_depth: bool = False  # draft the full depth every step instead of the cost-aware adaptive depth
     prompt_vocab: bool | None = None  # reduced draft heads also draft the prompt's tokens; None = the manifest's
     # "hf": also transformers' generate, assisted generation and prompt lookup; "vllm": vLLM's plain decoding and
-    # n-gram speculation (decode.vllm_peer); several: a tuple, or a comma-separated string
+    # n-gram speculation (decode.vllm_peer); "llamacpp": llama.cpp's server on the target's GGUF, plain, with n-gram
+    # and with draft-model speculation (decode.llamacpp_peer); several: a tuple, or a comma-separated string
     peers: tuple[str, ...] | str = "none"
+    # the llamacpp+draft method's draft model: a GGUF file or a name (models.real_targets); None = no such method
+    llamacpp_draft: str | None = None
     warmup: int = 2  # untimed generations per method before measuring
     device: str = "cpu"
     dtype: str | None = None  # the target's precision (models.target.PRECISIONS); None = the device's default
@@ -84,6 +89,8 @@ class EvalConfig:
         self.peers = tuple(dict.fromkeys(p.strip() for p in names if p.strip() not in ("", "none")))
         if not self.drafters:
             raise ValueError("drafters: at least one drafter spec is needed")
+        if self.llamacpp_draft is not None and "llamacpp" not in self.peers:
+            raise ValueError("llamacpp_draft: a draft model for llama.cpp needs the llama.cpp peers (--peers llamacpp)")
         checks = {"limit": self.limit is None or self.limit >= 1,
                   "per_category": self.per_category is None or self.per_category >= 1,
                   "max_new_tokens": self.max_new_tokens >= 1,
@@ -219,6 +226,15 @@ def build_methods(target, drafters: Mapping[str, object], config: EvalConfig) ->
                                           torch.get_num_threads(), drafters, exports)
         methods += vllm
         skipped.update(vllm_skipped)
+    if "llamacpp" in config.peers:
+        from specdistill.decode.llamacpp_peer import llamacpp_methods
+
+        logs = Path(config.out or "runs/evaluate") / "llamacpp_logs"
+        llamacpp, llamacpp_skipped = llamacpp_methods(target, config.max_new_tokens, config.sampling.greedy,
+                                                      torch.get_num_threads(), config.gamma, config.llamacpp_draft,
+                                                      logs)
+        methods += llamacpp
+        skipped.update(llamacpp_skipped)
     return methods, skipped
 
 
@@ -258,6 +274,8 @@ def evaluate_methods(methods: list[Method], skipped: dict[str, str], target, dra
     for method in methods:
         if method.name in summary:
             summary[method.name]["lossless"] = method.lossless  # bound to the baseline's output: lossless_failures
+            if not method.lossless and config.sampling.greedy:  # a peer: where its answers leave the baseline's
+                summary[method.name]["first_divergence"] = divergences(results, method.name)
     return EvalResult(describe_run(target, drafters, questions, config), summary, results, {**skipped, **failed},
                       runtime)
 
@@ -356,7 +374,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "drafter's input embeddings); default: the drafter manifest's extra.prompt_vocab")
     p.add_argument("--peers", choices=PEERS, action="append", default=None,
                    help="hf: also run transformers' generate, assisted generation and prompt lookup; vllm: vLLM's "
-                        "plain decoding and n-gram speculation (`make vllm` first); repeat for both")
+                        "plain decoding and n-gram speculation (`make vllm` first); llamacpp: llama.cpp's server on "
+                        "the target's GGUF, plain, n-gram and draft-model speculation (`make llamacpp` first); "
+                        "repeat for several")
+    p.add_argument("--llamacpp-draft", default=None, metavar="PATH_OR_NAME",
+                   help="with --peers llamacpp: the draft model of the llamacpp+draft method, a .gguf file or a "
+                        "named GGUF model such as qwen2.5-coder-0.5b (default: none, that method skipped)")
     p.add_argument("--warmup", type=non_negative_int, default=d["warmup"].default,
                    help="untimed generations per method before measuring")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when available)")
@@ -395,7 +418,20 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
                       fixed_depth=args.fixed_depth, prompt_vocab=args.prompt_vocab, peers=tuple(args.peers or ()),
                       warmup=args.warmup, device=device, dtype=args.dtype, drafter_weights=args.drafter_weights,
                       lookup_first=args.lookup_first, lookup_weak_chain=args.lookup_weak_chain, seed=args.seed, out=out,
-                      allow_mismatches=args.allow_mismatches)
+                      allow_mismatches=args.allow_mismatches, llamacpp_draft=args.llamacpp_draft)
+
+
+def check_llamacpp(parser: argparse.ArgumentParser, config: EvalConfig) -> None:
+    """--peers llamacpp needs `make llamacpp` and a --llamacpp-draft that is a GGUF model: checked before the target
+    loads, a failure is an argparse error (exit 2) that says so."""
+    from specdistill.decode.llamacpp_peer import LlamacppNotBuiltError, check_setup
+
+    try:
+        check_setup(config.llamacpp_draft)
+    except LlamacppNotBuiltError as err:
+        parser.error(f"argument --peers: {err}")
+    except ValueError as err:
+        parser.error(str(err))
 
 
 def load_inputs(parser: argparse.ArgumentParser, config: EvalConfig):
@@ -429,7 +465,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args)
+    except ValueError as err:  # e.g. --llamacpp-draft without --peers llamacpp
+        parser.error(str(err))
+    if "llamacpp" in config.peers:
+        check_llamacpp(parser, config)
     questions, target, drafters = load_inputs(parser, config)
     try:
         methods, skipped = build_methods(target, drafters, config)
@@ -439,6 +480,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = evaluate_methods(methods, skipped, target, drafters, questions, config)
     out = write_report(config.out, result.config, result.summary, result.results, result.skipped, result.runtime)
     sys.stdout.write(format_tables(result.summary) + "\n")
+    if divergence := format_divergences(result.summary):
+        sys.stdout.write("\n" + divergence + "\n")
     log.info("wrote %s", out / "report.json")
     failures = lossless_failures(result.summary)
     if failures:

@@ -5,7 +5,7 @@ prompt ids -> new token ids, the wall time, and the engine's statistics when the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +14,7 @@ from transformers import GenerationConfig
 from specdistill.decode.engine import SpeculativeEngine, truncate_at_eos
 from specdistill.decode.metrics import RequestStats
 from specdistill.decode.proposers import Proposer
+from specdistill.decode.report import BASELINE, TurnResult
 from specdistill.decode.runner import synchronized_clock
 from specdistill.decode.sampling import SamplingConfig
 from specdistill.models.draft_models import full_vocab_view
@@ -113,3 +114,47 @@ def assistant_model_of(drafter, target) -> torch.nn.Module:
         return drafter.model
     return full_vocab_view(drafter.model, drafter.vocab_map, target.model.get_output_embeddings().weight.shape[0])
 
+
+
+# ---- where a peer's greedy output leaves the baseline's ------------------------------------------------------------
+
+def first_divergence(tokens: Sequence[int], reference: Sequence[int]) -> int | None:
+    """The first position where `tokens` differ from `reference` (the shorter one's length when one is a prefix of the
+    other, e.g. one stopped early), or None when they are equal."""
+    for position, (a, b) in enumerate(zip(tokens, reference)):
+        if a != b:
+            return position
+    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
+
+
+def divergences(results: Sequence[TurnResult], method: str) -> list[dict]:
+    """For each turn of `method` that has a baseline turn: the first position where its tokens leave the baseline's
+    (None: identical). `prompt_differs`: an earlier turn of the question diverged, so this turn was prompted with
+    another answer than the baseline's and its divergence is not the peer's arithmetic alone."""
+    baseline = {(r.question_id, r.turn): r.tokens for r in results if r.method == BASELINE}
+    out, diverged = [], set()
+    for r in results:  # in run order: a question's turns in turn order
+        if r.method != method or (r.question_id, r.turn) not in baseline:
+            continue
+        position = first_divergence(r.tokens, baseline[(r.question_id, r.turn)])
+        out.append({"question_id": r.question_id, "turn": r.turn, "position": position,
+                    "prompt_differs": r.question_id in diverged})
+        if position is not None:
+            diverged.add(r.question_id)
+    return out
+
+
+def format_divergences(summary: dict) -> str:
+    """One line per method whose summary has "first_divergence": QUESTION/TURN then the first differing position
+    ('=' identical; '*' after an earlier turn diverged, so the prompt differed too)."""
+    lines = []
+    for name, row in summary.items():
+        if row.get("first_divergence") is None:
+            continue
+        cells = [f"{d['question_id']}/{d['turn']} {'=' if d['position'] is None else d['position']}"
+                 f"{'*' if d['prompt_differs'] else ''}" for d in row["first_divergence"]]
+        lines.append(f"  {name}: {', '.join(cells) or 'no turns'}")
+    if not lines:
+        return ""
+    return ("first token where each peer's answer leaves the baseline's (question/turn position; '=' same tokens, "
+            "'*' its prompt already differed)\n" + "\n".join(lines))

@@ -67,13 +67,14 @@ def heads_for(model: torch.nn.Module, short: str) -> int:
 
 
 def gguf_source(directory: Path) -> Path | None:
-    """The GGUF file a cached conversion was made from, as its marker records it (models.cache), or None."""
+    """The GGUF file a cached conversion was made from, as its marker records it (models.cache), or None: no
+    marker, or a bare file name (the embedded default's, a Q4_1 file not kept after its conversion)."""
     marker = Path(directory) / MARKER
     if not marker.is_file():
         return None
-    info = json.loads(marker.read_text())
-    source = info.get("gguf") or info.get("source")
-    return Path(source) if source and str(source).endswith(".gguf") else None
+    source = json.loads(marker.read_text())
+    source = Path(str(source.get("gguf") or source.get("source") or ""))
+    return source if source.is_absolute() and source.suffix == ".gguf" else None
 
 
 def gguf_has_kquants(gguf_file: Path) -> bool:

@@ -62,7 +62,10 @@ def test_every_preset_is_a_command_line_the_evaluation_accepts(preset, tmp_path)
                                                                                          questions)))
         assert config.drafters == tuple(decode_methods.PRESETS[preset]["drafters"])
         assert config.max_new_tokens == 128 and config.out.endswith(question_set)
-        assert config.per_category == (2 if question_set == "mt-bench" else None)
+        preset_of = decode_methods.PRESETS[preset]
+        assert config.per_category == (preset_of.get("per_category", 2) if question_set == "mt-bench" else None)
+        assert config.limit == (8 if question_set == "humaneval" else None)
+        assert config.target == preset_of.get("target")
 
 
 def test_a_missing_drafter_names_the_job_that_trains_it():

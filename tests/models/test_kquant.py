@@ -122,7 +122,7 @@ def test_q5_0_and_q8_0_segments_run_on_the_int8_kernel_over_exactly_their_codes(
     parts = [random_blocks("Q5_0", 32, 512, seed=6), random_blocks("Q8_0", 64, 512, seed=7),
              random_blocks("Q4_K", 16, 512, seed=8)]
     fused = KQuantLinear(parts, None, lib)
-    x = torch.randn(MAX_ROWS + 3, 512)
+    x = torch.randn(MAX_ROWS + 3, 512, generator=torch.Generator().manual_seed(11))
     y = fused.gemm(x)
     xq, dx = int8_rows(x)  # [R, G, 32], [R, G]
     for part, start in zip(parts[:2], (0, 32)):
@@ -162,3 +162,13 @@ def test_a_gguf_is_attached_to_exactly_the_linears_it_is(tmp_path):
     assert not hasattr(model.model.layers[1].mlp.up_proj, ATTRIBUTE)
     head = getattr(model.lm_head, ATTRIBUTE)
     assert head[0].kind == "Q6_K" and torch.equal(head[0].raw, tensors["output.weight"].raw)
+
+
+def test_the_source_gguf_is_read_from_a_conversions_marker_only_where_it_is_a_path(tmp_path):
+    from specdistill.models.gguf_blocks import gguf_source
+
+    for info, expected in (({"gguf": "/data/model.gguf"}, "/data/model.gguf"), ({"source": "/x/y.gguf"}, "/x/y.gguf"),
+                           ({"gguf": "SmolLM2-135M-Instruct.Q4_1.gguf"}, None), ({"name": "hf"}, None)):
+        (tmp_path / "COMPLETE.json").write_text(__import__("json").dumps(info))
+        assert gguf_source(tmp_path) == (None if expected is None else __import__("pathlib").Path(expected))
+    assert gguf_source(tmp_path / "absent") is None
