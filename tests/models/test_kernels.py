@@ -296,6 +296,30 @@ def test_the_attention_kernel_computes_grouped_attention_over_what_each_row_sees
 
 
 @needs_kernel
+@pytest.mark.parametrize("hd", [64, 128])
+def test_a_rows_attention_depends_on_the_keys_it_sees_not_on_where_they_sit(lib, hd):
+    """A tree row's ancestors lie scattered among their siblings in the cache; plain decoding has the same tokens'
+    keys side by side. The row's output must be the same bits in both layouts (a verified token's logits are plain
+    decoding's), whatever lanes the positions fall in."""
+    g = torch.Generator().manual_seed(hd)
+    prefix = 37
+    keys, values = torch.randn(2, prefix + 3, hd, generator=g), torch.randn(2, prefix + 3, hd, generator=g)
+    q = torch.randn(6, 1, hd, generator=g)  # 6 query heads over 2 key/value heads
+    plain = lib.attention_rows(q, keys, values, torch.ones(1, prefix + 3, dtype=torch.bool), hd ** -0.5)
+    for gap in (1, 5, 13, 16, 29):  # the same 3 last keys spread out among `gap` hidden siblings each
+        width = prefix + 3 * (gap + 1)
+        scattered_k, scattered_v = torch.randn(2, width, hd, generator=g), torch.randn(2, width, hd, generator=g)
+        visible = torch.zeros(1, width, dtype=torch.bool)
+        visible[0, :prefix] = True
+        scattered_k[:, :prefix], scattered_v[:, :prefix] = keys[:, :prefix], values[:, :prefix]
+        for i in range(3):
+            at = prefix + i * (gap + 1) + gap
+            visible[0, at] = True
+            scattered_k[:, at], scattered_v[:, at] = keys[:, prefix + i], values[:, prefix + i]
+        assert torch.equal(lib.attention_rows(q, scattered_k, scattered_v, visible, hd ** -0.5), plain), gap
+
+
+@needs_kernel
 def test_the_attention_kernel_computes_each_row_alike_and_never_reads_what_a_row_cannot_see(lib):
     g = torch.Generator().manual_seed(3)
     rows, prefix, hd = 6, 50, 64

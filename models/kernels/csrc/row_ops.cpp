@@ -88,22 +88,24 @@ static inline __attribute__((always_inline)) void attend_row(const float *q, con
         _mm512_storeu_ps(scores + t0, block);
         top = _mm512_max_ps(top, block);
     }
-    __m512 total = _mm512_setzero_ps(), shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-    for (int t0 = 0; t0 < T; t0 += 16) {  // hidden keys: exp(-inf) flushed to exactly 0
-        __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + t0), shift));
-        _mm512_storeu_ps(scores + t0, p);
-        total = _mm512_add_ps(total, p);
-    }
+    __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    for (int t0 = 0; t0 < T; t0 += 16)  // hidden keys: exp(-inf) flushed to exactly 0
+        _mm512_storeu_ps(scores + t0, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + t0), shift)));
+    // Both sums run over the visible keys one by one in cache order, so a row's numbers depend on which keys it sees
+    // and in what order, not on where they sit: a tree row's ancestors lie scattered among its siblings, the same
+    // tokens' keys in plain decoding are consecutive (a sum kept in 16 lanes by position gave them other roundings).
     __m512 acc[16];
     int chunks = hd / 16;
+    float total = 0.0f;
     for (int c = 0; c < chunks; c++) acc[c] = _mm512_setzero_ps();
     for (int t = 0; t < T; t++) {
         if (scores[t] == 0.0f) continue;  // hidden, or too small to count
+        total += scores[t];
         __m512 p = _mm512_set1_ps(scores[t]);
         const float *value = v + (size_t)t * hd;
         for (int c = 0; c < chunks; c++) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(value + 16 * c), acc[c]);
     }
-    __m512 sum = _mm512_set1_ps(_mm512_reduce_add_ps(total));
+    __m512 sum = _mm512_set1_ps(total);
     for (int c = 0; c < chunks; c++) _mm512_storeu_ps(out + 16 * c, _mm512_div_ps(acc[c], sum));
 }
 
