@@ -77,28 +77,23 @@ def gguf_source(directory: Path) -> Path | None:
     return source if source.is_absolute() and source.suffix == ".gguf" else None
 
 
-def gguf_has_kquants(gguf_file: Path) -> bool:
-    """Whether `gguf_file` holds Q4_K or Q6_K tensors (a K-quant file: its Q8_0 and Q5_0 tensors then join them; a
-    Q4_1 file such as the default target's keeps its exact Q4_1 / Q8_0 kernels); False, with a WARNING, where it
-    cannot be read as a GGUF."""
+def attach_kquant_blocks(model: torch.nn.Module, gguf_file: str | Path) -> dict[str, int]:
+    """Attach each quantized tensor of `gguf_file` to the model's linear it is exactly (see the module docstring),
+    where the file holds Q4_K or Q6_K tensors (a K-quant file: its Q8_0 and Q5_0 tensors then join them; a Q4_1 file
+    such as the default target's keeps its exact Q4_1 / Q8_0 kernels, nothing attached). A file that cannot be read
+    as a GGUF attaches nothing, with a WARNING. Returns {"attached": n, "differing": n, "unmatched": n}."""
     from gguf import GGUFReader
 
+    counts = {"attached": 0, "differing": 0, "unmatched": 0}
     try:
-        return any(t.tensor_type.name in ("Q4_K", "Q6_K") for t in GGUFReader(str(gguf_file)).tensors)
+        reader = GGUFReader(str(gguf_file))
     except (ValueError, OSError) as err:
         log.warning("%s cannot be read as a GGUF file (%s): its matrices run in fp32", gguf_file, err)
-        return False
-
-
-def attach_kquant_blocks(model: torch.nn.Module, gguf_file: str | Path) -> dict[str, int]:
-    """Attach each K-quant tensor of `gguf_file` to the model's linear it is exactly (see the module docstring).
-    Returns {"attached": n, "differing": n, "unmatched": n}."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(gguf_file))
+        return counts
+    if not any(t.tensor_type.name in ("Q4_K", "Q6_K") for t in reader.tensors):
+        return counts
     architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
     modules = dict(model.named_modules())
-    counts = {"attached": 0, "differing": 0, "unmatched": 0}
     for tensor in reader.tensors:
         if tensor.tensor_type.name not in BLOCK_BYTES:
             continue

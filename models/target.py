@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdistill.models.embedded import EMBEDDED_NAME, embedded_target_dir
 from specdistill.models.fingerprint import fingerprint_target, tokenizer_fingerprint
-from specdistill.models.gguf_blocks import attach_kquant_blocks, gguf_has_kquants, gguf_source
+from specdistill.models.gguf_blocks import attach_kquant_blocks, gguf_source
 from specdistill.models.gguf_convert import cached_gguf_dir
 from specdistill.models.packed_linear import float16_weights_supported, inference_weights, set_inference_weights
 from specdistill.models.real_targets import REAL_TARGETS, real_target_dir
@@ -195,8 +195,7 @@ def attach_gguf_blocks(model: torch.nn.Module, directory: Path) -> None:
         log.warning("target %s was converted from %s, which is gone: its matrices run in fp32 (fetch the GGUF again "
                     "to run them on the K-quant kernels)", directory, gguf_file)
         return
-    if gguf_has_kquants(gguf_file):
-        attach_kquant_blocks(model, gguf_file)
+    attach_kquant_blocks(model, gguf_file)
 
 
 def resolve_target_source(spec: str) -> Path | None:

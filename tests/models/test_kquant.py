@@ -172,3 +172,13 @@ def test_the_source_gguf_is_read_from_a_conversions_marker_only_where_it_is_a_pa
         (tmp_path / "COMPLETE.json").write_text(__import__("json").dumps(info))
         assert gguf_source(tmp_path) == (None if expected is None else __import__("pathlib").Path(expected))
     assert gguf_source(tmp_path / "absent") is None
+
+
+def test_a_file_without_k_quants_or_not_a_gguf_attaches_nothing(tmp_path):
+    model, tensors = make_tiny_kquant_qwen2(seed=2, layers=1)
+    q8_only = {"output.weight": random_blocks("Q8_0", 64, 256)}  # a Q4_1/Q8_0 file keeps its exact kernels
+    none = {"attached": 0, "differing": 0, "unmatched": 0}
+    assert attach_kquant_blocks(model, write_gguf(tmp_path / "q8.gguf", "qwen2", q8_only)) == none
+    (tmp_path / "bad.gguf").write_bytes(b"not a gguf")
+    assert attach_kquant_blocks(model, tmp_path / "bad.gguf") == none
+    assert not any(hasattr(m, ATTRIBUTE) for m in model.modules())
