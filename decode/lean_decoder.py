@@ -159,13 +159,14 @@ class FusedLayer:
     after torch's SiLU and product) instead of thirty-odd tensor operations: the same functions in the same order,
     so the same bits (tests compare them), about 1.5 ms less a forward of the default target on 2 cores
     (docs/journal.md, stop 49). Its keys and values go straight into the cache's rows. Where it runs: every
-    projection on the FMA form (AMX hosts keep LeanLayer's Python: not measured there), the library's attention, no
-    fixed-shape slots."""
+    projection on the FMA form (AMX hosts keep LeanLayer's Python: not measured there) or every projection over a
+    K-quant GGUF's own blocks (KQuantLinear), the library's attention, no fixed-shape slots."""
 
     def __init__(self, layer: LeanLayer, work: torch.Tensor):
         self.lib, self.work = layer.native, work  # work: shared by a decoder's layers, sized by `work_floats`
-        # pointers into the layer's matrices, which the layer (this FusedLayer's owner) keeps alive
-        self.matrices = [m.matrix for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]  # the library's Q41Matrix
+        # the library's Q41Matrix or KQuantProjection of each projection, which the layer (this FusedLayer's owner)
+        # keeps alive
+        self.matrices = [m.matrix for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         self.norm_in, self.norm_post = layer.norm_in, layer.norm_post
         self.heads, self.kv_heads = layer.q_size // layer.head_dim, layer.kv_size // layer.head_dim
         self.head_dim, self.scaling, self.intermediate = layer.head_dim, layer.scaling, layer.intermediate
@@ -224,9 +225,12 @@ class LeanLayer:
         self.fused: FusedLayer | None = None  # set by LeanDecoder where the layer runs in the library's two calls
 
     def fusable(self) -> bool:
-        """Whether FusedLayer computes this layer: the library's row operations and FMA-form Q4_1 projections."""
-        return self.native is not None and all(
-            isinstance(m, Q41Linear) and m.codes.form == "fma" for m in (self.qkv, self.o, self.gate_up, self.down))
+        """Whether FusedLayer computes this layer: the library's row operations, and projections all FMA-form Q4_1
+        (the default target) or all over a K-quant GGUF's own blocks (a real-size target)."""
+        projections = (self.qkv, self.o, self.gate_up, self.down)
+        return self.native is not None and (
+            all(isinstance(m, Q41Linear) and m.codes.form == "fma" for m in projections)
+            or all(isinstance(m, KQuantLinear) for m in projections))
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_layer,
                  mask: torch.Tensor | None, slots: torch.Tensor | None = None,

@@ -138,8 +138,9 @@ class Q8Int8Linear(KernelLinear):
 class KQuantLinear(torch.nn.Module):
     """y = x W^T (+ b) over a GGUF's own K-quant blocks (models.kquant: Q4_K and Q6_K) on the library's VNNI GEMMs,
     llama.cpp's arithmetic: each row of x rounded to int8 per block of 256 once, then every segment of the matrix
-    (a fused projection's parts, each in its own format) writes its columns of one output. Every row count,
-    prefill included, runs here, each row computed alike whatever the rows beside it. Inference only."""
+    (a fused projection's parts, each in its own format) writes its columns of one output, in one call into the
+    library (its KQuantProjection, which decode.lean_decoder's fused layers also take). Every row count, prefill
+    included, runs here, each row computed alike whatever the rows beside it. Inference only."""
 
     def __init__(self, segments: list[KQuantBlocks], bias: torch.Tensor | None, lib):
         super().__init__()
@@ -147,34 +148,20 @@ class KQuantLinear(torch.nn.Module):
         if any(s.shape[1] != self.in_features for s in segments):
             raise ValueError(f"KQuantLinear: segments of different K: {[list(s.shape) for s in segments]}")
         self.out_features = sum(s.shape[0] for s in segments)
-        self.lib = lib
         self.kinds = [s.kind for s in segments]
-        self.matrices = [kquant_matrix(lib, s) for s in segments]
-        self.columns = [sum(s.shape[0] for s in segments[:i]) for i in range(len(segments))]
-        self.bias = None if bias is None else bias.detach().float().clone()
+        self.bias = None if bias is None else bias.detach().float().contiguous().clone()
+        self.matrix = lib.KQuantProjection([kquant_matrix(lib, s) for s in segments], self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if x.requires_grad and torch.is_grad_enabled():
             raise RuntimeError("KQuantLinear is for inference; train the original module")
         rows = x.numel() // self.in_features
-        y = self.gemm(x.reshape(rows, self.in_features).float().contiguous())
+        y = self.matrix.gemm(x.reshape(rows, self.in_features).float().contiguous())
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """forward for the lean forwards' hot path: x fp32 [1, N, in] -> [1, N, out]."""
-        return self.gemm(x.reshape(-1, self.in_features).contiguous()).view(1, x.shape[1], -1)
-
-    def gemm(self, x: torch.Tensor) -> torch.Tensor:  # [R, in] fp32 contiguous -> [R, out]
-        y = torch.empty(x.shape[0], self.out_features)
-        rounded = None  # x rounded per block of 256, once for every K-quant segment
-        for matrix, column, kind in zip(self.matrices, self.columns, self.kinds):
-            if kind in INT8_KINDS:  # the int8 kernel rounds x per group of 32 itself, MAX_ROWS rows a call
-                for start in range(0, x.shape[0], MAX_ROWS):
-                    y[start:start + MAX_ROWS, column:column + matrix.N] = matrix.gemm(x[start:start + MAX_ROWS])
-                continue
-            rounded = self.lib.quantize_rows_q8k(x) if rounded is None else rounded
-            matrix.gemm_into(*rounded, y, column)
-        return y if self.bias is None else y.add_(self.bias)
+        return self.matrix.gemm(x.reshape(-1, self.in_features).contiguous()).view(1, x.shape[1], -1)
 
     def describe(self) -> str:
         return "KQuantLinear (" + "+".join(self.kinds) + ")"

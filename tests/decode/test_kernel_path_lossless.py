@@ -158,3 +158,4 @@ def test_every_proposer_kind_is_lossless_on_a_kquant_qwen2(tmp_path):
         matrices = facts["target"]["layer_matrices"]
         assert all(kind.startswith("KQuantLinear (") for kind in matrices), matrices
         assert "Q6_K" in "".join(matrices) and facts["target"]["head"] == "KQuantLinear (Q6_K)"
+        assert facts["target"]["fused_layers"] == facts["target"]["layers"]  # each layer in two library calls

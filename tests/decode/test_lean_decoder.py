@@ -29,7 +29,8 @@ from specdistill.decode.runner import ExtraRows, ModelRunner
 from specdistill.decode.tree import attention_bias
 from specdistill.models.kernel_linear import Q41Linear, Q80Linear, q41_for_inference
 from specdistill.models.kernels import DISABLE_ENV as NO_Q41_ENV
-from specdistill.models.kernels import amx_unavailable
+from specdistill.models.gguf_blocks import attach_kquant_blocks
+from specdistill.models.kernels import amx_unavailable, vnni_unavailable
 from specdistill.models.kernels import unavailable as kernel_unavailable
 from specdistill.models.packed_linear import (
     PackedLinear,
@@ -42,6 +43,7 @@ from specdistill.models.packed_linear import (
 from specdistill.models.quant_formats import grid_codes, q80_codes
 from specdistill.models.target import PRECISIONS, cpu_has_native_bf16, resolve_precision
 from tests.conftest import make_tiny_llama
+from tests.models.kquant_fixtures import make_tiny_kquant_qwen2, write_gguf
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not built in")
 needs_fp16 = pytest.mark.skipif(not float16_weights_supported(), reason="no FBGEMM fp16 GEMM on this CPU")
@@ -259,6 +261,34 @@ def test_fused_layers_compute_the_same_bits_as_the_lean_layers_python(static_sha
             assert torch.equal(layer_a.keys[:, :, :end], layer_b.keys[:, :, :end])
             assert torch.equal(layer_a.values[:, :, :end], layer_b.values[:, :, :end])
     assert_greedy_output_is_the_same_without_the_kernels_and_with_speculation(model)
+
+
+@pytest.mark.skipif(vnni_unavailable() is not None, reason=f"the K-quant kernels: {vnni_unavailable()}")
+@pytest.mark.parametrize("int8_parts", [False, True])
+def test_fused_kquant_layers_compute_the_same_bits_as_the_lean_layers_python(int8_parts, tmp_path, monkeypatch):
+    """A real-size target's layers (a GGUF's Q4_K/Q6_K blocks, and Q8_0/Q5_0 parts as the 0.5B's file has, q/k/v
+    biases) run in the library's two calls a layer, and give LeanLayer's Python's bits: logits, features, caches."""
+    calls = []
+    monkeypatch.setattr(FusedLayer, "__call__", lambda self, *a: calls.append(1) or FUSED_CALL(self, *a))
+    model, tensors = make_tiny_kquant_qwen2(seed=5, int8_parts=int8_parts)
+    attach_kquant_blocks(model, write_gguf(tmp_path / "tiny.gguf", "qwen2", tensors))
+    fused = runner(model, True)
+    monkeypatch.setenv(UNFUSED_ENV, "1")
+    python = runner(model, True)
+    layers = fused.lean.layers
+    assert all(layer.fused is not None for layer in layers) and all(layer.fused is None for layer in python.lean.layers)
+    kinds = "+".join(m.describe() for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert ("Q8_0" in kinds and "Q5_0" in kinds) == int8_parts and "Q6_K" in kinds
+    with torch.inference_mode():
+        for a, b in zip(forwards(fused, feature_layers=(0, 1)), forwards(python, feature_layers=(0, 1))):
+            assert torch.equal(a, b)  # logits, EAGLE-3's features, prefill, tree and chain alike
+        assert len(calls) >= 2 * len(layers)
+        for run in (fused, python):
+            run.start(64)
+            run.forward([5, 9, 3, 17])
+        for layer_a, layer_b in zip(fused.cache.layers, python.cache.layers):
+            assert torch.equal(layer_a.keys[:, :, :4], layer_b.keys[:, :, :4])
+            assert torch.equal(layer_a.values[:, :, :4], layer_b.values[:, :, :4])
 
 
 @pytest.mark.skipif(kernel_unavailable() is not None, reason=f"the Q4_1 kernel: {kernel_unavailable()}")

@@ -48,10 +48,11 @@ LAYER_TENSORS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "se
                  "mlp.down_proj": "ffn_down"}
 
 
-def make_tiny_kquant_qwen2(seed: int = 0, layers: int = 2):
+def make_tiny_kquant_qwen2(seed: int = 0, layers: int = 2, int8_parts: bool = False):
     """A seeded Qwen2 of the shapes the K-quant kernels take (hidden 256, intermediate 512, head_dim 64, GQA 4/2,
     untied head, non-zero q/k/v biases) whose every linear is exactly K-quant blocks: Q4_K, with Q6_K for v and
-    down in odd layers and for the head, as a Q4_K_M file mixes them. Returns (model, {gguf name: blocks})."""
+    down in odd layers and for the head, as a Q4_K_M file mixes them; `int8_parts`: v Q8_0 and down Q5_0 in even
+    layers, as the 0.5B's file mixes them. Returns (model, {gguf name: blocks})."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
@@ -67,9 +68,7 @@ def make_tiny_kquant_qwen2(seed: int = 0, layers: int = 2):
     with torch.no_grad():
         for index, (hf, gguf_name) in enumerate(names.items()):
             linear = modules[hf]
-            odd_layer = hf.startswith("model.layers.") and int(hf.split(".")[2]) % 2 == 1
-            six = hf == "lm_head" or (odd_layer and gguf_name.split(".")[-1] in ("attn_v", "ffn_down"))
-            blocks = random_blocks("Q6_K" if six else "Q4_K", linear.out_features, linear.in_features,
+            blocks = random_blocks(tiny_kind(hf, gguf_name, int8_parts), linear.out_features, linear.in_features,
                                    seed=seed * 1000 + index, scale=8.0 if hf == "lm_head" else 1.0)
             linear.weight.copy_(dequantize(blocks))
             tensors[f"{gguf_name}.weight"] = blocks
@@ -77,6 +76,18 @@ def make_tiny_kquant_qwen2(seed: int = 0, layers: int = 2):
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_(0, 0.5)
     return model, tensors
+
+
+def tiny_kind(hf: str, gguf_name: str, int8_parts: bool) -> str:
+    """The format make_tiny_kquant_qwen2 gives a linear (see there)."""
+    if hf == "lm_head":
+        return "Q6_K"
+    short, odd_layer = gguf_name.split(".")[-1], int(hf.split(".")[2]) % 2 == 1
+    if short not in ("attn_v", "ffn_down"):
+        return "Q4_K"
+    if odd_layer:
+        return "Q6_K"
+    return ("Q8_0" if short == "attn_v" else "Q5_0") if int8_parts else "Q4_K"
 
 
 def attach_directly(model, tensors: dict[str, KQuantBlocks]) -> None:

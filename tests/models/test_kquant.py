@@ -113,7 +113,7 @@ def test_a_fused_matrix_of_mixed_formats_equals_its_parts_with_its_bias():
 def test_q5_0_and_q8_0_segments_run_on_the_int8_kernel_over_exactly_their_codes():
     """A small model's Q5_0 / Q8_0 matrices (the 0.5B draft model's) beside a K-quant one: each segment computes
     x rounded per group of 32 (the int8 kernel's rounding) times exactly the file's codes and steps, more than
-    MAX_ROWS rows in chunks, each row alike alone."""
+    MAX_ROWS rows at once, each row alike alone."""
     from specdistill.models.kernels import MAX_ROWS
     from specdistill.models.kquant import int8_fields
     from specdistill.models.quant_formats import int8_rows
@@ -123,7 +123,8 @@ def test_q5_0_and_q8_0_segments_run_on_the_int8_kernel_over_exactly_their_codes(
              random_blocks("Q4_K", 16, 512, seed=8)]
     fused = KQuantLinear(parts, None, lib)
     x = torch.randn(MAX_ROWS + 3, 512, generator=torch.Generator().manual_seed(11))
-    y = fused.gemm(x)
+    with torch.inference_mode():
+        y = fused(x)
     xq, dx = int8_rows(x)  # [R, G, 32], [R, G]
     for part, start in zip(parts[:2], (0, 32)):
         f = int8_fields(part)
@@ -132,8 +133,24 @@ def test_q5_0_and_q8_0_segments_run_on_the_int8_kernel_over_exactly_their_codes(
         expected = (dots * dx.double()[:, None, :] * f["d"].double()[None]).sum(-1)
         got = y[:, start:start + part.shape[0]].double()
         assert float((got - expected).abs().max() / expected.abs().max()) < 1e-5
-    assert torch.equal(fused.gemm(x[5:6].contiguous())[0], y[5])
-    assert torch.equal(fused.gemm(x[MAX_ROWS:].contiguous())[1], y[MAX_ROWS + 1])
+    with torch.inference_mode():
+        assert torch.equal(fused(x[5:6])[0], y[5])
+        assert torch.equal(fused(x[MAX_ROWS:])[1], y[MAX_ROWS + 1])
+
+
+
+@needs_vnni
+def test_a_projection_refuses_what_is_not_a_matrix_of_its_k_or_a_bias_of_its_width():
+    lib = kernels.library()
+    q4k = kquant_matrix(lib, random_blocks("Q4_K", 16, 512, seed=1))
+    with pytest.raises(TypeError, match="KQuantProjection: a part must be a Q4KMatrix, Q6KMatrix or Int8Matrix"):
+        lib.KQuantProjection([q4k, object()], None)
+    with pytest.raises(ValueError, match="KQuantProjection: parts over different K: 512 and 256"):
+        lib.KQuantProjection([q4k, kquant_matrix(lib, random_blocks("Q6_K", 16, 256, seed=2))], None)
+    with pytest.raises(ValueError, match=r"KQuantProjection: bias must have shape \[16\]"):
+        lib.KQuantProjection([q4k], torch.zeros(32))
+    with pytest.raises(ValueError, match=r"KQuantProjection.gemm: x must be \[R >= 1, 512\]"):
+        lib.KQuantProjection([q4k], None).gemm(torch.zeros(2, 256))
 
 
 def test_llama_cpp_names_map_to_transformers_modules():

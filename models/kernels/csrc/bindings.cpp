@@ -192,9 +192,12 @@ struct Q4KMatrix : KQuantShape {
         const char *fn = "Q4KMatrix.gemm_into";
         q8k_rows x = checked_rows(q, dx, sums, K, fn);
         check_output(y, x.R, N, column, fn);
-        q4k_matrix w = {codes.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(), m.data_ptr<uint8_t>(),
-                        d.data_ptr<float>(), dmin.data_ptr<float>(), static_cast<int>(N)};
-        check_memory(q4k_gemm(x, w, y.data_ptr<float>() + column, static_cast<int>(y.size(1)), threads()), fn);
+        check_memory(q4k_gemm(x, raw(), y.data_ptr<float>() + column, static_cast<int>(y.size(1)), threads()), fn);
+    }
+
+    q4k_matrix raw() const {
+        return {codes.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(), m.data_ptr<uint8_t>(), d.data_ptr<float>(),
+                dmin.data_ptr<float>(), static_cast<int>(N)};
     }
 };
 
@@ -220,9 +223,71 @@ struct Q6KMatrix : KQuantShape {
         const char *fn = "Q6KMatrix.gemm_into";
         q8k_rows x = checked_rows(q, dx, sums, K, fn);
         check_output(y, x.R, N, column, fn);
-        q6k_matrix w = {low.data_ptr<uint8_t>(), high.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(),
-                        d.data_ptr<float>(), static_cast<int>(N)};
-        q6k_gemm(x, w, y.data_ptr<float>() + column, static_cast<int>(y.size(1)), threads());
+        q6k_gemm(x, raw(), y.data_ptr<float>() + column, static_cast<int>(y.size(1)), threads());
+    }
+
+    q6k_matrix raw() const {
+        return {low.data_ptr<uint8_t>(), high.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<float>(),
+                static_cast<int>(N)};
+    }
+};
+
+// A projection over a K-quant GGUF's blocks (kq_linear): its parts (Q4KMatrix, Q6KMatrix, or Int8Matrix for Q5_0 /
+// Q8_0 codes) side by side in output order, all over the same K, and a bias or None. `gemm` takes any number of rows
+// (prefill too); the fused layers (layer_rows_attention / layer_rows_down) take it as they take a Q41Matrix.
+struct KQuantProjection {
+    std::vector<py::object> parts;  // keeps the matrices, and so their tensors, alive
+    std::vector<kq_segment> segments;
+    at::Tensor bias;  // [N] fp32, or undefined
+    int64_t N = 0, K = 0;
+
+    KQuantProjection(std::vector<py::object> parts_, c10::optional<at::Tensor> bias_) : parts(std::move(parts_)) {
+        const char *fn = "KQuantProjection";
+        TORCH_CHECK_VALUE(!parts.empty(), fn, ": parts must hold at least one matrix");
+        for (size_t i = 0; i < parts.size(); i++) add(parts[i], i == 0, fn);
+        if (bias_.has_value() && bias_->defined()) {
+            bias = *bias_;
+            check_tensor(bias, at::kFloat, fn, "bias");
+            check_shape(bias, {N}, fn, "bias");
+        }
+    }
+
+    void add(const py::object &part, bool first, const char *fn) {
+        kq_segment s = {};
+        int64_t k = 0;
+        if (py::isinstance<Q4KMatrix>(part)) {
+            auto &w = part.cast<const Q4KMatrix &>();
+            s.kind = KQ_Q4K, s.q4k = w.raw(), s.N = static_cast<int>(w.N), k = w.K;
+        } else if (py::isinstance<Q6KMatrix>(part)) {
+            auto &w = part.cast<const Q6KMatrix &>();
+            s.kind = KQ_Q6K, s.q6k = w.raw(), s.N = static_cast<int>(w.N), k = w.K;
+        } else if (py::isinstance<Int8Matrix>(part)) {
+            auto &w = part.cast<const Int8Matrix &>();
+            s.kind = KQ_INT8, s.int8 = w.raw(), s.N = static_cast<int>(w.N), k = w.K;
+        } else {
+            TORCH_CHECK_TYPE(false, fn, ": a part must be a Q4KMatrix, Q6KMatrix or Int8Matrix, got ",
+                             py::str(part.get_type()).cast<std::string>());
+        }
+        TORCH_CHECK_VALUE(first || k == K, fn, ": parts over different K: ", K, " and ", k);
+        K = k, s.column = static_cast<int>(N), N += s.N;
+        segments.push_back(s);
+    }
+
+    kq_linear raw() const {
+        return {segments.data(), static_cast<int>(segments.size()), static_cast<int>(N), static_cast<int>(K),
+                bias.defined() ? bias.data_ptr<float>() : nullptr};
+    }
+
+    at::Tensor gemm(const at::Tensor &x) const {  // x [R >= 1, K] -> [R, N]
+        const char *fn = "KQuantProjection.gemm";
+        check_tensor(x, at::kFloat, fn, "x");
+        TORCH_CHECK_VALUE(x.dim() == 2 && x.size(0) >= 1 && x.size(1) == K, fn, ": x must be [R >= 1, ", K,
+                          "], got ", x.sizes());
+        auto y = at::empty({x.size(0), N}, x.options());
+        check_memory(kq_linear_rows(x.data_ptr<float>(), static_cast<int>(x.size(0)), raw(), y.data_ptr<float>(),
+                                    threads()),
+                     fn);
+        return y;
     }
 };
 
@@ -363,8 +428,9 @@ struct LayerShape {  // what the layer's matrices and the call's rows must agree
     int64_t N, D, H, Hkv, hd;
 };
 
-LayerShape check_layer(const at::Tensor &x, const Q41Matrix &qkv, int64_t H, int64_t Hkv, int64_t hd,
-                       const Q41Matrix &o, const Q41Matrix &gate_up, const char *fn) {
+template <typename Matrix>  // Q41Matrix or KQuantProjection
+LayerShape check_layer(const at::Tensor &x, const Matrix &qkv, int64_t H, int64_t Hkv, int64_t hd, const Matrix &o,
+                       const Matrix &gate_up, const char *fn) {
     check_tensor(x, at::kFloat, fn, "x");
     TORCH_CHECK_VALUE(x.dim() == 3 && x.size(0) == 1 && x.size(1) >= 1 && x.size(1) <= kMaxRows, fn,
                       ": x must be [1, 1..", kMaxRows, ", D], got ", x.sizes());
@@ -380,11 +446,12 @@ LayerShape check_layer(const at::Tensor &x, const Q41Matrix &qkv, int64_t H, int
     return {N, D, H, Hkv, hd};
 }
 
+template <typename Matrix>
 std::tuple<at::Tensor, at::Tensor> layer_rows_attention_op(
-    const at::Tensor &x, const at::Tensor &norm_in, double eps_in, const Q41Matrix &qkv, int64_t H, int64_t Hkv,
+    const at::Tensor &x, const at::Tensor &norm_in, double eps_in, const Matrix &qkv, int64_t H, int64_t Hkv,
     int64_t hd, const at::Tensor &cos, const at::Tensor &sin, const at::Tensor &keys, const at::Tensor &values,
-    int64_t start, const at::Tensor &visible, double scale, const Q41Matrix &o, const at::Tensor &norm_post,
-    double eps_post, const Q41Matrix &gate_up, at::Tensor &work) {
+    int64_t start, const at::Tensor &visible, double scale, const Matrix &o, const at::Tensor &norm_post,
+    double eps_post, const Matrix &gate_up, at::Tensor &work) {
     // x [1, N, D] -> (x + attention [1, N, D], gate_up(rms_norm(that)) [N, 2I]); the rows' keys and values written
     // to keys/values [Hkv, T_max, hd] at start..start+N-1; visible bool [N, T], T <= T_max
     const char *fn = "layer_rows_attention";
@@ -407,7 +474,7 @@ std::tuple<at::Tensor, at::Tensor> layer_rows_attention_op(
     check_tensor(work, at::kFloat, fn, "work");
     TORCH_CHECK_VALUE(work.numel() >= s.N * (s.D + width + H * hd + Hkv * hd + H * hd), fn, ": work holds ",
                       work.numel(), " floats, ", s.N * (s.D + width + H * hd + Hkv * hd + H * hd), " needed");
-    auto y = at::empty({1, s.N, s.D}, x.options()), both = at::empty({s.N, gate_up.N}, x.options());
+    at::Tensor y = at::empty({1, s.N, s.D}, x.options()), both = at::empty({s.N, gate_up.N}, x.options());
     check_memory(layer_rows_attention(x.data_ptr<float>(), s.N, s.D, norm_in.data_ptr<float>(),
                                       static_cast<float>(eps_in), qkv.raw(), H, Hkv, hd, cos.data_ptr<float>(),
                                       sin.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(),
@@ -420,7 +487,8 @@ std::tuple<at::Tensor, at::Tensor> layer_rows_attention_op(
     return {y, both};
 }
 
-void layer_rows_down_op(at::Tensor &y, const at::Tensor &activated, const Q41Matrix &down, at::Tensor &work) {
+template <typename Matrix>
+void layer_rows_down_op(at::Tensor &y, const at::Tensor &activated, const Matrix &down, at::Tensor &work) {
     // y [1, N, D] += down(activated [N, I]), in place
     const char *fn = "layer_rows_down";
     check_tensor(y, at::kFloat, fn, "y");
@@ -431,8 +499,9 @@ void layer_rows_down_op(at::Tensor &y, const at::Tensor &activated, const Q41Mat
     check_tensor(work, at::kFloat, fn, "work");
     TORCH_CHECK_VALUE(work.numel() >= y.size(1) * down.N, fn, ": work holds ", work.numel(), " floats, ",
                       y.size(1) * down.N, " needed");
-    layer_rows_down(y.data_ptr<float>(), y.size(1), down.N, activated.data_ptr<float>(), down.K, down.raw(),
-                    work.data_ptr<float>(), threads());
+    check_memory(layer_rows_down(y.data_ptr<float>(), y.size(1), down.N, activated.data_ptr<float>(), down.K,
+                                 down.raw(), work.data_ptr<float>(), threads()),
+                 fn);
 }
 
 // ---- the EAGLE-3 drafter's rows and head (decode.lean_eagle3.FusedRows) -----------------------------------------
@@ -569,8 +638,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("cos"), py::arg("sin"));
     m.def("attention_rows", &attention_rows_op, py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("visible"),
           py::arg("scale"));
-    m.def("layer_rows_attention", &layer_rows_attention_op);
-    m.def("layer_rows_down", &layer_rows_down_op);
+    py::class_<KQuantProjection>(m, "KQuantProjection")
+        .def(py::init<std::vector<py::object>, c10::optional<at::Tensor>>(), py::arg("parts"), py::arg("bias"))
+        .def_readonly("N", &KQuantProjection::N)
+        .def_readonly("K", &KQuantProjection::K)
+        .def("gemm", &KQuantProjection::gemm, py::arg("x"));
+    m.def("layer_rows_attention", &layer_rows_attention_op<Q41Matrix>);
+    m.def("layer_rows_attention", &layer_rows_attention_op<KQuantProjection>);
+    m.def("layer_rows_down", &layer_rows_down_op<Q41Matrix>);
+    m.def("layer_rows_down", &layer_rows_down_op<KQuantProjection>);
     m.def("eagle3_rows", &eagle3_rows_op);
     m.def("eagle3_top", &eagle3_top_op);
     m.def("q8_argmax", &q8_argmax_op, py::arg("x"), py::arg("head"), py::arg("slack"));

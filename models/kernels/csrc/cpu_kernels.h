@@ -44,6 +44,22 @@ typedef struct {  // a Q6_K matrix in kquant.cpp's layout: low [N/16][K/256][8][
     int N;
 } q6k_matrix;
 
+typedef enum { KQ_Q4K, KQ_Q6K, KQ_INT8 } kq_kind;
+
+typedef struct {  // one part of a projection over a GGUF's own blocks: outputs [column, column + N) of the whole
+    kq_kind kind;
+    q4k_matrix q4k;    // kind KQ_Q4K
+    q6k_matrix q6k;    // kind KQ_Q6K
+    int8_matrix int8;  // kind KQ_INT8: Q5_0 / Q8_0 codes on the int8 kernel
+    int column, N;
+} kq_segment;
+
+typedef struct {  // a projection over a K-quant GGUF's blocks: its parts side by side (a fused q/k/v, gate/up), a bias
+    const kq_segment *segments;
+    int count, N, K;
+    const float *bias;  // [N], or NULL
+} kq_linear;
+
 // gemm_fma.cpp
 void q41_gemm(const float *x, int R, int K, const uint8_t *packed, const float *d, const float *m, int N, float *y,
               int threads);
@@ -62,13 +78,23 @@ int layer_rows_attention(const float *x, int N, int D, const float *norm_in, flo
                          long head_stride, int start, int T, const uint8_t *visible, float scale, q41_matrix o,
                          const float *norm_post, float eps_post, q41_matrix gate_up, float *y, float *gate_up_out,
                          float *work, int threads);
-void layer_rows_down(float *y, int N, int D, const float *activated, int I, q41_matrix down, float *work,
-                     int threads);
+int layer_rows_down(float *y, int N, int D, const float *activated, int I, q41_matrix down, float *work,
+                    int threads);
+// the same two calls over a K-quant GGUF's projections (kq_linear_rows; 0, or -1 without memory)
+int layer_rows_attention(const float *x, int N, int D, const float *norm_in, float eps_in, const kq_linear &qkv,
+                         int H, int Hkv, int hd, const float *cos, const float *sin, float *keys, float *values,
+                         long head_stride, int start, int T, const uint8_t *visible, float scale, const kq_linear &o,
+                         const float *norm_post, float eps_post, const kq_linear &gate_up, float *y,
+                         float *gate_up_out, float *work, int threads);
+int layer_rows_down(float *y, int N, int D, const float *activated, int I, const kq_linear &down, float *work,
+                    int threads);
 
 // kquant.cpp (AVX512-VNNI): y[r][0..N) at row stride ldy
 void quantize_rows_q8k(const float *x, int R, int K, int8_t *xq, float *dx, int32_t *xs);
 int q4k_gemm(const q8k_rows &x, q4k_matrix w, float *y, int ldy, int threads);  // 0, or -1 (no memory)
 void q6k_gemm(const q8k_rows &x, q6k_matrix w, float *y, int ldy, int threads);
+// y [R][w.N] = x [R][w.K] W^T (+ bias): x rounded once for every K-quant part; 0, or -1 (no memory)
+int kq_linear_rows(const float *x, int R, const kq_linear &w, float *y, int threads);
 
 // gemm_amx.cpp
 int amx_request(void);

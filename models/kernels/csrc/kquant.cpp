@@ -185,3 +185,56 @@ int q4k_gemm(const q8k_rows &x, q4k_matrix w, float *y, int ldy, int threads) {
 void q6k_gemm(const q8k_rows &x, q6k_matrix w, float *y, int ldy, int threads) {
     kquant_gemm<q6k_matrix, q6k_block<1>, q6k_block<2>, q6k_block<3>, q6k_block<4>>(x, nullptr, w, y, ldy, threads);
 }
+
+// ---- A projection's parts in one call (decode.lean_decoder's fused layers, models.kernel_linear.KQuantLinear) ----
+
+// An int8 part (Q5_0 / Q8_0 codes) rounds x per group of 32 itself and writes [R][N] contiguous: its columns of y
+// go through a scratch copy.
+static int int8_part_rows(const float *x, int R, int K, const kq_segment &part, float *y, int ldy, int threads) {
+    float *out = (float *)malloc(sizeof(float) * (size_t)R * part.N);
+    if (out == NULL) return -1;
+    int status = q8_int8_gemm(x, R, K, part.int8.codes, part.int8.d, part.int8.bias, part.N, out, threads);
+    for (int r = 0; status == 0 && r < R; r++)
+        memcpy(y + (size_t)r * ldy + part.column, out + (size_t)r * part.N, sizeof(float) * part.N);
+    free(out);
+    return status;
+}
+
+static bool has_kquant_part(const kq_linear &w) {
+    for (int i = 0; i < w.count; i++)
+        if (w.segments[i].kind != KQ_INT8) return true;
+    return false;
+}
+
+// x rounded per 256 once (llama.cpp's Q8_K), then every part writes its columns; the bias added last, as torch adds
+// it to the whole output (the same fp32 additions).
+int kq_linear_rows(const float *x, int R, const kq_linear &w, float *y, int threads) {
+    const int K = w.K;
+    int8_t *xq = NULL;
+    float *dx = NULL;
+    int32_t *xs = NULL;
+    int status = 0;
+    if (has_kquant_part(w)) {
+        xq = (int8_t *)malloc((size_t)R * K);
+        dx = (float *)malloc(sizeof(float) * (size_t)R * (K / 256));
+        xs = (int32_t *)malloc(sizeof(int32_t) * (size_t)R * (K / 16));
+        if (xq == NULL || dx == NULL || xs == NULL) status = -1;
+        else quantize_rows_q8k(x, R, K, xq, dx, xs);
+    }
+    const q8k_rows rounded = {xq, dx, xs, R, K};
+    for (int i = 0; status == 0 && i < w.count; i++) {
+        const kq_segment &part = w.segments[i];
+        switch (part.kind) {
+            case KQ_Q4K: status = q4k_gemm(rounded, part.q4k, y + part.column, w.N, threads); break;
+            case KQ_Q6K: q6k_gemm(rounded, part.q6k, y + part.column, w.N, threads); break;
+            default: status = int8_part_rows(x, R, K, part, y, w.N, threads);
+        }
+    }
+    free(xq);
+    free(dx);
+    free(xs);
+    if (status == 0 && w.bias != NULL)
+        for (int r = 0; r < R; r++)
+            for (int n = 0; n < w.N; n++) y[(size_t)r * w.N + n] += w.bias[n];
+    return status;
+}

@@ -151,35 +151,75 @@ void append_keys_values(const float *k, const float *qkv, int N, int H, int Hkv,
 }
 
 // ---- A decoder layer's decode-time rows in two calls (decode.lean_decoder.FusedLayer): the same functions in the
-// same order as the lean forward's Python (so the same bits), without its thirty-odd tensor operations a layer. ----
+// same order as the lean forward's Python (so the same bits), without its thirty-odd tensor operations a layer. The
+// projections are the default target's Q4_1 matrices or a K-quant GGUF's own blocks (kq_linear). ----
+
+static int project(const float *x, int R, int K, q41_matrix w, float *y, int threads) {
+    q41_gemm(x, R, K, w.packed, w.d, w.m, w.N, y, threads);
+    return 0;
+}
+
+static int project(const float *x, int R, int, const kq_linear &w, float *y, int threads) {
+    return kq_linear_rows(x, R, w, y, threads);
+}
+
 // y [N][D] = x + o(attention(rope(qkv(rms_norm(x))))); gate_up [N][2I] = gate_up(rms_norm(y)); the rows' keys and
 // values written to the cache at rows start..start+N-1 of each head (head j's row t at keys + j * head_stride +
 // t * hd). work: N * (D + Q + (H + Hkv) * hd + H * hd) floats, Q = (H + 2 Hkv) * hd. 0, or -1 (no memory).
+template <typename Matrix>
+static int layer_attention(const float *x, int N, int D, const float *norm_in, float eps_in, const Matrix &qkv,
+                           int H, int Hkv, int hd, const float *cos, const float *sin, float *keys, float *values,
+                           long head_stride, int start, int T, const uint8_t *visible, float scale, const Matrix &o,
+                           const float *norm_post, float eps_post, const Matrix &gate_up, float *y,
+                           float *gate_up_out, float *work, int threads) {
+    int width = (H + 2 * Hkv) * hd;
+    float *normed = work, *fused = normed + (size_t)N * D, *q = fused + (size_t)N * width;
+    float *k = q + (size_t)H * N * hd, *attended = k + (size_t)Hkv * N * hd;
+    rms_norm_rows(x, N, D, norm_in, eps_in, normed);
+    if (project(normed, N, D, qkv, fused, threads) != 0) return -1;
+    rope_qk(fused, N, H, Hkv, hd, cos, sin, q, k);
+    append_keys_values(k, fused, N, H, Hkv, hd, keys, values, head_stride, start);
+    if (attention_rows(q, H, Hkv, N, hd, keys, values, head_stride, T, visible, scale, attended, threads) != 0)
+        return -1;
+    if (project(attended, N, H * hd, o, y, threads) != 0) return -1;  // o(attended), then x + it, as torch adds
+    for (size_t i = 0; i < (size_t)N * D; i++) y[i] = x[i] + y[i];
+    rms_norm_rows(y, N, D, norm_post, eps_post, normed);
+    return project(normed, N, D, gate_up, gate_up_out, threads);
+}
+
+// y [N][D] += down(activated [N][I]); work: N * D floats.
+template <typename Matrix>
+static int layer_down(float *y, int N, int D, const float *activated, int I, const Matrix &down, float *work,
+                      int threads) {
+    if (project(activated, N, I, down, work, threads) != 0) return -1;
+    for (size_t i = 0; i < (size_t)N * D; i++) y[i] = y[i] + work[i];
+    return 0;
+}
+
 int layer_rows_attention(const float *x, int N, int D, const float *norm_in, float eps_in, q41_matrix qkv, int H,
                          int Hkv, int hd, const float *cos, const float *sin, float *keys, float *values,
                          long head_stride, int start, int T, const uint8_t *visible, float scale, q41_matrix o,
                          const float *norm_post, float eps_post, q41_matrix gate_up, float *y, float *gate_up_out,
                          float *work, int threads) {
-    int width = (H + 2 * Hkv) * hd;
-    float *normed = work, *fused = normed + (size_t)N * D, *q = fused + (size_t)N * width;
-    float *k = q + (size_t)H * N * hd, *attended = k + (size_t)Hkv * N * hd;
-    rms_norm_rows(x, N, D, norm_in, eps_in, normed);
-    q41_gemm(normed, N, D, qkv.packed, qkv.d, qkv.m, width, fused, threads);
-    rope_qk(fused, N, H, Hkv, hd, cos, sin, q, k);
-    append_keys_values(k, fused, N, H, Hkv, hd, keys, values, head_stride, start);
-    if (attention_rows(q, H, Hkv, N, hd, keys, values, head_stride, T, visible, scale, attended, threads) != 0)
-        return -1;
-    q41_gemm(attended, N, H * hd, o.packed, o.d, o.m, D, y, threads);  // o(attended), then x + it, as torch adds
-    for (size_t i = 0; i < (size_t)N * D; i++) y[i] = x[i] + y[i];
-    rms_norm_rows(y, N, D, norm_post, eps_post, normed);
-    q41_gemm(normed, N, D, gate_up.packed, gate_up.d, gate_up.m, gate_up.N, gate_up_out, threads);
-    return 0;
+    return layer_attention(x, N, D, norm_in, eps_in, qkv, H, Hkv, hd, cos, sin, keys, values, head_stride, start, T,
+                           visible, scale, o, norm_post, eps_post, gate_up, y, gate_up_out, work, threads);
 }
 
-// y [N][D] += down(activated [N][I]); work: N * D floats.
-void layer_rows_down(float *y, int N, int D, const float *activated, int I, q41_matrix down, float *work,
-                     int threads) {
-    q41_gemm(activated, N, I, down.packed, down.d, down.m, D, work, threads);
-    for (size_t i = 0; i < (size_t)N * D; i++) y[i] = y[i] + work[i];
+int layer_rows_attention(const float *x, int N, int D, const float *norm_in, float eps_in, const kq_linear &qkv,
+                         int H, int Hkv, int hd, const float *cos, const float *sin, float *keys, float *values,
+                         long head_stride, int start, int T, const uint8_t *visible, float scale, const kq_linear &o,
+                         const float *norm_post, float eps_post, const kq_linear &gate_up, float *y,
+                         float *gate_up_out, float *work, int threads) {
+    return layer_attention(x, N, D, norm_in, eps_in, qkv, H, Hkv, hd, cos, sin, keys, values, head_stride, start, T,
+                           visible, scale, o, norm_post, eps_post, gate_up, y, gate_up_out, work, threads);
 }
 
+int layer_rows_down(float *y, int N, int D, const float *activated, int I, q41_matrix down, float *work,
+                    int threads) {
+    return layer_down(y, N, D, activated, I, down, work, threads);
+}
+
+int layer_rows_down(float *y, int N, int D, const float *activated, int I, const kq_linear &down, float *work,
+                    int threads) {
+    return layer_down(y, N, D, activated, I, down, work, threads);
+}
