@@ -27,9 +27,9 @@ from specdistill.decode.proposers.draft_model import DraftModelProposer
 from specdistill.decode.proposers.prompt_lookup import PromptLookupProposer
 from specdistill.decode.runner import ExtraRows, ModelRunner
 from specdistill.decode.tree import attention_bias
+from specdistill.models.gguf_blocks import attach_kquant_blocks
 from specdistill.models.kernel_linear import Q41Linear, Q80Linear, q41_for_inference
 from specdistill.models.kernels import DISABLE_ENV as NO_Q41_ENV
-from specdistill.models.gguf_blocks import attach_kquant_blocks
 from specdistill.models.kernels import amx_unavailable, vnni_unavailable
 from specdistill.models.kernels import unavailable as kernel_unavailable
 from specdistill.models.packed_linear import (
