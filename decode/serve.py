@@ -6,6 +6,11 @@
 and `/health`. Each request appends one JSON line to LOGS (decode.request_log); when --drafter is a
 drafter store (models.drafter_store) the server follows its `current` pointer and hot-swaps without a
 restart. Bad requests get a 4xx with an OpenAI-style error body and the server goes on serving.
+
+    python -m decode.serve --upstream URL --target TARGET --log-dir LOGS [--port 8000]
+
+is the logging front instead (decode.upstream): no generation here, every request goes to the OpenAI-compatible
+server at URL (vLLM, SGLang, llama.cpp's) and is logged as this server logs its own.
 """
 
 from __future__ import annotations
@@ -309,38 +314,8 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="specdistill", description="speculative decoding server", lifespan=lifespan)
     app.state.server = server
 
-    if api_key:
-        expected = f"Bearer {api_key}".encode()
-
-        @app.middleware("http")
-        async def require_key(request: Request, call_next):
-            if request.url.path != "/health":
-                given = request.headers.get("authorization", "").encode()
-                if not hmac.compare_digest(given, expected):
-                    return JSONResponse(error_body("a valid API key is required: Authorization: Bearer <key>",
-                                                   code="invalid_api_key", kind="authentication_error"),
-                                        status_code=401, headers={"WWW-Authenticate": "Bearer"})
-            return await call_next(request)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(_: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": ")
-        return JSONResponse(error_body(message, where or None), status_code=400)
-
-    @app.exception_handler(BadRequest)
-    async def bad_request(_: Request, exc: BadRequest):
-        return JSONResponse(error_body(exc.message, exc.param, exc.code), status_code=exc.status)
-
-    @app.exception_handler(QueueFull)
-    async def queue_full(_: Request, exc: QueueFull):
-        return JSONResponse(error_body(f"the server is busy: {exc}; retry later", code="queue_full",
-                                       kind="rate_limit_error"),
-                            status_code=429, headers={"Retry-After": str(retry_after_s(server))})
+    require_api_key(app, api_key)
+    add_error_handlers(app, lambda: retry_after_s(server))
 
     # async handlers run on the event loop, never waiting behind requests: /health answers during generation
     @app.get("/health")
@@ -382,6 +357,47 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
     return app
 
 
+def require_api_key(app: FastAPI, api_key: str | None) -> None:
+    """With `api_key`, every endpoint but /health needs `Authorization: Bearer <api_key>` (401 otherwise)."""
+    if not api_key:
+        return
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def require_key(request: Request, call_next):
+        if request.url.path != "/health":
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return JSONResponse(error_body("a valid API key is required: Authorization: Bearer <key>",
+                                               code="invalid_api_key", kind="authentication_error"),
+                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
+
+
+def add_error_handlers(app: FastAPI, retry_after: typing.Callable[[], int]) -> None:
+    """OpenAI-style error bodies: 400 for invalid requests (naming the field), the BadRequest's own status, and 429
+    with Retry-After when the line is full."""
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": ")
+        return JSONResponse(error_body(message, where or None), status_code=400)
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(_: Request, exc: BadRequest):
+        return JSONResponse(error_body(exc.message, exc.param, exc.code), status_code=exc.status)
+
+    @app.exception_handler(QueueFull)
+    async def queue_full(_: Request, exc: QueueFull):
+        return JSONResponse(error_body(f"the server is busy: {exc}; retry later", code="queue_full",
+                                       kind="rate_limit_error"),
+                            status_code=429, headers={"Retry-After": str(retry_after())})
+
+
 def retry_after_s(server: Server) -> int:
     """Seconds until a place in line is likely free: one mean request latency so far, at least 1."""
     return max(1, round(server.metrics.mean_latency_s()))
@@ -418,6 +434,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="requests that may wait for the engine; past it: 429 with Retry-After")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (default: ${API_KEY_ENV})")
+    p.add_argument("--upstream", default=None,
+                   help="URL of an OpenAI-compatible server (vLLM, SGLang, llama.cpp's): be a logging front for it "
+                        "(decode.upstream) instead of generating; --target then only gives the tokenizer and "
+                        "fingerprint of the log records")
+    p.add_argument("--upstream-api-key", default=os.environ.get("SPECDISTILL_UPSTREAM_API_KEY"),
+                   help="the key sent upstream (default: $SPECDISTILL_UPSTREAM_API_KEY; without it the client's own "
+                        "Authorization is passed through, unless --api-key makes the front check a key of its own)")
+    p.add_argument("--upstream-timeout", type=float, default=600.0,
+                   help="seconds the upstream may take to answer (or between two chunks of a stream): past it, 504")
+    p.add_argument("--upstream-token-ids", action="store_true",
+                   help="ask the upstream for its prompt and output token ids (vLLM >= 0.10.2's return_token_ids) and "
+                        "log those; without it the answer's text is encoded with the target's tokenizer")
+    p.add_argument("--upstream-drafter-version", default="none",
+                   help="the drafter version the upstream speculates with, written into each log record")
     p.add_argument("--device", default="cuda" if _cuda() else "cpu")
     p.add_argument("--dtype", choices=_precisions(), default=None,
                    help="what the target computes in (models.target.PRECISIONS; default: float32 on CPU, bfloat16 on "
@@ -442,6 +472,13 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.upstream:
+        from specdistill.decode.upstream import run_front
+
+        if args.drafter is not None:
+            raise SystemExit("decode.serve: --drafter does not apply with --upstream (the upstream engine drafts; "
+                             "train.engine_swap serves a drafter store through vLLM)")
+        return run_front(args)
     target = load_target(args.target, device=args.device, dtype=args.dtype)
     server = build_server(target, args.drafter, args.log_dir, args.model_name, args.gamma, not args.no_adaptive,
                           args.max_prompt_tokens, args.max_tokens_limit, args.reload_interval, args.log_max_bytes,

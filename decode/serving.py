@@ -133,6 +133,22 @@ class LogHealth:
         return {"status": "degraded", "reason": f"request log: {self.reason}", "unlogged_requests": self.failures}
 
 
+def append_or_degrade(writer: RequestLogWriter, health: LogHealth, record: dict) -> bool:
+    """Append the record (True); on a write error (a full disk) mark `health` degraded with the reason and count
+    the request as unlogged (False): the caller answers it all the same, a server that stops serving because its
+    log is full would be worse than one that serves unlogged. The built-in server and the logging front share it."""
+    try:
+        writer.append(record)
+    except OSError as e:
+        health.failures += 1
+        health.reason = f"{type(e).__name__}: {e}"
+        log.error("could not write the request log (%s); request %s is answered but not logged "
+                  "(%d unlogged so far)", e, record.get("id"), health.failures)
+        return False
+    health.reason = None
+    return True
+
+
 @dataclass
 class Server:
     target: Target
@@ -217,17 +233,10 @@ class Server:
 
     def log_request(self, record: dict) -> bool:
         """Append the record; on failure the server stays up, degraded, and counts what it could not log."""
-        try:
-            self.log_writer.append(record)
-        except OSError as e:
-            self.log_health.failures += 1
-            self.log_health.reason = f"{type(e).__name__}: {e}"
+        logged = append_or_degrade(self.log_writer, self.log_health, record)
+        if not logged:
             self.metrics.log_failures.labels(self.model_name).inc()
-            log.error("could not write the request log (%s); request %s is answered but not logged "
-                      "(%d unlogged so far)", e, record.get("id"), self.log_health.failures)
-            return False
-        self.log_health.reason = None
-        return True
+        return logged
 
     def _update_queue_metrics(self) -> None:
         self.metrics.set_queue(self.admission.running, self.admission.waiting)

@@ -4,6 +4,7 @@
     specdistill eval ARGS...         python -m decode.evaluate ARGS...
     specdistill serve ARGS...        python -m decode.serve ARGS...
     specdistill export ARGS...       python -m models.export ARGS...
+    specdistill swap ARGS...         python -m train.engine_swap ARGS...
     specdistill bench NAME ARGS...   python -m benchmarks.NAME ARGS... (`specdistill bench --list`)
     specdistill TOOL ARGS...         a tool of train/tools (the list: `specdistill --help`)
 
@@ -41,6 +42,8 @@ MODULES = {  # subcommand: (module whose main(argv) runs it, what it does)
              "a drafter against plain decoding on a question file (Spec-Bench protocol)"),
     "serve": ("specdistill.decode.serve", "the OpenAI-compatible server with the speculative engine"),
     "export": ("specdistill.models.export", "a drafter in the format vLLM loads"),
+    "swap": ("specdistill.train.engine_swap",
+             "vLLM behind the logging front, swapped to each drafter version the online daemon publishes"),
 }
 
 

@@ -14,13 +14,18 @@ The loop (after Online Speculative Decoding, Liu et al. 2023):
      optional general-domain rehearsal), judge it against the served drafter on the newest held-out
      requests (and the general guard), and publish it as a new store version only if acceptance did not
      fall; otherwise keep the served one and record why (a rollback);
-  3. record the server's live alpha and the held-out alpha to WORK/metrics.jsonl (and wandb).
+  3. record the server's live alpha and the held-out alpha to WORK/metrics.jsonl (and wandb): the log records'
+     own (the built-in server's), or with `engine_metrics_url` the engine's spec-decode counters (vLLM's /metrics);
+  4. serving through vLLM (train.engine_swap), with `export_vllm`: write each published version in vLLM's format
+     beside the store's (train.online_vllm), and copy the swap supervisor's rollbacks, with the engine's error,
+     into the metrics.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import os
 import random
 import sys
 import time
@@ -33,6 +38,7 @@ from specdistill.decode.request_log import BadRecord, LogLine, parse_record, pos
 from specdistill.distill.generation import pad_token_id
 from specdistill.distill.replay import Entry, ReplayBuffer, is_held_out
 from specdistill.distill.teacher_data import load_teacher_data
+from specdistill.distill.teacher_openai import OpenAIScorer, TeacherUnavailable
 from specdistill.distill.vocab import count_response_tokens, inverse_map, tokens_to_add
 from specdistill.models.draft_models import grow_head
 from specdistill.models.drafter_store import current_path, current_version, init_store, is_store, publish_version
@@ -43,6 +49,7 @@ from specdistill.train.distill_steps import end_run
 from specdistill.train.online_config import OnlineConfig
 from specdistill.train.online_learn import acceptance, attach_samples, score_requests, train_candidate
 from specdistill.train.online_state import METRICS, OnlineState
+from specdistill.train.online_vllm import LiveAcceptance, export_version_for_vllm, read_engine_events, scrape
 
 log = logging.getLogger("specdistill.online")
 
@@ -61,6 +68,10 @@ class OnlineDaemon:
         self.version, self.model, self.vocab_map = self.load_served()
         self.anchors, self.guard = load_anchors(cfg)
         self.rng = random.Random(cfg.seed * 1_000_003 + self.state.counters.updates)
+        self.engine_acceptance = LiveAcceptance()
+        self.teacher = make_teacher(cfg)
+        if cfg.export_vllm:
+            self.export_for_vllm(self.version)
         log.info("online daemon: store %s at %s, %d requests in the buffer, %d held out, position %s",
                  cfg.store, self.version, len(self.state.buffer), len(self.state.buffer.holdout),
                  self.state.position)
@@ -72,7 +83,12 @@ class OnlineDaemon:
         while True:
             lines = read_lines(self.cfg.log_dir, self.state.position, self.cfg.read_batch)
             if lines:
-                self.ingest(lines)
+                try:
+                    self.ingest(lines)
+                except TeacherUnavailable as e:  # nothing was committed: the same lines are read again
+                    log.warning("the scoring server is unavailable (%s); retrying in %.0f s", e, self.cfg.poll_seconds)
+                    time.sleep(self.cfg.poll_seconds)
+                    continue
                 idle_since = time.monotonic()
             if self.update_due():
                 self.update()
@@ -104,7 +120,7 @@ class OnlineDaemon:
     def ingest(self, lines: list[LogLine]) -> None:
         good, dead = self.parse(lines)
         entries = (score_requests(self.target, good, self.cfg.topk, self.pad_id,
-                                  with_prompt=self.cfg.prompt_weight > 0) if good else [])
+                                  with_prompt=self.cfg.prompt_weight > 0, teacher=self.teacher) if good else [])
         scored = acceptance(self.model, self.vocab_map, entries, self.pad_id, self.cfg.max_seq_len, self.cfg.gamma,
                             self.prompt_vocab)
         for entry in entries:
@@ -114,8 +130,9 @@ class OnlineDaemon:
             attach_samples(self.target, [e for e, held_out in split if not held_out], self.cfg.samples_per_request,
                            self.cfg.sample_temperature, self.cfg.topk, self.pad_id, self.cfg.seed)
         self.state.ingest(split, dead, position_after(lines, self.state.position))
+        self.copy_engine_events()
         if good:
-            self.record("ingest", live_window(good))
+            self.record("ingest", {**live_window(good), **self.engine_window()})
 
     def parse(self, lines: list[LogLine]) -> tuple[list[dict], list[dict]]:
         good, dead, ids = [], [], set()
@@ -138,6 +155,7 @@ class OnlineDaemon:
 
     def update(self) -> None:
         cfg, state = self.cfg, self.state
+        self.copy_engine_events()  # a rollback moved `current` back: follow_store then loads what is served
         self.follow_store()
         holdout = list(state.buffer.holdout)
         served = self.judge(self.model, holdout)
@@ -166,6 +184,8 @@ class OnlineDaemon:
                                                   "requests_ingested": state.counters.ingested})
             self.model, self.vocab_map = candidate, candidate_map
             state.counters.published += 1
+            if cfg.export_vllm:
+                event["vllm_export_error"] = self.export_for_vllm(self.version)
             log.info("published %s: held-out alpha %.3f -> %.3f", self.version, served["alpha"] or 0,
                      trial["alpha"] or 0)
         else:
@@ -225,6 +245,35 @@ class OnlineDaemon:
         self.prompt_vocab = resolve_prompt_vocab(self.cfg.prompt_vocab, drafter)
         return current_version(self.cfg.store), drafter.model.eval(), drafter.vocab_map
 
+    # ---- serving through vLLM ----------------------------------------------------------------------------
+
+    def export_for_vllm(self, version: str) -> str | None:
+        """Write `version` in vLLM's format for the swap supervisor; None, or why it failed (the version stays
+        published for the built-in server; the supervisor rolls back a version with no export, naming it)."""
+        try:
+            export_version_for_vllm(self.cfg.store, version, self.target, self.cfg.gamma)
+        except (OSError, ValueError, RuntimeError) as e:
+            log.error("could not export %s for vLLM: %s", version, e)
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    def engine_window(self) -> dict:
+        """The engine's own acceptance since the last read, when its /metrics is configured and answers."""
+        if not self.cfg.engine_metrics_url:
+            return {}
+        counters = scrape(self.cfg.engine_metrics_url)
+        return {} if counters is None else self.engine_acceptance.window(counters)
+
+    def copy_engine_events(self) -> None:
+        """The swap supervisor's new journal lines (swaps; rollbacks with the engine's error) as metrics rows, each
+        once: the count copied is committed with the daemon's state."""
+        events = read_engine_events(self.cfg.store, self.state.counters.engine_events)
+        for event in events:
+            self.record(f"engine_{event.pop('event')}", {"engine_time": event.pop("time", None), **event})
+        if events:
+            self.state.counters.engine_events += len(events)
+            self.state.commit()
+
     # ---- metrics ----------------------------------------------------------------------------------------
 
     def record(self, event: str, fields: dict) -> None:
@@ -235,6 +284,13 @@ class OnlineDaemon:
         if self.accelerator is not None and self.cfg.tracker != "none":
             numbers = {f"{event}/{k}": v for k, v in row.items() if isinstance(v, (int, float)) and v is not None}
             self.accelerator.log(numbers, step=c.ingested)
+
+
+def make_teacher(cfg: OnlineConfig):
+    """None (score with the daemon's own target) or the serving engine's scorer (teacher_backend: openai)."""
+    if cfg.teacher_backend != "openai":
+        return None
+    return OpenAIScorer(cfg.teacher_url, cfg.teacher_model, os.environ.get("SPECDISTILL_UPSTREAM_API_KEY"))
 
 
 def decide(served: dict, trial: dict, cfg: OnlineConfig) -> tuple[bool, str]:

@@ -40,9 +40,14 @@ KD_LOSSES = ("fkl", "rkl", "mix", "ce")
 # ---- the target's distributions --------------------------------------------------------------------------
 
 def score_requests(target, records: list[dict], k: int, pad_id: int, batch_size: int = 8,
-                   with_prompt: bool = False) -> list[Entry]:
+                   with_prompt: bool = False, teacher=None) -> list[Entry]:
     """Entries with the target's top-k at every output position, and with_prompt at every prompt position
-    after the first too (the same single teacher-forced target forward over prompt + output)."""
+    after the first too (the same single teacher-forced target forward over prompt + output). `teacher`, when
+    given, scores instead of the local target: a callable with teacher_forced_topk's contract
+    (contexts, scored, k) -> [(ids, logprobs)], such as distill.teacher_openai.OpenAIScorer."""
+    if teacher is None:
+        def teacher(contexts, scored, top):
+            return teacher_forced_topk(target.model, contexts, scored, top, pad_id)
     entries = []
     for start in range(0, len(records), batch_size):
         batch = records[start:start + batch_size]
@@ -51,7 +56,7 @@ def score_requests(target, records: list[dict], k: int, pad_id: int, batch_size:
             scored = [list(r["prompt_ids"][1:]) + list(r["output_ids"]) for r in batch]
         else:
             contexts, scored = [r["prompt_ids"] for r in batch], [r["output_ids"] for r in batch]
-        topk = teacher_forced_topk(target.model, contexts, scored, k, pad_id)
+        topk = teacher(contexts, scored, k)
         for rec, (ids, logprobs) in zip(batch, topk):
             max_new = rec.get("sampling", {}).get("max_tokens", 0)
             split = len(ids) - len(rec["output_ids"])  # 0 without the prompt

@@ -43,6 +43,7 @@ class Counters:
     rollbacks: int = 0
     last_update_time: float = 0.0
     general_reference: float | None = None  # the general guard's alpha with the first served version
+    engine_events: int = 0     # lines of the swap supervisor's journal copied into the metrics
 
 
 @dataclass
