@@ -23,6 +23,7 @@ from specdistill.train import kd  # noqa: F401  (registers seqkd and kd, which h
 from specdistill.train.colbt import ColbtConfig
 from specdistill.train.config import ConfigError, as_section, check_choice, sections
 from specdistill.train.config import option as _f
+from specdistill.train.dflash import DFlashConfig
 from specdistill.train.eagle3 import Eagle3Config
 from specdistill.train.lookahead import LookaheadConfig
 from specdistill.train.medusa import MedusaConfig
@@ -76,6 +77,7 @@ class DistillConfig:
     medusa: MedusaConfig | None = _f(None, "method medusa's section (train/medusa.py)")
     lookahead: LookaheadConfig | None = _f(None, "method lookahead's section (train/lookahead.py)")
     eagle3: Eagle3Config | None = _f(None, "method eagle3's section (train/eagle3.py)")
+    dflash: DFlashConfig | None = _f(None, "method dflash's section (train/dflash.py)")
 
     # loss
     loss: str = _f("ce", f"loss, one of {LOSSES}; seqkd uses ce on the target's tokens")
@@ -92,11 +94,13 @@ class DistillConfig:
     grad_accum: int = _f(1, "micro-batches per optimizer step")
     epochs: int = _f(1, "passes over the teacher data (max_steps wins when set)")
     max_steps: int = _f(0, "optimizer steps; 0 = run the epochs")
-    max_minutes: float = _f(0.0, "eagle3: the whole job's wall-clock budget in minutes (0: none): after the warm-up "
-                                 "and 50 timed steps the step count is set to what fits the time left, each step "
-                                 "priced by its batch's counted positions and each evaluation at the slowest "
-                                 "measured, at most max_steps, and training stops early should the job still be "
-                                 "about to overrun (train.step_budget)")
+    max_minutes: float = _f(0.0, "the methods registered budgeted (eagle3, medusa, seqkd, kd, ...): the whole job's "
+                                 "wall-clock budget in minutes (0: none): "
+                                 "after the warm-up and 50 timed steps the step count is set to what fits the time "
+                                 "left, each step priced by the steps timed (eagle3: by its batch's counted "
+                                 "positions) and each evaluation at the slowest measured, at most max_steps (or the "
+                                 "epochs' steps), and training stops early should the job still be about to overrun "
+                                 "(train.step_budget)")
     max_seq_len: int = _f(384, "prompt + response tokens per sequence (the prompt is cut from the left)")
     seed: int = _f(0, "seed for data order, teacher sampling and initialization")
     mixed_precision: str = _f("auto", "no, bf16, fp16, or auto (bf16 on CUDA, and for eagle3 on CPUs with native "

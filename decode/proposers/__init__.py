@@ -7,13 +7,14 @@
     medusa.py         Medusa heads on the target's hidden states (kind medusa)
     lookahead.py      [LA] rows in the target's own forward (kind lookahead)
     eagle3.py         EAGLE-3 feature-level drafting with EAGLE-2 dynamic trees (kind eagle3)
+    dflash.py         DFlash block drafting: a whole block in one forward over the target's features (kind dflash)
 
 A kind module imports base (and the kinds it builds on), never this package, and registers its builder
 at import with `register_proposer`; importing this package imports every kind, so all are registered.
 A new kind is a new module here plus its import below.
 """
 
-from specdistill.decode.proposers import draft_model, eagle3, ensemble, lookahead, medusa, prompt_lookup  # noqa: F401  (register)
+from specdistill.decode.proposers import dflash, draft_model, eagle3, ensemble, lookahead, medusa, prompt_lookup  # noqa: F401  (register)
 from specdistill.decode.proposers.base import (
                                    CATCH_UP_SPLIT,
                                    Alternate,

@@ -24,7 +24,7 @@ def test_a_registered_kind_is_built_and_wrapped_like_the_shipped_ones(tiny_targe
 
 
 def test_an_unknown_kind_names_itself_and_the_registered_kinds_sorted(tiny_target):
-    with pytest.raises(ValueError, match=r"'crystal_ball' \(known: draft_model, eagle3, ensemble, lookahead, "
+    with pytest.raises(ValueError, match=r"'crystal_ball' \(known: dflash, draft_model, eagle3, ensemble, lookahead, "
                                          r"medusa, prompt_lookup\)"):
         build_proposer(SimpleNamespace(kind="crystal_ball"), tiny_target)
 

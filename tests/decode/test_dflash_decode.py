@@ -1,0 +1,162 @@
+"""DFlash decoding: lossless with chains and trees (EOS and max_new_tokens inside a block, prompt-lookup steps that
+skip the drafter), sampling keeps the target's distribution, and the training forward is what decoding computes."""
+
+import pytest
+import torch
+
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.proposers import PromptLookupProposer, WithPromptLookup
+from specdistill.decode.proposers.dflash import DFlashProposer
+from specdistill.decode.sampling import SamplingConfig
+from specdistill.models.dflash import DFlashDrafter
+from tests.conftest import make_tiny_llama
+from tests.decode.test_engine import PROMPT, target_greedy
+from tests.models.test_dflash import features_of
+
+
+def tiny_dflash(target, vocab=None, layers=(1, 2), num_layers=2, block_size=6, seed=3):
+    vocab_map = None if vocab is None else torch.tensor(vocab)
+    return DFlashDrafter.for_target(target, vocab_map, num_layers=num_layers, block_size=block_size,
+                                    target_layers=list(layers), seed=seed).eval()
+
+
+def recorded_trees(proposer) -> list:
+    """Every tree the proposer drafts, kept as it returns them."""
+    trees, original = [], proposer.propose
+    proposer.propose = lambda *a: trees.append(original(*a)) or trees[-1]
+    return trees
+
+
+@pytest.mark.parametrize("shape, adaptive", [(dict(), True), (dict(depth=2), False), (dict(topk=3), False),
+                                             (dict(topk=2, tree_nodes=4), False)])
+def test_greedy_output_is_the_targets(shape, adaptive):
+    target = make_tiny_llama(seed=0, layers=3, peak=4.0)
+    ref = target_greedy(target, PROMPT, 32)
+    proposer = DFlashProposer(tiny_dflash(target), target.get_input_embeddings(), **shape)
+    trees = recorded_trees(proposer)
+    gen = SpeculativeEngine(target, proposer, adaptive=adaptive).generate(PROMPT, 32)
+    assert gen.tokens == ref and gen.stats.new_tokens == 32
+    depth, nodes = shape.get("depth", 5), shape.get("tree_nodes", shape.get("depth", 5) * shape.get("topk", 1))
+    assert max(t.max_depth for t in trees) == min(depth, nodes)  # the chain first, then the alternatives
+    assert max(len(t) - 1 for t in trees) == nodes
+
+
+def test_eos_and_max_new_tokens_inside_a_block():
+    target = make_tiny_llama(seed=0, layers=3, peak=4.0)
+    ref = target_greedy(target, PROMPT, 40)
+    eos = ref[13]
+    drafter = tiny_dflash(target)
+    proposer = DFlashProposer(drafter, target.get_input_embeddings(), eos_token_ids={eos})
+    gen = SpeculativeEngine(target, proposer, {eos}, adaptive=False).generate(PROMPT, 40)
+    assert gen.tokens == ref[:ref.index(eos) + 1]
+    for max_new in (1, 2, 4, 7):
+        assert SpeculativeEngine(target, proposer, adaptive=False).generate(PROMPT, max_new).tokens == ref[:max_new]
+
+
+def oracle_drafter(target, ref: list[int], block_size: int = 6) -> DFlashProposer:
+    """A proposer whose blocks are the target's own greedy continuation (known in advance): every draft is
+    accepted, so EOS and max_new_tokens fall inside blocks, never at their ends only."""
+    proposer = DFlashProposer(tiny_dflash(target, block_size=block_size), target.get_input_embeddings())
+    vocab = target.config.vocab_size
+
+    def block(seq):
+        n = len(seq) - len(PROMPT)
+        logits = torch.zeros(block_size, vocab)
+        for i in range(1, block_size):
+            logits[i, ref[n + i - 1] if n + i - 1 < len(ref) else 0] = 10.0
+        proposer.pending = []
+        return logits
+
+    proposer.draft_block = block
+    return proposer
+
+
+def test_eos_and_max_new_tokens_inside_an_accepted_block():
+    target = make_tiny_llama(seed=0, layers=3, peak=4.0)
+    ref = target_greedy(target, PROMPT, 48)
+    eos = ref[9]  # emitted in the second block (blocks of 5 drafts + 1 bonus)
+    proposer = oracle_drafter(target, ref + [0] * 8)
+    proposer.eos_token_ids = {eos}
+    gen = SpeculativeEngine(target, proposer, {eos}, adaptive=False).generate(PROMPT, 40)
+    assert gen.tokens == ref[:ref.index(eos) + 1] and gen.stats.target_forwards <= 3
+    proposer.eos_token_ids = set()
+    for max_new in (3, 8, 10):
+        gen = SpeculativeEngine(target, proposer, adaptive=False).generate(PROMPT, max_new)
+        assert gen.tokens == ref[:max_new]
+
+
+@pytest.mark.parametrize("lookup_first", [0, 1])
+def test_with_prompt_lookup_stays_lossless(lookup_first):
+    """Also when lookup-only steps skip the drafter: it adds the skipped positions' context at its next step."""
+    target = make_tiny_llama(seed=0, layers=3, peak=4.0)
+    ref = target_greedy(target, PROMPT, 40)
+    inner = DFlashProposer(tiny_dflash(target), target.get_input_embeddings(), topk=2)
+    drafted, original = [], inner.propose
+    inner.propose = lambda seq, *a: drafted.append(len(seq)) or original(seq, *a)
+    wrapped = WithPromptLookup(inner, PromptLookupProposer(num_tokens=6), lookup_first=lookup_first)
+    steps, engine_propose = [], wrapped.propose
+    wrapped.propose = lambda seq, *a: steps.append(len(seq)) or engine_propose(seq, *a)
+    assert SpeculativeEngine(target, wrapped, adaptive=False).generate(PROMPT, 40).tokens == ref
+    if lookup_first == 1:
+        assert 0 < len(drafted) < len(steps)  # some steps were the lookup's alone
+
+
+def test_reduced_vocabulary_drafts_only_its_tokens():
+    target = make_tiny_llama(seed=0, layers=3)
+    proposer = DFlashProposer(tiny_dflash(target, vocab=list(range(2, 40))), target.get_input_embeddings(), topk=2)
+    trees = recorded_trees(proposer)
+    assert SpeculativeEngine(target, proposer, adaptive=False).generate(PROMPT, 12).tokens == \
+        target_greedy(target, PROMPT, 12)
+    assert trees and all(2 <= t < 40 for tree in trees for t in tree.tokens[1:])
+
+
+def test_the_training_blocks_are_what_decoding_computes():
+    """DFlashDrafter.blocks at anchor a (training) equals the proposer's block after the first a + 1 tokens,
+    its context fed in two uneven steps as decoding feeds it."""
+    target = make_tiny_llama(seed=0, layers=3)
+    drafter = tiny_dflash(target, block_size=5)
+    ids = [1, 5, 7, 9, 11, 5, 7, 13, 17, 19, 23, 29]
+    embed = target.get_input_embeddings()
+    with torch.no_grad():
+        feats = features_of(target, ids, drafter.target_layers)  # [T, 2D]
+        anchors = torch.tensor([[4, 9, 2]])
+        outputs = drafter.blocks(feats[None], embed(torch.tensor(ids))[anchors], anchors)  # [1, 3, 5, D]
+        for j, a in enumerate(anchors[0].tolist()):
+            proposer = DFlashProposer(drafter, embed)
+            proposer.begin(ids, 64)
+            proposer.observe_prefill(feats[:a // 2])
+            proposer.draft_block(ids[:a // 2 + 1])  # an earlier step, whose block is dropped
+            proposer.observe_prefill(feats[a // 2:a])
+            logits = proposer.draft_block(ids[:a + 1])  # [5, M]
+            torch.testing.assert_close(logits, drafter.logits(outputs[0, j]), atol=1e-5, rtol=1e-4)
+
+
+def sampled_tokens(engine, prompt, n):
+    return [engine.generate(prompt, 3, SamplingConfig(1.0, seed=s)).tokens for s in range(n)]
+
+
+def test_sampling_keeps_the_targets_distribution_and_a_wrong_rule_fails(monkeypatch):
+    """Sampled drafts go in with their q; a drafter confidently wrong (q near one-hot) must not bias the
+    output, and resampling from p instead of the residual after a rejection must show up as bias."""
+    import specdistill.decode.sampling as sampling_mod
+    from tests.decode.test_sampling import chi2_pvalue, exact_marginals
+
+    vocab, prompt, n = 8, [1, 3, 5], 1500
+    target = make_tiny_llama(vocab_size=vocab, seed=0, peak=3.0, layers=3)
+    exp2, exp3 = exact_marginals(target, prompt, SamplingConfig(temperature=1.0), vocab)
+    drafter = tiny_dflash(target, block_size=3, seed=5)
+    with torch.no_grad():
+        drafter.lm_head.weight.mul_(20.0)  # a peaked q, far from the target's p
+    engine = SpeculativeEngine(target, DFlashProposer(drafter, target.get_input_embeddings()))
+    outs = sampled_tokens(engine, prompt, n)
+    assert chi2_pvalue([o[1] for o in outs], exp2) > 1e-3
+    assert chi2_pvalue([o[2] for o in outs], exp3) > 1e-3
+    monkeypatch.setattr(sampling_mod, "residual", lambda p, token, q: p)
+    wrong = sampled_tokens(engine, prompt, n)
+    assert min(chi2_pvalue([o[1] for o in wrong], exp2), chi2_pvalue([o[2] for o in wrong], exp3)) < 1e-6
+
+
+def test_a_depth_past_the_block_is_an_error():
+    target = make_tiny_llama(seed=0, layers=3)
+    with pytest.raises(ValueError, match="dflash.depth"):
+        DFlashProposer(tiny_dflash(target, block_size=4), target.get_input_embeddings(), depth=4)
