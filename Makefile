@@ -91,7 +91,10 @@ LLAMACPP_JOBS ?= 2
 
 llamacpp: $(LLAMACPP_STAMP)
 
-$(LLAMACPP_STAMP):
+# order-only on the venv: the converter's own import (sentencepiece, which convert_hf_to_gguf.py needs for the
+# llamacpp+eagle3 method) goes into it, without rebuilding llama.cpp whenever the venv is rebuilt
+$(LLAMACPP_STAMP): | $(STAMP)
+	$(PY) -m pip install 'sentencepiece==0.2.3'
 	rm -rf $(LLAMACPP_DIR)/bin $(LLAMACPP_DIR)/src $(LLAMACPP_DIR)/.built-* \
 		$(filter-out $(LLAMACPP_DIR)/build-$(LLAMACPP_VERSION),$(wildcard $(LLAMACPP_DIR)/build-*))
 	mkdir -p $(LLAMACPP_DIR)/sdist $(LLAMACPP_DIR)/src

@@ -64,8 +64,9 @@ class EvalConfig:
     fixed_depth: bool = False  # draft the full depth every step instead of the cost-aware adaptive depth
     prompt_vocab: bool | None = None  # reduced draft heads also draft the prompt's tokens; None = the manifest's
     # "hf": also transformers' generate, assisted generation and prompt lookup; "vllm": vLLM's plain decoding and
-    # n-gram speculation (decode.vllm_peer); "llamacpp": llama.cpp's server on the target's GGUF, plain, with n-gram
-    # and with draft-model speculation (decode.llamacpp_peer); several: a tuple, or a comma-separated string
+    # n-gram speculation (decode.vllm_peer); "llamacpp": llama.cpp's server on the target's GGUF, plain, with n-gram,
+    # with draft-model speculation and with each eagle3 drafter converted to GGUF (decode.llamacpp_peer); several: a
+    # tuple, or a comma-separated string
     peers: tuple[str, ...] | str = "none"
     # the llamacpp+draft method's draft model: a GGUF file or a name (models.real_targets); None = no such method
     llamacpp_draft: str | None = None
@@ -232,7 +233,7 @@ def build_methods(target, drafters: Mapping[str, object], config: EvalConfig) ->
         logs = Path(config.out or "runs/evaluate") / "llamacpp_logs"
         llamacpp, llamacpp_skipped = llamacpp_methods(target, config.max_new_tokens, config.sampling.greedy,
                                                       torch.get_num_threads(), config.gamma, config.llamacpp_draft,
-                                                      logs)
+                                                      logs, drafters)
         methods += llamacpp
         skipped.update(llamacpp_skipped)
     return methods, skipped
@@ -375,8 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peers", choices=PEERS, action="append", default=None,
                    help="hf: also run transformers' generate, assisted generation and prompt lookup; vllm: vLLM's "
                         "plain decoding and n-gram speculation (`make vllm` first); llamacpp: llama.cpp's server on "
-                        "the target's GGUF, plain, n-gram and draft-model speculation (`make llamacpp` first); "
-                        "repeat for several")
+                        "the target's GGUF, plain, n-gram and draft-model speculation, and each EAGLE-3 --drafter "
+                        "converted by llama.cpp's own converter (llamacpp+eagle3, a chain of --gamma tokens) "
+                        "(`make llamacpp` first); repeat for several")
     p.add_argument("--llamacpp-draft", default=None, metavar="PATH_OR_NAME",
                    help="with --peers llamacpp: the draft model of the llamacpp+draft method, a .gguf file or a "
                         "named GGUF model such as qwen2.5-coder-0.5b (default: none, that method skipped)")

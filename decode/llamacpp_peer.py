@@ -1,7 +1,13 @@
 """llama.cpp as a peer in the evaluation (`--peers llamacpp`): llama.cpp's own server decoding the very GGUF file our
-target was converted from, plainly (`llamacpp`), with its n-gram speculation (`llamacpp+ngram`) and with a draft model
-given by `--llamacpp-draft` (`llamacpp+draft`), on the same prompt token ids as our methods, interleaved question by
-question like every method.
+target was converted from, plainly (`llamacpp`), with its n-gram speculation (`llamacpp+ngram`), with a draft model
+given by `--llamacpp-draft` (`llamacpp+draft`) and with each EAGLE-3 drafter given by `--drafter` (`llamacpp+eagle3`),
+on the same prompt token ids as our methods, interleaved question by question like every method.
+
+llamacpp+eagle3 is our drafter as a llama.cpp user would run it: exported to the speculators format
+(models.export, which writes the target's config and tokenizer beside it), converted by llama.cpp's own
+`convert_hf_to_gguf.py` from the same tree as the binaries, and served with `--spec-type draft-eagle3`, a chain of
+--gamma tokens per step. The GGUF is cached under the cache root's llamacpp/ folder, named by a digest of the
+drafter's files, the converter's sources and the output type: each drafter converts once.
 
 llama.cpp is built by `make llamacpp` (.llamacpp/bin, from the llama.cpp tree that the pinned llama-cpp-python sdist
 vendors). Each method is one `llama-server` process (one slot, this process's torch thread count, on localhost at a
@@ -20,6 +26,8 @@ position where such a peer's answer first leaves the baseline's (decode.peers.fi
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -46,7 +54,12 @@ log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN_ENV = "SPECDISTILL_LLAMACPP_BIN"  # a folder holding llama-server (default: .llamacpp/bin, built by make llamacpp)
-PLAIN, NGRAM, DRAFT = "llamacpp", "llamacpp+ngram", "llamacpp+draft"
+# llama.cpp's converter (default: the tree make llamacpp unpacked, whose binaries we run: its GGUF is theirs)
+CONVERTER_ENV = "SPECDISTILL_LLAMACPP_CONVERTER"
+PLAIN, NGRAM, DRAFT, EAGLE3 = "llamacpp", "llamacpp+ngram", "llamacpp+draft", "llamacpp+eagle3"
+# the converted drafter's weights: f32, so that llama.cpp drafts with the weights we trained and the peer measures its
+# runtime, not a rounding (SmolLM2's features reach 2.5e4, which an f16 copy of the activations keeps to 3 digits)
+EAGLE3_OUTTYPE = "f32"
 # llama.cpp's n-gram speculation closest to our prompt_lookup drafter: its `ngram-simple` finds the latest earlier
 # occurrence of the last NGRAM_SIZE tokens and drafts up to NGRAM_DRAFT_TOKENS of what followed (ours: the longest of
 # 3..1 tokens, 10 drafts; llama.cpp's defaults, 12 and 48, are for long agentic contexts and never match in a chat)
@@ -57,6 +70,8 @@ STARTUP_TIMEOUT_S = 180.0  # loading a GGUF of 1.5B parameters and the warm-up r
 REQUEST_TIMEOUT_S = 900.0
 # llama-server's log lines: "0.01.135.337 E spec common_specu: the target and draft vocabs are not compatible"
 SPECULATION_ERROR = re.compile(r"^\S+ E (.*(?:\bspec\b|specul).*)$", re.IGNORECASE)
+# what a server that died says last: ".../llama-graph.cpp:1384: GGML_ASSERT(t_layer_inp[il] != nullptr ...) failed"
+FATAL_LINE = re.compile(r"GGML_ASSERT|GGML_ABORT|terminate called|^\S+ E ")
 
 
 class LlamacppNotBuiltError(FileNotFoundError):
@@ -154,6 +169,80 @@ def target_gguf(target) -> tuple[Path | None, str | None]:
         return None, f"target {target.name!r} is not from a GGUF file llama.cpp could load ({err})"
 
 
+# ---- our EAGLE-3 drafter as llama.cpp's GGUF --------------------------------------------------------------------
+
+def converter_script() -> Path:
+    """llama.cpp's convert_hf_to_gguf.py, or LlamacppNotBuiltError saying where it is expected."""
+    script = Path(os.environ.get(CONVERTER_ENV) or ROOT / ".llamacpp" / "src" / "convert_hf_to_gguf.py")
+    if not script.is_file():
+        raise LlamacppNotBuiltError(f"llama.cpp's converter {script} does not exist: run `make llamacpp`, or set "
+                                    f"${CONVERTER_ENV} to a convert_hf_to_gguf.py")
+    return script
+
+
+def files_digest(paths: Iterable[Path], root: Path) -> str:
+    """sha256 over each file's path relative to `root` and its bytes, in sorted order."""
+    digest = hashlib.sha256()
+    for path in sorted(paths):
+        digest.update(str(path.relative_to(root)).encode() + b"\0")
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def eagle3_cache_key(drafter_dir: Path, script: Path, outtype: str = EAGLE3_OUTTYPE) -> str:
+    """What the converted GGUF depends on: the drafter's files (manifest and weights), the converter's sources (the
+    script and its conversion/ package) and the output type."""
+    drafter_dir, tree = Path(drafter_dir), script.parent
+    drafter = files_digest([p for p in drafter_dir.rglob("*") if p.is_file()], drafter_dir)
+    converter = files_digest([script, *(tree / "conversion").glob("*.py")], tree)
+    return hashlib.sha256(f"{drafter} {converter} {outtype}".encode()).hexdigest()[:24]
+
+
+def convert_command(script: Path, export: Path, out: Path, outtype: str = EAGLE3_OUTTYPE) -> list[str]:
+    """llama.cpp's converter on a speculators export, the target's config and tokenizer from the export's own
+    target/ folder (models.export writes it: the converter refuses an EAGLE-3 drafter without them)."""
+    from specdistill.models.export import TARGET_DIR
+
+    return [sys.executable, str(script), str(export), "--target-model-dir", str(export / TARGET_DIR),
+            "--outfile", str(out), "--outtype", outtype]
+
+
+def check_converter_modules() -> None:
+    """The converter imports sentencepiece before it looks for a tokenizer.model, so without the module it fails
+    even on a BPE tokenizer (its requirements list it; ours do not need it otherwise)."""
+    if importlib.util.find_spec("sentencepiece") is None:
+        raise RuntimeError("llama.cpp's convert_hf_to_gguf.py needs the sentencepiece module (its requirements list "
+                           f"it): `{sys.executable} -m pip install 'sentencepiece>=0.1.98,<0.3'`")
+
+
+def eagle3_gguf(drafter_dir: str | Path, target) -> Path:
+    """The eagle3 drafter at `drafter_dir` (aligned to `target`) as a GGUF llama-server loads with --spec-type
+    draft-eagle3: exported, converted by llama.cpp's converter and cached under its content's key, so it converts
+    once. A RuntimeError says why the converter failed (its last lines); LlamacppNotBuiltError without it."""
+    from specdistill.models.cache import cache_root
+    from specdistill.models.export import export_speculators
+
+    script, drafter_dir = converter_script(), Path(drafter_dir)
+    final = cache_root() / "llamacpp" / f"eagle3-{eagle3_cache_key(drafter_dir, script)}.gguf"
+    if final.is_file():
+        return final
+    check_converter_modules()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".eagle3-", dir=final.parent) as work:
+        export = export_speculators(drafter_dir, Path(work) / "export", target)
+        out, command = Path(work) / final.name, convert_command(script, export, Path(work) / final.name)
+        log.info("converting %s with llama.cpp's converter: %s", drafter_dir, " ".join(command))
+        done = subprocess.run(command, cwd=work, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+        if done.returncode != 0 or not out.is_file():
+            tail = " | ".join((done.stdout + done.stderr).strip().splitlines()[-6:])
+            raise RuntimeError(f"llama.cpp's converter failed on the export of {drafter_dir} (status "
+                               f"{done.returncode}; {' '.join(command)}): {tail}")
+        os.replace(out, final)
+    return final
+
+
 # ---- the server's command line, request and reply ---------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -183,6 +272,26 @@ def draft_args(draft: Path, gamma: int) -> tuple[str, ...]:
     (llama.cpp's draft-simple has no adaptive depth like our engine's)."""
     return ("--spec-type", "draft-simple", "--spec-draft-model", str(draft), "--spec-draft-n-max", str(gamma),
             "--spec-draft-n-min", "0", "--spec-draft-p-min", "0")
+
+
+def eagle3_args(draft: Path, gamma: int) -> tuple[str, ...]:
+    """An EAGLE-3 GGUF drafting a chain of gamma tokens at every step, with no probability cut-off (llama.cpp drafts
+    EAGLE-3 as a chain: no tree, no adaptive depth)."""
+    return ("--spec-type", "draft-eagle3", "--spec-draft-model", str(draft), "--spec-draft-n-max", str(gamma),
+            "--spec-draft-n-min", "0", "--spec-draft-p-min", "0")
+
+
+def eagle3_drafters(drafters) -> dict[str, str]:
+    """{method name: drafter directory} for the eagle3 drafters among {spec: Drafter}: one method per directory
+    (DIR and DIR+prompt_lookup are one drafter to llama.cpp), named llamacpp+eagle3, or llamacpp+eagle3[spec] when
+    there are several."""
+    first_spec: dict[str, str] = {}  # drafter directory -> the first spec that named it
+    for spec, drafter in (drafters or {}).items():
+        if drafter.kind == "eagle3" and drafter.path:
+            first_spec.setdefault(drafter.path, spec)
+    if len(first_spec) == 1:
+        return {EAGLE3: next(iter(first_spec))}
+    return {f"{EAGLE3}[{spec}]": path for path, spec in first_spec.items()}
 
 
 def server_configs(model: Path, threads: int, gamma: int, draft: Path | None) -> tuple[list[ServerConfig], dict]:
@@ -223,6 +332,11 @@ def stats_from(timings: dict, new_tokens: int, wall_s: float) -> RequestStats:
 def speculation_errors(log_text: str) -> list[str]:
     """llama-server's error lines (level E after the timestamp) about speculative decoding, without the timestamp."""
     return [m.group(1).strip() for line in log_text.splitlines() if (m := SPECULATION_ERROR.match(line))]
+
+
+def fatal_lines(log_text: str) -> list[str]:
+    """llama-server's assertion failures and error lines: why a server that stopped answering died."""
+    return [line.strip() for line in log_text.splitlines() if FATAL_LINE.search(line)]
 
 
 def free_port() -> int:
@@ -309,14 +423,23 @@ class LlamaServer:
         except urllib.error.HTTPError as err:
             raise RuntimeError(f"{self.config.name}: llama-server answered {err.code}: {err.read()[:600]!r}") from err
         except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
-            raise RuntimeError(f"{self.config.name}: no answer from llama-server ({err}): {self.log_tail()}") from err
+            raise RuntimeError(f"{self.config.name}: no answer from llama-server ({err}): "
+                               f"{self.fatal_lines() or self.log_tail()}") from err
         return json.loads(body), time.perf_counter() - start
 
-    def log_tail(self, lines: int = 15) -> str:
+    def log_text(self) -> str:
         try:
-            return " | ".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            return self.log_path.read_text(errors="replace")
         except OSError:
             return "(no log)"
+
+    def log_tail(self, lines: int = 15) -> str:
+        return " | ".join(self.log_text().splitlines()[-lines:])
+
+    def fatal_lines(self) -> str:
+        """What a server that died said about why (its assertion or error lines), rather than its backtrace."""
+        time.sleep(0.5)  # a crashing server writes its assertion, then gdb's backtrace, before it exits
+        return " | ".join(fatal_lines(self.log_text()))
 
     def close(self) -> None:
         self._finalizer()
@@ -334,19 +457,37 @@ def server_method(server: LlamaServer, max_new_tokens: int, eos_token_ids) -> Me
     return Method(server.config.name, run, lossless=False, close=server.close, fallible=True)
 
 
+def eagle3_configs(model: Path, threads: int, gamma: int, eagle3: dict[str, str], target
+                   ) -> tuple[list[ServerConfig], dict[str, str]]:
+    """One llama-server per {method: eagle3 drafter directory}, the drafter converted now (or taken from the cache);
+    a drafter that does not convert is a reason in the returned {method: reason}."""
+    configs, skipped = [], {}
+    for name, drafter_dir in eagle3.items():
+        try:
+            configs.append(ServerConfig(name, model, threads, eagle3_args(eagle3_gguf(drafter_dir, target), gamma)))
+        except (RuntimeError, ValueError, OSError) as err:
+            skipped[name] = str(err)
+    return configs, skipped
+
+
 def llamacpp_methods(target, max_new_tokens: int, greedy: bool, threads: int, gamma: int = 5,
-                     draft: str | None = None, log_dir: Path | None = None) -> tuple[list[Method], dict[str, str]]:
-    """llamacpp, llamacpp+ngram and (with a draft GGUF, a name or path) llamacpp+draft, each a server started now
-    (Method.close stops it). LlamacppNotBuiltError without `make llamacpp`; a method that cannot run (the target not
-    from a GGUF, sampling, a server that fails to start) is a reason in the returned {method: reason}."""
+                     draft: str | None = None, log_dir: Path | None = None,
+                     drafters=None) -> tuple[list[Method], dict[str, str]]:
+    """llamacpp, llamacpp+ngram, (with a draft GGUF, a name or path) llamacpp+draft and, for the eagle3 drafters among
+    {spec: Drafter}, llamacpp+eagle3: each a server started now (Method.close stops it). LlamacppNotBuiltError
+    without `make llamacpp`; a method that cannot run (the target not from a GGUF, sampling, a drafter the converter
+    refuses, a server that fails to start) is a reason in the returned {method: reason}."""
     binary = server_binary()
-    names = [PLAIN, NGRAM, DRAFT]
+    eagle3 = eagle3_drafters(drafters)
+    names = [PLAIN, NGRAM, DRAFT, *eagle3]
     model, reason = target_gguf(target)
     reason = reason or (None if greedy else "the llama.cpp peers run greedy decoding only")
     if reason:
         log.warning("skipping the llama.cpp peers: %s", reason)
         return [], dict.fromkeys(names, reason)
     configs, skipped = server_configs(model, threads, gamma, None if draft is None else resolve_gguf(draft))
+    more, unconverted = eagle3_configs(model, threads, gamma, eagle3, target)
+    configs, skipped = [*configs, *more], {**skipped, **unconverted}
     for name, why in skipped.items():
         log.info("skipping %s: %s", name, why)
     logs = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="llamacpp-logs-"))

@@ -7,6 +7,18 @@ verifier from the config and serves it with DIR as its drafter). The export dire
 
     config.json         speculators' Eagle3SpeculatorConfig (below), plus a `specdistill` provenance key
     model.safetensors   the drafter's weights under speculators' names (below)
+    target/             the target's config.json and tokenizer files, for llama.cpp's converter (below)
+
+llama.cpp converts the export with its own `convert_hf_to_gguf.py EXPORT --target-model-dir EXPORT/target` (read in
+the tree llama-cpp-python 0.3.36 vendors, `conversion/llama.py`): it refuses an EAGLE-3 drafter without
+--target-model-dir, reads the target's `vocab_size` and `num_hidden_layers` from that directory's config.json (the
+aux layer ids and target_hidden_size it takes from ours), and writes that directory's tokenizer into the draft GGUF,
+whose vocabulary llama-server requires to be the target's. So the export carries them (`target/`); vLLM ignores the
+folder. The converter needs the `sentencepiece` module even for a BPE tokenizer (it tries that loader first and only
+a missing tokenizer.model, not a missing module, makes it fall back). It maps our names as we write them: fc -> fc,
+layers.0.{input_layernorm, hidden_norm, q/k/v/o_proj, post_attention_layernorm, mlp} -> blk.0.{attn_norm,
+attn_norm_2, attn_q/k/v/output, ffn_norm, ffn_gate/up/down} (q and k permuted for its interleaved RoPE), norm ->
+output_norm, lm_head -> output, d2t -> absolute target ids (d2t + arange), t2d dropped.
 
 What was read to choose the names (public sources, read in 2026-08):
   * vLLM `vllm/model_executor/models/llama_eagle3.py` (commit 00bd1493):
@@ -90,6 +102,7 @@ WEIGHTS_FILE = "model.safetensors"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LAYER_PREFIX = "layers.0."  # speculators' name of the one decoder layer (our `midlayer.`)
+TARGET_DIR = "target"  # the target's config.json and tokenizer, for llama.cpp's converter (--target-model-dir)
 
 
 # ---- export ----------------------------------------------------------------------------------------
@@ -115,6 +128,7 @@ def export_speculators(drafter_path: str | Path, out: str | Path, target, *, num
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        write_target_files(target, tmp / TARGET_DIR)
         publish_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -122,6 +136,19 @@ def export_speculators(drafter_path: str | Path, out: str | Path, target, *, num
     log.info("exported eagle3 drafter %s to %s (speculators format, aux layers %s)", drafter_path, out,
              config["eagle_aux_hidden_state_layer_ids"])
     return out
+
+
+def write_target_files(target, directory: Path) -> None:
+    """The target's HF config.json and tokenizer files in `directory`: what llama.cpp's converter reads through
+    --target-model-dir (module docstring), so that an export converts with no file copied in by hand."""
+    directory.mkdir(parents=True)
+    text = target.model.config.get_text_config()
+    text.save_pretrained(directory)  # config.json: vocab_size, num_hidden_layers, hidden_size, architectures
+    target.tokenizer.save_pretrained(directory)  # tokenizer.json, tokenizer_config.json, its chat template
+    written = json.loads((directory / CONFIG_FILE).read_text())
+    if written.get("vocab_size") != target.vocab_size:
+        raise ValueError(f"the target's config says vocab_size {written.get('vocab_size')!r} but its embedding "
+                         f"has {target.vocab_size} rows; llama.cpp's converter would write the wrong vocabulary")
 
 
 def check_out_dir(out: str | Path, drafter_path: Path | None) -> Path:

@@ -13,16 +13,28 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from specdistill.decode import llamacpp_peer
 from specdistill.decode.evaluate import EvalConfig, build_methods, conversation_for_turn, evaluate_methods, main
 from specdistill.decode.llamacpp_peer import (
     BIN_ENV,
+    CONVERTER_ENV,
     DRAFT,
+    EAGLE3,
+    EAGLE3_OUTTYPE,
     NGRAM,
     NGRAM_DRAFT_TOKENS,
     NGRAM_SIZE,
     PLAIN,
     LlamacppNotBuiltError,
+    ServerConfig,
+    check_converter_modules,
     completion_payload,
+    convert_command,
+    eagle3_args,
+    eagle3_cache_key,
+    eagle3_drafters,
+    eagle3_gguf,
+    fatal_lines,
     llamacpp_methods,
     resolve_gguf,
     server_binary,
@@ -34,6 +46,10 @@ from specdistill.decode.llamacpp_peer import (
 from specdistill.decode.peers import divergences, first_divergence, format_divergences
 from specdistill.decode.questions import load_questions
 from specdistill.decode.report import BASELINE, TurnResult
+from specdistill.models.cache import CACHE_ENV
+from specdistill.models.drafters import load_drafter, save_drafter
+from specdistill.models.eagle3 import Eagle3Drafter
+from specdistill.models.export import TARGET_DIR
 from specdistill.models.target import target_from_model
 from tests.conftest import make_tiny_llama
 from tests.decode.test_evaluate import MT_BENCH_LINES, make_chat_tokenizer, write_lines
@@ -78,6 +94,40 @@ def test_each_method_is_one_server_with_its_threads_and_speculative_options(tmp_
     with_draft = commands[DRAFT]
     assert option(with_draft, "--spec-type") == "draft-simple"
     assert option(with_draft, "--spec-draft-model") == str(draft) and option(with_draft, "--spec-draft-n-max") == "4"
+
+
+def test_the_eagle3_method_serves_the_converted_drafter_as_a_chain_of_gamma_tokens(tmp_path):
+    model, draft = tmp_path / "target.gguf", tmp_path / "eagle3-abc.gguf"
+    command = server_command(Path("llama-server"), ServerConfig(EAGLE3, model, 2, eagle3_args(draft, 6)), 8123)
+    assert option(command, "--model") == str(model)  # the target's own GGUF verifies
+    assert option(command, "--spec-type") == "draft-eagle3" and option(command, "--spec-draft-model") == str(draft)
+    assert option(command, "--spec-draft-n-max") == "6"  # our --gamma
+    assert option(command, "--spec-draft-n-min") == "0" and option(command, "--spec-draft-p-min") == "0"
+    assert option(command, "--threads") == "2" and option(command, "--parallel") == "1"
+
+
+def test_the_converter_reads_the_target_from_the_exports_own_folder(tmp_path):
+    script, export, out = tmp_path / "convert_hf_to_gguf.py", tmp_path / "export", tmp_path / "d.gguf"
+    command = convert_command(script, export, out)
+    assert command[:3] == [sys.executable, str(script), str(export)]
+    assert option(command, "--target-model-dir") == str(export / TARGET_DIR)  # models.export writes it
+    assert option(command, "--outfile") == str(out) and option(command, "--outtype") == EAGLE3_OUTTYPE
+
+
+def test_one_eagle3_method_per_drafter_directory():
+    eagle = SimpleNamespace(kind="eagle3", path="/runs/a")
+    other = SimpleNamespace(kind="eagle3", path="/runs/b")
+    assert eagle3_drafters(None) == {}
+    assert eagle3_drafters({"prompt_lookup": SimpleNamespace(kind="prompt_lookup", path=None)}) == {}
+    assert eagle3_drafters({"/runs/a": eagle, "/runs/a+prompt_lookup": eagle}) == {EAGLE3: "/runs/a"}
+    assert eagle3_drafters({"/runs/a+prompt_lookup": eagle, "/runs/b": other, "/runs/a": eagle}) == {
+        f"{EAGLE3}[/runs/a+prompt_lookup]": "/runs/a", f"{EAGLE3}[/runs/b]": "/runs/b"}
+
+
+def test_a_dead_servers_reason_is_its_assertion_not_its_backtrace():
+    assertion = 'llama-graph.cpp:1384: GGML_ASSERT(t_layer_inp[il] != nullptr && "layer input tensor is null") failed'
+    log = f"0.06.093.048 I srv  load_model: loaded\n{assertion}\n#1  0x000055686cf900ab in ggml_print_backtrace ()\n"
+    assert fatal_lines(log) == [assertion]
 
 
 def test_without_a_draft_model_the_draft_method_is_a_reason(tmp_path):
@@ -305,6 +355,127 @@ def test_speculation_errors_are_the_error_lines_about_speculation():
     assert speculation_errors(log) == ["spec common_specu: the target and draft vocabs are not compatible"]
 
 
+# ---- our EAGLE-3 drafter converted by (a stand-in for) llama.cpp's converter ---------------------------------------
+
+FAKE_CONVERTER = '''#!{python}
+"""Stands in for convert_hf_to_gguf.py: records its command line and the export it was given, writes --outfile; with
+$FAIL_CONVERSION set, fails as the real one does on a drafter it refuses."""
+import json, os, sys
+from pathlib import Path
+
+args = sys.argv[1:]
+export = Path(args[0])
+with open({record!r}, "a") as f:
+    f.write(json.dumps({{"converter": args, "files": sorted(p.name for p in export.rglob("*"))}}) + "\\n")
+if os.environ.get("FAIL_CONVERSION"):
+    print("ValueError: EAGLE-3 d2t contains duplicate target ids", file=sys.stderr)
+    sys.exit(1)
+Path(args[args.index("--outfile") + 1]).write_bytes(b"GGUF")
+'''
+
+
+def fake_converter(tmp_path: Path) -> Path:
+    script = tmp_path / "llama.cpp" / "convert_hf_to_gguf.py"
+    script.parent.mkdir(exist_ok=True)
+    script.write_text(FAKE_CONVERTER.format(python=sys.executable, record=str(tmp_path / "record.jsonl")))
+    return script
+
+
+@pytest.fixture
+def eagle3_setup(monkeypatch, tmp_path):
+    """A stand-in converter and llama-server, a cache of our own, and an eagle3 drafter for a tiny 3-layer target
+    named by a .gguf file."""
+    gguf = tmp_path / "tiny3.gguf"
+    gguf.write_bytes(b"GGUF")
+    target = target_from_model(make_tiny_llama(vocab_size=64, layers=3, seed=0), make_chat_tokenizer(), str(gguf))
+    monkeypatch.setenv(CONVERTER_ENV, str(fake_converter(tmp_path)))
+    monkeypatch.setenv(BIN_ENV, str(fake_server(tmp_path).parent))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(llamacpp_peer, "check_converter_modules", lambda: None)  # the stand-in needs none
+    drafter = Eagle3Drafter.for_target(target.model, None, [0, 2, 1], seed=1)
+    save_drafter(tmp_path / "eagle", drafter, target, "eagle3", config={**drafter.config})
+    return target, tmp_path / "eagle"
+
+
+def conversions(tmp_path: Path) -> list[dict]:
+    return [r for r in records(tmp_path) if isinstance(r, dict) and "converter" in r]
+
+
+def test_a_drafter_converts_once_from_an_export_that_carries_the_target(eagle3_setup, tmp_path):
+    target, drafter_dir = eagle3_setup
+    gguf = eagle3_gguf(drafter_dir, target)
+    assert gguf.is_file() and gguf.parent == tmp_path / "cache" / "llamacpp" and gguf.suffix == ".gguf"
+    (done,) = conversions(tmp_path)
+    assert {"config.json", "model.safetensors", TARGET_DIR, "tokenizer.json"} <= set(done["files"])
+    assert option(done["converter"], "--target-model-dir").endswith(f"export/{TARGET_DIR}")
+    assert eagle3_gguf(drafter_dir, target) == gguf and len(conversions(tmp_path)) == 1  # cached: not converted again
+    assert not [p for p in gguf.parent.iterdir() if p.name.startswith(".")]  # no work folder left behind
+
+
+def test_the_cache_key_follows_the_drafters_content_and_the_converter(eagle3_setup, tmp_path):
+    _, drafter_dir = eagle3_setup
+    script = fake_converter(tmp_path)
+    key = eagle3_cache_key(drafter_dir, script)
+    assert eagle3_cache_key(drafter_dir, script) == key
+    assert eagle3_cache_key(drafter_dir, script, "f16") != key
+    (script.parent / "conversion").mkdir()
+    (script.parent / "conversion" / "llama.py").write_text("# a newer converter\n")
+    assert eagle3_cache_key(drafter_dir, script) != key
+    key = eagle3_cache_key(drafter_dir, script)
+    weights = next((drafter_dir / "model").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-1] + bytes([weights.read_bytes()[-1] ^ 1]))  # one bit of one weight
+    assert eagle3_cache_key(drafter_dir, script) != key
+
+
+def test_a_conversion_that_fails_names_the_drafter_and_says_why(eagle3_setup, monkeypatch, tmp_path):
+    target, drafter_dir = eagle3_setup
+    monkeypatch.setenv("FAIL_CONVERSION", "1")
+    with pytest.raises(RuntimeError, match="duplicate target ids") as info:
+        eagle3_gguf(drafter_dir, target)
+    assert str(drafter_dir) in str(info.value) and "status 1" in str(info.value)
+    assert not list((tmp_path / "cache" / "llamacpp").iterdir())  # nothing half-written in the cache
+
+
+def test_without_the_converter_or_sentencepiece_the_error_says_what_to_do(monkeypatch, tmp_path):
+    monkeypatch.setenv(CONVERTER_ENV, str(tmp_path / "nowhere.py"))
+    with pytest.raises(LlamacppNotBuiltError, match="make llamacpp"):
+        eagle3_gguf(tmp_path, None)
+    monkeypatch.setattr(llamacpp_peer.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RuntimeError, match="sentencepiece"):
+        check_converter_modules()
+
+
+def test_the_evaluation_runs_each_eagle3_drafter_on_its_own_server(eagle3_setup, tmp_path):
+    target, drafter_dir = eagle3_setup
+    drafter = load_drafter(str(drafter_dir), target)
+    methods, skipped = llamacpp_methods(target, 4, True, 2, gamma=3, log_dir=tmp_path / "logs",
+                                        drafters={str(drafter_dir): drafter})
+    try:
+        assert [m.name for m in methods] == [PLAIN, NGRAM, EAGLE3] and set(skipped) == {DRAFT}
+        (command,) = [r for r in records(tmp_path) if isinstance(r, list) and "draft-eagle3" in r]
+        assert option(command, "--spec-draft-model") == str(eagle3_gguf(drafter_dir, target))
+        assert option(command, "--spec-draft-n-max") == "3"
+        out = methods[2].run([5, 6, 7])
+        assert out.stats.drafted == 4 and out.stats.accepted == 1  # its draft counters, as the other methods'
+    finally:
+        for method in methods:
+            method.close()
+
+
+def test_a_drafter_the_converter_refuses_is_a_reason_beside_the_other_methods(eagle3_setup, monkeypatch, tmp_path):
+    target, drafter_dir = eagle3_setup
+    monkeypatch.setenv("FAIL_CONVERSION", "1")
+    drafter = load_drafter(str(drafter_dir), target)
+    methods, skipped = llamacpp_methods(target, 4, True, 2, log_dir=tmp_path / "logs",
+                                        drafters={str(drafter_dir): drafter})
+    try:
+        assert [m.name for m in methods] == [PLAIN, NGRAM]
+        assert "llama.cpp's converter failed" in skipped[EAGLE3] and "duplicate target ids" in skipped[EAGLE3]
+    finally:
+        for method in methods:
+            method.close()
+
+
 # ---- llama.cpp itself ------------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
@@ -327,3 +498,81 @@ def test_llama_server_decodes_the_embedded_targets_gguf(tmp_path):
     finally:
         for method in methods:
             method.close()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def interleaved_rope(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """ggml's LLAMA_ROPE_TYPE_NORM (EAGLE3's) on [T, H, hd] at positions 0..T-1: pairs (2i, 2i + 1) rotate."""
+    hd = x.shape[-1]
+    angles = torch.arange(x.shape[0], dtype=torch.float64)[:, None] * theta ** (-torch.arange(0, hd, 2) / hd)
+    cos, sin = angles.cos().float()[:, None], angles.sin().float()[:, None]  # [T, 1, hd / 2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x[..., 0::2] * cos - x[..., 1::2] * sin
+    out[..., 1::2] = x[..., 0::2] * sin + x[..., 1::2] * cos
+    return out
+
+
+def llamacpp_eagle3_logits(gguf: Path, embeds: torch.Tensor, hidden: list[torch.Tensor]) -> torch.Tensor:
+    """What llama.cpp's EAGLE3 graphs (src/models/eagle3.cpp of the pinned tree) compute from a converted GGUF, at
+    every position of one sequence (step 0): g = fc(the inputs of its target_layers, concatenated in that order); the
+    decoder layer on [attn_norm(embedding); attn_norm_2(g)], RoPE NORM, residual g, ffn_norm, SiLU MLP; output_norm,
+    output; draft logits scattered to the target ids d2t holds, -inf elsewhere. embeds [T, D]: row t the embedding of
+    token t + 1; hidden[i] [T, D_target]: the input of target layer i."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf)
+    w = {t.name: torch.from_numpy(t.data.copy()).reshape([int(n) for n in reversed(t.shape)]) for t in reader.tensors}
+    meta = {k.removeprefix("eagle3."): v.contents() for k, v in reader.fields.items() if k.startswith("eagle3.")}
+    eps, heads, kv_heads = (meta["attention.layer_norm_rms_epsilon"], meta["attention.head_count"],
+                            meta["attention.head_count_kv"])
+    t = embeds.shape[0]
+    g = torch.cat([hidden[i] for i in meta["target_layers"]], dim=-1) @ w["fc.weight"].T  # the encoder
+    x = torch.cat([rms_norm(embeds, w["blk.0.attn_norm.weight"], eps), rms_norm(g, w["blk.0.attn_norm_2.weight"], eps)],
+                  dim=-1)
+    q, k, v = ((x @ w[f"blk.0.attn_{n}.weight"].T).view(t, h, -1) for n, h in (("q", heads), ("k", kv_heads),
+                                                                               ("v", kv_heads)))
+    q, k = interleaved_rope(q, meta["rope.freq_base"]), interleaved_rope(k, meta["rope.freq_base"])
+    k, v = (m.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1) for m in (k, v))
+    attended = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True)
+    h = g + attended.transpose(0, 1).reshape(t, -1) @ w["blk.0.attn_output.weight"].T
+    m = rms_norm(h, w["blk.0.ffn_norm.weight"], eps)
+    h = h + (torch.nn.functional.silu(m @ w["blk.0.ffn_gate.weight"].T) * (m @ w["blk.0.ffn_up.weight"].T)) \
+        @ w["blk.0.ffn_down.weight"].T
+    draft = rms_norm(h, w["output_norm.weight"], eps) @ w["output.weight"].T  # [T, M]
+    logits = torch.full((t, meta["vocab_size"]), float("-inf"))
+    logits[:, w["d2t"].long()] = draft
+    return logits
+
+
+@pytest.mark.slow
+def test_llamacpps_converter_turns_our_export_into_the_same_drafter(monkeypatch, tmp_path):
+    """Our export through llama.cpp's own converter, read back and computed as llama.cpp's EAGLE3 graph computes it,
+    gives our drafter's logits on the embedded default target's own features."""
+    try:
+        llamacpp_peer.converter_script()
+        check_converter_modules()
+    except (LlamacppNotBuiltError, RuntimeError) as err:
+        pytest.skip(str(err))
+    from specdistill.models.target import load_target
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    target = load_target()
+    vocab_map = torch.arange(0, target.vocab_size, 7)[:4096]  # a reduced head: d2t offsets that are not zero
+    drafter = Eagle3Drafter.for_target(target.model, vocab_map, [15, 2, 27], seed=5)  # fused out of layer order
+    save_drafter(tmp_path / "eagle", drafter, target, "eagle3", config={**drafter.config})
+    gguf = eagle3_gguf(tmp_path / "eagle", target)
+    ids = torch.tensor([target.encode_chat([{"role": "user", "content": "Name three colours of the sea."}])])
+    with torch.no_grad():
+        hidden = target.model(input_ids=ids, output_hidden_states=True).hidden_states  # [i]: the input of layer i
+        embeds = target.model.get_input_embeddings()(ids[:, 1:])  # row t: the token t + 1
+        ours_features = torch.cat([hidden[i] for i in drafter.target_layers], dim=-1)[:, :-1]
+        ours = torch.full((embeds.shape[1], target.vocab_size), float("-inf"))
+        ours[:, drafter.vocab_map] = drafter.logits(drafter.unroll([embeds], ours_features)[0])[0]
+        theirs = llamacpp_eagle3_logits(gguf, embeds[0], [h[0, :-1] for h in hidden])
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    torch.testing.assert_close(theirs[:, vocab_map], ours[:, vocab_map], rtol=1e-4, atol=1e-3)
+    assert torch.isinf(theirs).sum() == theirs.shape[0] * (target.vocab_size - vocab_map.numel())
+

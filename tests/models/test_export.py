@@ -7,12 +7,13 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import AutoTokenizer, LlamaConfig
 
 from specdistill.models.drafters import save_drafter
 from specdistill.models.eagle3 import Eagle3Drafter
 from specdistill.models.export import (
     CONFIG_FILE,
+    TARGET_DIR,
     WEIGHTS_FILE,
     draft_logits_from_export,
     export_speculators,
@@ -162,6 +163,32 @@ def test_config_is_what_vllm_and_speculators_read(target, tmp_path):
 
     layer = LlamaConfig(**config["transformer_layer_config"])  # a valid LlamaConfig, as speculators builds it
     assert (layer.hidden_size, layer.num_hidden_layers, layer.vocab_size, layer.head_dim) == (32, 1, 64, 8)
+
+
+# What llama.cpp's convert_hf_to_gguf.py reads from an EAGLE-3 checkpoint (conversion/llama.py of the tree that
+# llama-cpp-python 0.3.36 vendors): the architecture names it registers for the Llama converter, the hparams it
+# detects EAGLE-3 by (draft_vocab_size, and num_hidden_layers 1 once transformer_layer_config is merged in), the keys
+# it copies into the GGUF, and from --target-model-dir the target's config.json and tokenizer.
+LLAMACPP_EAGLE3_ARCHITECTURES = {"LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator",
+                                 "Eagle3DraftModel"}
+
+
+def test_the_export_carries_what_llamacpps_converter_reads(target, tmp_path):
+    save_eagle(tmp_path / "d", target, layers=[2, 0, 1])
+    out = export_speculators(tmp_path / "d", tmp_path / "out", target)
+    config, _ = load_speculators_export(out)
+    assert config["architectures"][0] in LLAMACPP_EAGLE3_ARCHITECTURES
+    merged = {**config, **config["transformer_layer_config"]}  # what its index_tensors does
+    assert "draft_vocab_size" in merged and merged["num_hidden_layers"] == 1
+    assert config["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2] and config["norm_before_residual"] is False
+    assert config["target_hidden_size"] == target.model.config.hidden_size
+    target_config = json.loads((out / TARGET_DIR / CONFIG_FILE).read_text())  # its --target-model-dir
+    assert target_config["vocab_size"] == target.vocab_size
+    assert target_config["num_hidden_layers"] == target.model.config.num_hidden_layers == 3
+    text = "w5 w9 w63 w4"
+    tokenizer = AutoTokenizer.from_pretrained(out / TARGET_DIR)  # the vocabulary written into the draft GGUF
+    assert tokenizer(text)["input_ids"] == target.tokenizer(text)["input_ids"]
+    assert tokenizer.get_vocab() == target.tokenizer.get_vocab()
 
 
 def test_verifier_name_can_be_overridden(target, tmp_path):
@@ -331,7 +358,7 @@ def test_out_directory_rules(target, tmp_path):
     export_speculators(tmp_path / "d", tmp_path / "out", target, num_speculative_tokens=3)  # replaces an export
     config, _ = load_speculators_export(tmp_path / "out")
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted([CONFIG_FILE, WEIGHTS_FILE])
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted([CONFIG_FILE, WEIGHTS_FILE, TARGET_DIR])
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind
 
 
