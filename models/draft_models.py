@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from specdistill.models.gguf_blocks import ATTRIBUTE as GGUF_BLOCKS
+
 LLAMA_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SMALL_KEYS = {"layers": "decoder layers (required)", "hidden": "hidden size (required)",
               "heads": "attention heads", "kv_heads": "key/value heads", "intermediate": "MLP size",
@@ -132,6 +134,20 @@ def parse_small_spec(text: str) -> dict[str, int]:
     if missing:
         raise ValueError(f"small drafter spec {text!r} lacks {', '.join(missing)} (e.g. small:layers=2,hidden=256)")
     return kwargs
+
+
+def drop_gguf_blocks(model: torch.nn.Module) -> int:
+    """Forget the GGUF blocks attached to the model's linears (models.gguf_blocks), returning how many. A drafter
+    started from a named real target (`qwen2.5-coder-0.5b`) comes with its file's K-quant blocks attached, and the
+    engine computes a linear from its blocks wherever it has them: once training changes the fp32 weights, the
+    blocks are the untrained model's, and measuring or decoding the drafter would silently run the model it
+    started as. Changes `model`."""
+    dropped = 0
+    for module in model.modules():
+        if getattr(module, GGUF_BLOCKS, None) is not None:
+            delattr(module, GGUF_BLOCKS)
+            dropped += 1
+    return dropped
 
 
 def apply_lora(model: torch.nn.Module, r: int = 8, alpha: int = 16,

@@ -30,7 +30,11 @@ A drafter directory of kind `medusa`:
                     config may carry "prefix": {"num_heads", "intermediate_size", "rope_theta"}
     model/medusa.safetensors   the heads' state dict (the prefix layer's under "prefix.")
     vocab_map.safetensors      optional [M] target ids the heads may propose (config `draft_vocab`):
-                               decoding projects onto these rows only; training keeps the full vocabulary
+                               decoding projects onto these rows only
+    A reduced drafter (config "reduced": true, `medusa.reduced_heads`) stores only those rows: each projection
+    is [M, D] and "vocab_size" is M. For a 151,936-token target (Qwen2.5) full [V, D] projections are 233M
+    parameters a head, four heads 3.7 GB in fp32 and 15 GB with their gradients and AdamW's moments, of which
+    training and decoding only ever read the M candidate rows (the others keep the target head's copy).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from torch import nn
 from specdistill.models.drafters import Drafter, checked_vocab_map, load_vocab_map, register_drafter_kind
 
 WEIGHTS_FILE = "medusa.safetensors"
-ARCH_KEYS = ("num_heads", "num_layers", "hidden_size", "vocab_size")  # "sequential", "prefix" optional
+ARCH_KEYS = ("num_heads", "num_layers", "hidden_size", "vocab_size")  # "sequential", "prefix", "reduced" optional
 
 
 class ResBlock(nn.Module):
@@ -168,12 +172,14 @@ class MedusaHeads(nn.Module):
     one before head k's), teacher-forced; see `states`."""
 
     def __init__(self, num_heads: int, num_layers: int, hidden_size: int, vocab_size: int,
-                 sequential: bool = False, prefix: dict | None = None):
+                 sequential: bool = False, prefix: dict | None = None, reduced: bool = False):
+        """reduced: the projections hold only a candidate vocabulary's rows (vocab_size = its size M, the
+        order of the drafter's vocab_map), not the target's whole vocabulary."""
         super().__init__()
         if num_heads < 1 or num_layers < 0:
             raise ValueError(f"Medusa needs num_heads >= 1 and num_layers >= 0, got {num_heads}, {num_layers}")
         self.config = {"num_heads": num_heads, "num_layers": num_layers, "hidden_size": hidden_size,
-                       "vocab_size": vocab_size, "sequential": bool(sequential)}
+                       "vocab_size": vocab_size, "sequential": bool(sequential), "reduced": bool(reduced)}
         self.heads = nn.ModuleList(MedusaHead(hidden_size, vocab_size, num_layers, sequential)
                                    for _ in range(num_heads))
         self.prefix = None
@@ -189,6 +195,10 @@ class MedusaHeads(nn.Module):
     @property
     def sequential(self) -> bool:
         return self.config["sequential"]
+
+    @property
+    def reduced(self) -> bool:
+        return bool(self.config.get("reduced", False))
 
     def source(self, hidden: torch.Tensor) -> torch.Tensor:
         """The heads' input s_0 at every position of a sequence: [B, T, D] target states -> [B, T, D]
@@ -214,16 +224,20 @@ class MedusaHeads(nn.Module):
 
     @classmethod
     def from_target(cls, target_model: nn.Module, num_heads: int, num_layers: int = 1,
-                    sequential: bool = False, prefix_layer: bool = False) -> "MedusaHeads":
+                    sequential: bool = False, prefix_layer: bool = False,
+                    vocab_map: torch.Tensor | None = None) -> "MedusaHeads":
         """Heads for `target_model`: identity blocks and projections copied from its head; with
-        prefix_layer, an identity prefix layer shaped like the target's layers (heads, MLP width, RoPE)."""
-        head = target_model.get_output_embeddings().weight  # [V, D]
+        prefix_layer, an identity prefix layer shaped like the target's layers (heads, MLP width, RoPE).
+        vocab_map [M] (target ids): reduced heads, their projections copies of those rows of the head only."""
+        head = target_model.get_output_embeddings().weight.detach()  # [V, D]
+        if vocab_map is not None:
+            head = head[checked_rows(vocab_map, head.shape[0])]  # [M, D]
         prefix = prefix_config(target_model) if prefix_layer else None
-        heads = cls(num_heads, num_layers, head.shape[1], head.shape[0], sequential, prefix).to(
-            device=head.device, dtype=head.dtype)
+        heads = cls(num_heads, num_layers, head.shape[1], head.shape[0], sequential, prefix,
+                    reduced=vocab_map is not None).to(device=head.device, dtype=head.dtype)
         with torch.no_grad():
             for medusa_head in heads.heads:
-                medusa_head.proj.weight.copy_(head.detach())
+                medusa_head.proj.weight.copy_(head)
         return heads
 
     def save_pretrained(self, directory: str | Path) -> None:
@@ -232,6 +246,40 @@ class MedusaHeads(nn.Module):
         directory.mkdir(parents=True, exist_ok=True)
         state = {name: t.detach().to("cpu").contiguous() for name, t in self.state_dict().items()}
         save_file(state, str(directory / WEIGHTS_FILE), metadata={k: str(v) for k, v in self.config.items()})
+
+
+def checked_rows(vocab_map: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """vocab_map as row indices of a [vocab_size, D] head, refused when empty or outside it."""
+    rows = vocab_map.long().flatten()
+    if rows.numel() == 0 or int(rows.min()) < 0 or int(rows.max()) >= vocab_size:
+        raise ValueError(f"vocab_map: {rows.numel()} ids must be non-empty and within the head's {vocab_size} rows")
+    return rows.to(vocab_map.device)
+
+
+def projection_rows(heads: MedusaHeads, vocab_map: torch.Tensor | None) -> list[torch.Tensor]:
+    """Per head its output rows over the candidates, K x [M, D] in vocab_map's order (K x [V, D] without one): a
+    reduced head's own rows, a full head's rows restricted to vocab_map. What decoding projects onto."""
+    weights = [head.proj.weight.detach() for head in heads.heads]
+    if heads.reduced:
+        if vocab_map is None or vocab_map.numel() != weights[0].shape[0]:
+            raise ValueError(f"reduced Medusa heads of {weights[0].shape[0]} rows need their {weights[0].shape[0]}-id "
+                             f"vocab_map, got {None if vocab_map is None else vocab_map.numel()} ids")
+        return weights
+    if vocab_map is None:
+        return weights
+    return [w[checked_rows(vocab_map, w.shape[0]).to(w.device)] for w in weights]
+
+
+def check_heads_vocab(heads: MedusaHeads, vocab_map: torch.Tensor | None, target_vocab: int, where: str) -> None:
+    """Full heads predict the target's vocabulary; reduced heads exactly their vocab_map's ids. `where` names the
+    drafter in the error."""
+    rows = int(heads.config["vocab_size"])
+    if heads.reduced:
+        if vocab_map is None or vocab_map.numel() != rows:
+            raise ValueError(f"{where}: reduced Medusa heads of {rows} rows need a vocab_map of {rows} ids, got "
+                             f"{None if vocab_map is None else vocab_map.numel()}")
+    elif rows != target_vocab:
+        raise ValueError(f"{where} has {rows}-token heads but the target has {target_vocab} tokens")
 
 
 def prefix_config(target_model: nn.Module) -> dict:
@@ -248,7 +296,7 @@ def load_medusa_heads(model_dir: Path, config: dict, dtype: torch.dtype) -> Medu
     if missing:
         raise ValueError(f"{model_dir}: the medusa manifest config lacks {', '.join(missing)}")
     heads = MedusaHeads(*(int(config[key]) for key in ARCH_KEYS), sequential=bool(config.get("sequential", False)),
-                        prefix=config.get("prefix"))
+                        prefix=config.get("prefix"), reduced=bool(config.get("reduced", False)))
     heads.load_state_dict(load_file(str(model_dir / WEIGHTS_FILE)), strict=True)
     return heads.to(dtype)
 
@@ -256,15 +304,13 @@ def load_medusa_heads(model_dir: Path, config: dict, dtype: torch.dtype) -> Medu
 def load_medusa_kind(path: Path, manifest: dict, target, device: str) -> Drafter:
     config = manifest.get("config") or {}
     heads = load_medusa_heads(path / (manifest.get("model") or "model"), config, target.dtype)
-    if heads.config["vocab_size"] != target.vocab_size:
-        raise ValueError(f"medusa drafter {path} has {heads.config['vocab_size']}-token heads but target "
-                         f"{target.name!r} has {target.vocab_size} tokens")
     vocab_map = None
     if manifest.get("vocab_map"):
         try:
             vocab_map = checked_vocab_map(load_vocab_map(path / manifest["vocab_map"]), target)
         except ValueError as err:
             raise ValueError(f"medusa drafter {path}: {err}") from err
+    check_heads_vocab(heads, vocab_map, target.vocab_size, f"medusa drafter {path} (target {target.name!r})")
     return Drafter("medusa", heads.to(device).eval(), vocab_map, manifest, str(path))
 
 

@@ -21,7 +21,7 @@ from itertools import islice
 from pathlib import Path
 
 import torch
-from accelerate.utils import gather_object
+from accelerate.utils import broadcast_object_list, gather_object
 from torch.utils.data import DataLoader
 
 from specdistill.distill.batching import Batch, collate, with_absent_column
@@ -39,7 +39,7 @@ from specdistill.distill.teacher_data import (
     teacher_data_key,
 )
 from specdistill.distill.vocab import count_response_tokens, coverage, inverse_map, select_draft_vocab
-from specdistill.models.draft_models import apply_lora, reduce_head
+from specdistill.models.draft_models import apply_lora, drop_gguf_blocks, reduce_head
 from specdistill.models.drafters import load_drafter, save_drafter
 from specdistill.models.fingerprint import weights_fingerprint
 from specdistill.models.target import load_target
@@ -195,6 +195,8 @@ def build_drafter(cfg, target, records: list[dict]) -> tuple[torch.nn.Module, to
     if model is None:
         raise ValueError(f"drafter: {cfg.drafter!r} has no weights to train")
     model = model.to(target.model.device).float()
+    if drop_gguf_blocks(model):  # a named real target's K-quant blocks: stale once its weights train
+        log.info("drafter %s: trains its fp32 weights (its GGUF blocks set aside)", cfg.drafter)
     vocab_map = None
     if cfg.draft_vocab:
         counts = count_response_tokens(records)
@@ -246,6 +248,26 @@ def set_schedule_length(scheduler, total_steps: int) -> None:
     bare = getattr(scheduler, "scheduler", scheduler)  # accelerate's AcceleratedScheduler wraps it
     for schedule in bare.lr_lambdas:
         schedule.total = total_steps
+
+
+def budget_after_step(accelerator, budget, scheduler, done: int, total: int, decided: bool) -> tuple[int, bool]:
+    """(the run's step count, whether it is decided) after step `done`, whose time `budget` (train.step_budget's
+    StepBudget) has observed: decided once calibrated, the schedule's decay then ending there; cut to `done` should
+    the job still be about to overrun: a machine that slowed down, or steps so slow (a shared CPU, a 0.5B drafter)
+    that the budget would be spent before the steps that calibrate it. The main process's clock decides for all."""
+    if not decided and budget.calibrated(done):
+        total = main_process_says(accelerator, budget.decide, done)
+        set_schedule_length(scheduler, total)
+        return total, True
+    if done < total and main_process_says(accelerator, budget.out_of_time, done):
+        log.warning("max_minutes: stopping at step %d of %d, the budget is spent", done, total)
+        return done, True
+    return total, decided
+
+
+def main_process_says(accelerator, question, step: int):
+    """question(step) as the main process answers it, the same on every process."""
+    return broadcast_object_list([question(step) if accelerator.is_main_process else None], from_process=0)[0]
 
 
 def total_steps(cfg, num_batches: int, num_processes: int) -> int:

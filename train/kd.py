@@ -15,14 +15,17 @@ on_policy_lambda, topk and the optimisation ones).
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from specdistill.models.draft_models import merged_copy
 from specdistill.train import distill_steps as steps
 from specdistill.train.checkpoints import resume_or_start, save_checkpoint
 from specdistill.train.config import ConfigError
 from specdistill.train.methods import Method, register_method
+from specdistill.train.step_budget import StepBudget
 
 log = logging.getLogger("specdistill.distill")
 
@@ -48,20 +51,37 @@ def train_kd(cfg, accelerator, target, records: list[dict], eval_prompts: list[l
 
 def train(cfg, accelerator, target, drafter, vocab_map, loader, optimizer, scheduler, state, eval_prompts,
           total: int, whole: steps.WholeDrafter) -> bool:
-    """Train to `total` steps; False when stopped early at `stop_at_step` (resume to continue)."""
+    """Train to `total` steps, or with max_minutes as many as the job's time left allows (decided once after the
+    warm-up, train.step_budget; a resumed run keeps the decided count); False when stopped early at
+    `stop_at_step` (resume to continue)."""
+    total = state.total_steps or total
+    budget = StepBudget(cfg.max_minutes, cfg.warmup_steps, cfg.eval_every, total) if cfg.max_minutes else None
     if cfg.eval_every and state.step == 0:  # the starting point, so the gain is visible
+        started = time.perf_counter()
         evaluate(cfg, accelerator, target, whole.of(drafter), vocab_map, state, eval_prompts)
+        if budget:
+            budget.observe_eval(time.perf_counter() - started)
     bar = tqdm(total=total, initial=state.step, desc="distill", disable=not accelerator.is_local_main_process)
     drafter.train()
     while state.step < total:
         batches = steps.epoch_batches(accelerator, loader, state)
         for window in steps.accumulation_windows(batches, cfg.grad_accum):
+            started = time.perf_counter()
             loss = steps.train_window(cfg, accelerator, target, drafter, vocab_map, window, optimizer,
                                       scheduler, state)
             state.step += 1
             bar.update(1)
+            if budget:
+                budget.observe_step(time.perf_counter() - started, state.step - 1)
+                total, decided = steps.budget_after_step(accelerator, budget, scheduler, state.step, total,
+                                                         bool(state.total_steps))
+                state.total_steps = total if decided else 0
+                bar.total = total
             lr = scheduler.get_last_lr()[0]
+            started = time.perf_counter()
             after_step(cfg, accelerator, target, drafter, vocab_map, state, loss, lr, eval_prompts, bar, whole)
+            if budget and cfg.eval_every and state.step % cfg.eval_every == 0:  # it evaluated (and checkpointed)
+                budget.observe_eval(time.perf_counter() - started)
             if state.step == cfg.stop_at_step:
                 save_checkpoint(accelerator, state, cfg.work_dir)
                 log.info("stopped at step %d as asked; continue with --resume", state.step)
@@ -93,7 +113,8 @@ def evaluate(cfg, accelerator, target, model, vocab_map, state, eval_prompts) ->
     `model`: the whole drafter (WholeDrafter.of, called by every process)."""
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        result = steps.measure(cfg, target, model, vocab_map, eval_prompts)
+        # a LoRA drafter is measured merged: the engine's runner computes plain linears, not PEFT's wrappers
+        result = steps.measure(cfg, target, merged_copy(model), vocab_map, eval_prompts)
         state.history.append({"step": state.step, "tau": result["tau"], "alpha": result["alpha"]})
         log.info("step %d held-out tau %.3f alpha %.3f", state.step, result["tau"], result["alpha"] or 0.0)
         accelerator.log({"eval/tau": result["tau"], "eval/alpha": result["alpha"] or 0.0}, step=state.step)
@@ -116,5 +137,6 @@ def check_kd(cfg) -> None:
 
 
 # measures=False: train_kd builds its held-out prompts itself (see there)
-register_method(Method("seqkd", train_kd, check=check_seqkd, measures=False, deepspeed_stages=(2, 3)))
-register_method(Method("kd", train_kd, check=check_kd, measures=False, deepspeed_stages=(2, 3)))
+register_method(Method("seqkd", train_kd, check=check_seqkd, measures=False, deepspeed_stages=(2, 3),
+                       budgeted=True))
+register_method(Method("kd", train_kd, check=check_kd, measures=False, deepspeed_stages=(2, 3), budgeted=True))

@@ -14,7 +14,16 @@ Medusa-2 (LoRA on the target trained jointly) is not implemented.
 With `draft_vocab` M > 0 the drafter also stores a candidate vocabulary (the training responses' M most
 frequent tokens): decoding projects the heads onto those rows only (V / M times cheaper per step), and
 training and calibration use the same restriction (CE and KL over the M candidates: what decoding ranks),
-which also makes a training step about V / M times cheaper.
+which also makes a training step about V / M times cheaper. `medusa.reduced_heads: true` builds the heads with
+those M rows only (models.medusa): the other rows are never read, and on a 151,936-token vocabulary they would
+be 3.7 GB of fp32 projections for four heads, 15 GB with gradients and AdamW's moments.
+`medusa.feature_layers` reads the target's final states from distill.feature_cache, the cache an EAGLE-3 job
+over the same teacher data builds with those layers (its `final` column, bf16, staged by the teacher generation
+itself), instead of a pass of the target over every record here: on a 1.5B target on 2 cores that pass is
+half an hour, the read a few seconds.
+With `max_minutes` the step count is sized to the job's time budget (train.step_budget); with held-out prompts
+(`eval_prompts`) the calibrated drafter's tau is measured by the engine at the end (and the untrained one's with
+`medusa.untrained_dir`), in work_dir/summary.json with the run's steps and peak RSS.
 `medusa.sequential: true` trains sequential (Hydra-style) heads, `medusa.prefix_layer: true` adds
 Hydra++'s prefix attention layer under them (trained jointly, over each record's whole sequence of
 target states), see models.medusa.
@@ -24,25 +33,33 @@ Config: the `medusa:` section (MedusaConfig), draft_vocab, and the common optimi
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import random
+import resource
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.metrics import aggregate_stats
+from specdistill.decode.proposers import build_proposer
 from specdistill.decode.proposers.medusa import choose_tree, expected_accept_length
 from specdistill.distill.batching import batches_by_length, collate
+from specdistill.distill.feature_cache import open_or_build
 from specdistill.distill.generation import pad_token_id
 from specdistill.distill.losses import cross_entropy_loss, forward_kl
 from specdistill.distill.vocab import count_response_tokens, coverage, select_draft_vocab
-from specdistill.models.drafters import save_drafter
+from specdistill.models.drafters import load_drafter, save_drafter
 from specdistill.models.medusa import MedusaHeads
 from specdistill.train import distill_steps as steps
 from specdistill.train.colbt import split_held_out
 from specdistill.train.config import ConfigError, option, to_dict
 from specdistill.train.methods import Method, register_method
+from specdistill.train.step_budget import StepBudget
 
 log = logging.getLogger("specdistill.medusa")
 
@@ -63,6 +80,12 @@ class MedusaConfig:
     calibration: int = option(16, "prompts held out to measure per-head top-k accuracy")
     untrained_dir: str = option("", "also write the heads as initialised (calibrated on the same held-out prompts) "
                                     "here, the starting point a run's gain is measured against; '' = no")
+    reduced_heads: bool = option(False, "with draft_vocab: heads whose projections hold only the draft_vocab candidate "
+                                        "rows (the only ones training and decoding read); needed for a large "
+                                        "vocabulary, not yet exported to vLLM")
+    feature_layers: list[int] = option([], "read the target's final states from the feature cache an EAGLE-3 job "
+                                           "with these eagle3.layers built over the same teacher data (built here if "
+                                           "absent); [] = a pass of the target over the records, cached in work_dir")
 
     def __post_init__(self):
         for name in ("heads", "tree_nodes", "topk", "calibration"):
@@ -85,6 +108,8 @@ def check_job(cfg) -> None:
     untrained = cfg.medusa.untrained_dir
     if untrained and Path(untrained).resolve() == Path(cfg.output_dir).resolve():
         raise ConfigError(f"medusa.untrained_dir: must differ from output_dir ({cfg.output_dir})")
+    if cfg.medusa.reduced_heads and not cfg.draft_vocab:
+        raise ConfigError("medusa.reduced_heads: needs draft_vocab > 0 (the candidate rows the heads keep)")
 
 # hidden [T, D]: the target's states at a record's positions up to the last one that predicts a response
 # token; its last R rows are the positions predicting the response, labels [R] (the response tokens)
@@ -93,28 +118,60 @@ PREFIX_BATCH = 16  # records per prefix-layer forward outside training (calibrat
 
 
 def train_medusa(cfg, accelerator, target, records: list[dict], eval_prompts: list[list[int]] | None = None) -> Path:
-    """eval_prompts: unused; the heads are measured on held-out records (`medusa.calibration`), not decoded."""
+    """eval_prompts: held-out prompts the engine measures the calibrated drafter's tau on at the end (none: only the
+    heads' top-k accuracies on the held-out records, `medusa.calibration`, which choose the tree)."""
     train_records, calibration = split_held_out(records, cfg.medusa.calibration, cfg.seed, key="medusa.calibration")
-    train_set = target_hidden_states(cfg, target, train_records, "train")
-    calib_set = target_hidden_states(cfg, target, calibration, "calibration")
-    heads = MedusaHeads.from_target(target.model, cfg.medusa.heads, cfg.medusa.layers,
-                                    sequential=cfg.medusa.sequential,
-                                    prefix_layer=cfg.medusa.prefix_layer).float().train()
-    heads.requires_grad_(True)
+    train_set, calib_set = hidden_state_sets(cfg, accelerator, target, records, train_records, calibration)
     vocab_map = candidate_vocab(cfg, target, train_records)
+    heads = MedusaHeads.from_target(target.model, cfg.medusa.heads, cfg.medusa.layers,
+                                    sequential=cfg.medusa.sequential, prefix_layer=cfg.medusa.prefix_layer,
+                                    vocab_map=vocab_map if cfg.medusa.reduced_heads else None).float().train()
+    heads.requires_grad_(True)
+    history = []
     if cfg.medusa.untrained_dir:
-        calibrate_and_save(cfg, accelerator, target, heads.eval(), calib_set, vocab_map, Path(cfg.medusa.untrained_dir),
+        untrained = Path(cfg.medusa.untrained_dir)
+        calibrate_and_save(cfg, accelerator, target, heads.eval(), calib_set, vocab_map, untrained,
                            {"untrained": True, "calibration_records": len(calibration)})
+        history += held_out_tau(cfg, accelerator, target, untrained, eval_prompts, step=0)
         heads.train()
     total = cfg.max_steps or cfg.epochs * -(-len(train_set) // (cfg.batch_size * accelerator.num_processes))
     optimizer, scheduler = steps.make_optimizer(cfg, heads, total)
     heads, optimizer, scheduler = accelerator.prepare(heads, optimizer, scheduler)
-    losses = train_heads(cfg, accelerator, target, heads, train_set, optimizer, scheduler, total, vocab_map)
+    losses, done = train_heads(cfg, accelerator, target, heads, train_set, optimizer, scheduler, total, vocab_map)
     heads = accelerator.unwrap_model(heads).eval()
     out = Path(cfg.output_dir)
     calibrate_and_save(cfg, accelerator, target, heads, calib_set, vocab_map, out,
                        {"loss_history": losses, "calibration_records": len(calibration)})
+    history += held_out_tau(cfg, accelerator, target, out, eval_prompts, step=done)
+    write_summary(cfg, accelerator, done, done if cfg.max_minutes else None, history)  # max_minutes: what it decided
     return out
+
+
+def held_out_tau(cfg, accelerator, target, drafter_dir: Path, eval_prompts, step: int) -> list[dict]:
+    """[{"step", "tau", "alpha"}] of the saved drafter at `drafter_dir`, greedy speculative decoding of the
+    held-out prompts by the engine with its calibrated tree (main process); [] without held-out prompts."""
+    if not eval_prompts or not accelerator.is_main_process:
+        return []
+    drafter = load_drafter(str(drafter_dir), target)
+    engine = SpeculativeEngine(target.model, build_proposer(drafter, target.model), target.eos_token_ids,
+                               adaptive=False)
+    with torch.no_grad():
+        result = aggregate_stats([engine.generate(p, cfg.eval_max_new_tokens).stats for p in eval_prompts])
+    log.info("step %d held-out tau %.3f alpha %.3f (%s)", step, result["tau"], result["alpha"] or 0.0, drafter_dir)
+    return [{"step": step, "tau": result["tau"], "alpha": result["alpha"]}]
+
+
+def write_summary(cfg, accelerator, step: int, decided_steps: int | None, history: list[dict]) -> None:
+    """work_dir/summary.json, as the other methods write it: steps run, the count max_minutes decided (None without
+    it), the held-out measurements (the untrained heads' at step 0 with medusa.untrained_dir, the trained ones'
+    at the last step) and the peak RSS."""
+    if not accelerator.is_main_process:
+        return
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux reports KiB)
+    summary = {"finished": True, "step": step, "decided_steps": decided_steps, "history": history,
+               "best_tau": history[-1]["tau"] if history else None, "peak_rss_mib_per_process": [peak]}
+    Path(cfg.work_dir).mkdir(parents=True, exist_ok=True)
+    (Path(cfg.work_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
 
 
 def calibrate_and_save(cfg, accelerator, target, heads, calib_set: list[Example], vocab_map, out: Path,
@@ -135,6 +192,35 @@ def calibrate_and_save(cfg, accelerator, target, heads, calib_set: list[Example]
 
 
 # ---- data: the target's hidden states ------------------------------------------------------------------
+
+def hidden_state_sets(cfg, accelerator, target, records: list[dict], train_records: list[dict],
+                      calibration: list[dict]) -> tuple[list[Example], list[Example]]:
+    """(training, calibration) examples: from the feature cache of medusa.feature_layers over all the records
+    (the training and held-out ones are sub-lists of them), else from a pass of the target over each set."""
+    if not cfg.medusa.feature_layers:
+        return (target_hidden_states(cfg, target, train_records, "train"),
+                target_hidden_states(cfg, target, calibration, "calibration"))
+    examples = cached_final_states(cfg, accelerator, target, records)
+    position = {id(record): i for i, record in enumerate(records)}
+    return ([examples[position[id(r)]] for r in train_records], [examples[position[id(r)]] for r in calibration])
+
+
+def cached_final_states(cfg, accelerator, target, records: list[dict]) -> list[Example]:
+    """(hidden [T, D] bf16, response [R]) per record, as `target_hidden_states` gives them, read from the
+    distill.feature_cache of these records with medusa.feature_layers (built first if absent): its `final`
+    column is the target's final normed state at each position of the record's training window."""
+    pad_id = pad_token_id(target.tokenizer, target.eos_token_ids)
+    cache = open_or_build(target, records, list(cfg.medusa.feature_layers), cfg.max_seq_len, cfg.gen_batch_size,
+                          pad_id, accelerator)
+    log.info("target final states read from the feature cache %s", cache.directory)
+    examples: list[Example] = []
+    for index in range(cache.num_shards):
+        for record in cache.shard(index):
+            positions = record.mask.nonzero().flatten()  # [R], consecutive: the rows predicting the response
+            end = int(positions[-1]) + 1 if positions.numel() else 0
+            examples.append((record.final[:end].clone(), record.ids[positions + 1].clone()))
+    return examples
+
 
 @torch.no_grad()
 def target_hidden_states(cfg, target, records: list[dict], name: str) -> list[Example]:
@@ -216,23 +302,29 @@ def project(weight: torch.Tensor, states: torch.Tensor, vocab_map: torch.Tensor 
 
 
 def medusa_loss(heads, target_head: torch.nn.Module, examples: list[Example], decay: float,
-                kl_weight: float, vocab_map: torch.Tensor | None = None, embed=None) -> torch.Tensor:
+                kl_weight: float, vocab_map: torch.Tensor | None = None, embed=None,
+                target_rows: torch.Tensor | None = None) -> torch.Tensor:
     """sum_k decay**(k-1) * (CE + kl_weight * KL(target || head k)), each a mean over positions.
 
     Head k at row i of an example predicts label i + k; the target's distribution for that token is
     its head at row i + k. With vocab_map [M], both distributions are over those M tokens (decoding
-    proposes no others) and positions whose label is outside them are left out of the CE."""
+    proposes no others) and positions whose label is outside them are left out of the CE.
+    target_rows: the target head's rows over the candidates ([M, D], `candidate_rows`), when the caller
+    already has them (a training loop: one copy of them, not one per step)."""
     device = next(heads.parameters()).device
     index = None if vocab_map is None else vocab_index(vocab_map, target_head.weight.shape[0]).to(device)
+    if target_rows is None:
+        target_rows = candidate_rows(target_head.weight, vocab_map)
     target_logits = None
     if kl_weight:
         with torch.no_grad():
             # per example [R, V or M]
-            target_logits = [project(target_head.weight, h[h.shape[0] - labels.shape[0]:].to(
-                device, target_head.weight.dtype), vocab_map).float() for h, labels in examples]
+            target_logits = [torch.nn.functional.linear(h[h.shape[0] - labels.shape[0]:].to(
+                device, target_rows.dtype), target_rows).float() for h, labels in examples]
+    head_map = None if getattr(heads, "reduced", False) else vocab_map  # a reduced head holds the M rows already
     total = torch.zeros((), device=device)
     for k, head, states, labels, used in head_rows(heads, examples, embed):
-        logits = project(head.proj.weight, states, vocab_map)  # [N, V or M]
+        logits = project(head.proj.weight, states, head_map)  # [N, V or M]
         targets = labels if index is None else index[labels]  # [N] (-1: not a candidate)
         inside = targets >= 0
         loss = cross_entropy_loss(logits[inside], targets[inside]) if inside.any() else logits.sum() * 0
@@ -243,6 +335,12 @@ def medusa_loss(heads, target_head: torch.nn.Module, examples: list[Example], de
     return total
 
 
+def candidate_rows(weight: torch.Tensor, vocab_map: torch.Tensor | None) -> torch.Tensor:
+    """An output layer's weight [V, D] restricted to vocab_map's rows, [M, D] (all of it without one), detached."""
+    weight = weight.detach()
+    return weight if vocab_map is None else weight[vocab_map.to(weight.device)]
+
+
 def vocab_index(vocab_map: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[V] target id -> its row in vocab_map, -1 for tokens outside it."""
     index = torch.full((vocab_size,), -1, dtype=torch.long)
@@ -251,31 +349,47 @@ def vocab_index(vocab_map: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def train_heads(cfg, accelerator, target, heads, examples: list[Example], optimizer, scheduler, total: int,
-                vocab_map: torch.Tensor | None = None) -> list:
-    """`total` optimizer steps over shuffled batches of examples (this process's shard)."""
+                vocab_map: torch.Tensor | None = None) -> tuple[list, int]:
+    """`total` optimizer steps over shuffled batches of examples (this process's shard), or with max_minutes as
+    many as the job's time left allows (decided once after the warm-up, train.step_budget): (loss history,
+    steps run)."""
     rng = random.Random(cfg.seed)
     shard = examples[accelerator.process_index::accelerator.num_processes]
     target_head = target.model.get_output_embeddings()
+    target_rows = candidate_rows(target_head.weight, vocab_map)  # [M, D], once
     embed = target.model.get_input_embeddings()
+    budget = StepBudget(cfg.max_minutes, cfg.warmup_steps, 0, total) if cfg.max_minutes else None
+    decided = False
     order: list[int] = []
     history = []
-    for step in tqdm(range(total), desc="medusa", disable=not accelerator.is_local_main_process):
+    bar = tqdm(total=total, desc="medusa", disable=not accelerator.is_local_main_process)
+    step = 0
+    while step < total:
+        started = time.perf_counter()
         if len(order) < cfg.batch_size:
             order += rng.sample(range(len(shard)), len(shard))
         batch = [shard[i] for i in order[:cfg.batch_size]]
         del order[:cfg.batch_size]
         module = accelerator.unwrap_model(heads)
-        loss = medusa_loss(module, target_head, batch, cfg.medusa.decay, cfg.medusa.kl_weight, vocab_map, embed)
+        loss = medusa_loss(module, target_head, batch, cfg.medusa.decay, cfg.medusa.kl_weight, vocab_map, embed,
+                           target_rows)
         accelerator.backward(loss)
         average_gradients(accelerator, module)
         accelerator.clip_grad_norm_(heads.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
-        if (step + 1) % cfg.log_every == 0 or step + 1 == total:
-            log.info("step %d loss %.4f lr %.2e", step + 1, loss.item(), scheduler.get_last_lr()[0])
-            history.append({"step": step + 1, "loss": loss.item()})
-    return history
+        step += 1
+        bar.update(1)
+        if budget:
+            budget.observe_step(time.perf_counter() - started, step - 1)
+            total, decided = steps.budget_after_step(accelerator, budget, scheduler, step, total, decided)
+            bar.total = total
+        if step % cfg.log_every == 0 or step == total:
+            log.info("step %d loss %.4f lr %.2e", step, loss.item(), scheduler.get_last_lr()[0])
+            history.append({"step": step, "loss": loss.item()})
+    bar.close()
+    return history, step
 
 
 def average_gradients(accelerator, module) -> None:
@@ -290,7 +404,7 @@ def average_gradients(accelerator, module) -> None:
 
 def candidate_vocab(cfg, target, records: list[dict]) -> torch.Tensor | None:
     """[M] target ids the heads may propose at decoding (cfg.draft_vocab most frequent response
-    tokens, EOS always in), or None for the full vocabulary. Training keeps the full vocabulary."""
+    tokens, EOS always in), or None for the full vocabulary."""
     if not cfg.draft_vocab:
         return None
     counts = count_response_tokens(records)
@@ -313,7 +427,7 @@ def topk_accuracy(heads, examples: list[Example], k_ranks: int, vocab_map: torch
     counts: list[int] = []
     for start in range(0, len(examples), PREFIX_BATCH):  # the prefix layer's activations, a batch at a time
         for k, head, states, labels, _ in head_rows(heads, examples[start:start + PREFIX_BATCH], embed):
-            logits = project(head.proj.weight, states, vocab_map)  # [N, V or M]
+            logits = project(head.proj.weight, states, None if heads.reduced else vocab_map)  # [N, V or M]
             ranks = logits.topk(k_ranks, dim=-1).indices  # [N, ranks]
             if vocab_map is not None:
                 ranks = vocab_map.to(ranks.device)[ranks]  # target ids
@@ -326,4 +440,4 @@ def topk_accuracy(heads, examples: list[Example], k_ranks: int, vocab_map: torch
     return [(h / max(n, 1)).tolist() for h, n in zip(hits, counts)]
 
 
-register_method(Method("medusa", train_medusa, MedusaConfig, check=check_job, measures=False))
+register_method(Method("medusa", train_medusa, MedusaConfig, check=check_job, budgeted=True))

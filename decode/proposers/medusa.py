@@ -36,7 +36,11 @@ import torch
 from specdistill.decode.proposers.base import Proposer, register_proposer, stored_format, vocab_size
 from specdistill.decode.sampling import SamplingConfig, Verdict
 from specdistill.decode.tree import TokenTree
-from specdistill.models.medusa import PrefixCache  # importing models.medusa registers the drafter kind "medusa"
+from specdistill.models.medusa import (  # importing models.medusa registers the drafter kind "medusa"
+    PrefixCache,
+    check_heads_vocab,
+    projection_rows,
+)
 from specdistill.models.packed_linear import (
     check_weight_format,
     drafting_weights,
@@ -162,9 +166,7 @@ def head_projections(heads: torch.nn.Module, vocab_map: torch.Tensor | None, wei
     as a faster GEMV (see decode.proposers.base.use_gemv_friendly_head). Inference only: the proposer never
     trains the heads, and they keep their weights."""
     check_weight_format(weights)
-    rows = [head.proj.weight.detach() for head in heads.heads]  # K x [V, D]
-    if vocab_map is not None:
-        rows = [w[vocab_map.to(w.device)] for w in rows]  # K x [M, D]
+    rows = projection_rows(heads, vocab_map)  # K x [M, D] (K x [V, D] without a vocab_map)
     if packing_supported(heads):
         return [packed_class(weights)(as_linear(w)) for w in rows]  # built once per proposer: no cache needed
     columns = [w.t().contiguous() for w in rows]  # K x [D, M]
@@ -252,16 +254,15 @@ def expected_accept_length(paths: list[list[int]], accuracy: list[list[float]]) 
 def build_medusa_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: set[int] = frozenset(),
                           **kw) -> MedusaProposer:
     """A loaded medusa drafter's proposer, with the tree its manifest stores (else one chain)."""
-    check_medusa_vocab(drafter.model, target_model)
+    check_medusa_vocab(drafter.model, target_model, drafter.vocab_map)
     return MedusaProposer(drafter.model, tree=(drafter.manifest.get("extra") or {}).get("tree"),
                           vocab_map=drafter.vocab_map, embed=target_model.get_input_embeddings(),
                           weights=drafting_weights(drafter.model, kw.get("drafter_weights")))
 
 
-def check_medusa_vocab(heads, target_model) -> None:
-    v_heads, v_target = heads.config["vocab_size"], vocab_size(target_model)
-    if v_heads != v_target:
-        raise ValueError(f"Medusa heads predict {v_heads} tokens but the target's vocabulary has {v_target}")
+def check_medusa_vocab(heads, target_model, vocab_map: torch.Tensor | None = None) -> None:
+    """Full heads predict the target's vocabulary; reduced ones (models.medusa) their vocab_map's ids."""
+    check_heads_vocab(heads, vocab_map, vocab_size(target_model), "Medusa heads")
 
 
 register_proposer("medusa", build_medusa_proposer)

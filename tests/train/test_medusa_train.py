@@ -244,3 +244,109 @@ def test_draft_vocab_stores_the_candidate_vocabulary(target, records, tmp_path):
     plain = SpeculativeEngine(target.model, None, target.eos_token_ids)
     prompt = records[0]["prompt_ids"]
     assert engine.generate(prompt, 24).tokens == plain.generate(prompt, 24).tokens
+
+
+# ---- reduced heads, states from the feature cache, a time budget (the 151,936-token real target) -----------
+
+HALF = torch.arange(0, VOCAB_SIZE, 2).flip(0)  # a candidate vocabulary in an order of its own
+
+
+def perturbed(heads: MedusaHeads, seed: int = 0) -> MedusaHeads:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+    return heads
+
+
+def test_reduced_heads_hold_the_candidate_rows_and_lose_nothing_of_the_loss(target):
+    """Reduced heads are full heads cut to the rows training and decoding read: built from the target's rows of
+    the candidates, in vocab_map's order, and given the same weights they give the same loss."""
+    full = perturbed(MedusaHeads.from_target(target.model, 2, 1))
+    reduced = MedusaHeads.from_target(target.model, 2, 1, vocab_map=HALF)
+    assert reduced.reduced and reduced.config["vocab_size"] == HALF.numel()
+    head = target.model.get_output_embeddings()
+    torch.testing.assert_close(reduced.heads[0].proj.weight, head.weight.detach()[HALF])
+    reduced.load_state_dict({name: tensor[HALF] if name.endswith("proj.weight") else tensor
+                             for name, tensor in full.state_dict().items()})
+    gen = torch.Generator().manual_seed(1)
+    examples = [(torch.randn(r, target.model.config.hidden_size, generator=gen),
+                 torch.randint(0, VOCAB_SIZE, (r,), generator=gen)) for r in (7, 4)]
+    torch.testing.assert_close(medusa_loss(reduced, head, examples, 0.8, 1.0, vocab_map=HALF),
+                               medusa_loss(full, head, examples, 0.8, 1.0, vocab_map=HALF))
+    assert topk_accuracy(reduced, examples, 3, HALF) == topk_accuracy(full, examples, 3, HALF)
+
+
+def test_reduced_heads_refuse_a_vocab_map_of_another_size(target):
+    from specdistill.models.medusa import check_heads_vocab, projection_rows
+
+    reduced = MedusaHeads.from_target(target.model, 2, 1, vocab_map=HALF)
+    with pytest.raises(ValueError, match="vocab_map of 32 ids"):
+        check_heads_vocab(reduced, HALF[:5], VOCAB_SIZE, "drafter x")
+    with pytest.raises(ValueError, match="32-id vocab_map"):
+        projection_rows(reduced, None)
+    with pytest.raises(ValueError, match="medusa.reduced_heads"):
+        DistillConfig(method="medusa", medusa=dict(reduced_heads=True))
+
+
+@pytest.fixture(scope="module")
+def trained_reduced(target, records, tmp_path_factory):
+    before = {k: v.clone() for k, v in target.model.state_dict().items()}
+    cfg = medusa_config(tmp_path_factory.mktemp("reduced"), medusa=dict(reduced_heads=True), draft_vocab=40)
+    return train_medusa(cfg, Accelerator(cpu=True), target, records), before
+
+
+def test_reduced_heads_train_save_and_decode_losslessly(target, records, trained_reduced):
+    out, before = trained_reduced
+    for name, tensor in target.model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+    drafter = load_drafter(str(out), target)
+    assert drafter.model.reduced and drafter.vocab_map.numel() == 40
+    assert all(head.proj.weight.shape[0] == 40 for head in drafter.model.heads)
+    proposer = build_proposer(drafter, target.model)
+    plain = SpeculativeEngine(target.model, None, target.eos_token_ids)
+    engine = SpeculativeEngine(target.model, proposer, target.eos_token_ids, adaptive=False)
+    taus = []
+    for record in records[:6]:
+        gen = engine.generate(record["prompt_ids"], 24)
+        assert gen.tokens == plain.generate(record["prompt_ids"], 24).tokens
+        taus.append(gen.stats.tau)
+    assert sum(taus) / len(taus) > 1.5
+
+
+def test_final_states_from_the_feature_cache_are_the_targets_own(target, records, tmp_path, monkeypatch):
+    """medusa.feature_layers: the examples read from an EAGLE-3 feature cache (bf16) are those of a pass of the
+    target over the records: the same labels, the same states to bf16's precision, in the records' order."""
+    from specdistill.train.medusa import cached_final_states
+
+    monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
+    some = records[:7]
+    cfg = medusa_config(tmp_path, medusa=dict(feature_layers=[0, 1, 1]))
+    cached = cached_final_states(cfg, Accelerator(cpu=True), target, some)
+    direct = target_hidden_states(medusa_config(tmp_path / "direct"), target, some, "check")
+    assert list((tmp_path / "cache" / "features").iterdir())  # it built the cache it read
+    for (hidden, labels), (hidden_1, labels_1) in zip(cached, direct, strict=True):
+        assert torch.equal(labels, labels_1)
+        torch.testing.assert_close(hidden.float(), hidden_1, atol=0.05, rtol=0.02)
+
+
+def test_max_minutes_sizes_the_steps_and_writes_the_summary(target, records, tmp_path, monkeypatch):
+    """A budget far below the steps asked for: the run decides fewer steps after its warm-up, still saves a
+    calibrated drafter, and its summary records the decided steps, the held-out tau at the end and the peak RSS."""
+    import json
+
+    from specdistill.train import step_budget
+
+    monkeypatch.setattr(step_budget, "CALIBRATION_STEPS", 0)
+    monkeypatch.setattr(step_budget, "seconds_since_start", lambda: 0.0)  # the job's 45 s are all the training's
+    observe = step_budget.StepBudget.observe_step
+    monkeypatch.setattr(step_budget.StepBudget, "observe_step", lambda self, seconds, step: observe(self, 1.0, step))
+    cfg = medusa_config(tmp_path, max_steps=1000, max_minutes=0.75, eval_max_new_tokens=8)
+    prompts = [r["prompt_ids"] for r in records[:2]]
+    out = train_medusa(cfg, Accelerator(cpu=True), target, records, prompts)
+    summary = json.loads((tmp_path / "work" / "summary.json").read_text())
+    # decided after the 2 warm-up steps: 1 s a step and 30 steps' worth kept for the final measurement leave 15
+    assert summary["step"] == summary["decided_steps"] == 2 + 15
+    assert [h["step"] for h in summary["history"]] == [summary["step"]] and summary["best_tau"] >= 1.0
+    assert summary["peak_rss_mib_per_process"][0] > 0
+    assert load_drafter(str(out), target).manifest["extra"]["tree"]

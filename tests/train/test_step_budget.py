@@ -146,7 +146,8 @@ def test_the_schedule_keeps_its_warm_up_and_carries_its_length_through_a_checkpo
 
 
 @pytest.mark.parametrize("override, message", [(dict(max_minutes=-1.0), "max_minutes: must be >= 0"),
-                                               (dict(max_minutes=30.0, method="medusa"), "max_minutes: method medusa")])
+                                               (dict(max_minutes=30.0, method="lookahead"),
+                                                "max_minutes: method lookahead")])
 def test_bad_budgets_name_the_field(override, message):
     fields = dict(method="eagle3", prompts=["self:4"])
     fields.update(override)

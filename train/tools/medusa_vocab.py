@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> Path:
     drafter = load_drafter(args.drafter, target)
     if drafter.kind != "medusa":
         raise SystemExit(f"{args.drafter} is a {drafter.kind!r} drafter; this script is for kind 'medusa'")
+    if drafter.model.reduced:
+        raise SystemExit(f"{args.drafter} has reduced heads (medusa.reduced_heads): they hold only their candidates' "
+                         "rows, so another candidate vocabulary needs retraining")
     counts = count_response_tokens(load_teacher_data(args.teacher_data))
     vocab_map = select_draft_vocab(counts, args.size, target.vocab_size, always=target.eos_token_ids)
     extra = dict(drafter.manifest.get("extra") or {})
