@@ -41,6 +41,7 @@ from safetensors.torch import save_file
 
 from specdistill.models.cache import make_temp_sibling, publish_dir
 from specdistill.models.drafters import Drafter
+from specdistill.models.medusa import projection_rows
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +101,12 @@ def export_vllm_medusa(drafter: Drafter, target, out: Path, dtype: torch.dtype =
     if getattr(heads, "prefix", None) is not None:
         raise ValueError("medusa drafter has a prefix-attention layer (Hydra++), which re-reads the context; vLLM's "
                          "Medusa heads read only the target's last hidden state, so it cannot serve it")
-    state = medusa_state(heads, dtype, drafter.vocab_map)
+    vocab = target.vocab_size  # vLLM's heads cover the target's ids (ours may hold a candidate vocabulary's only)
+    state = medusa_state(heads, dtype, drafter.vocab_map, vocab)
     vllm_config = {"model_type": "medusa", "architectures": ["MedusaModel"],
-                   "hidden_size": int(config["hidden_size"]), "vocab_size": int(config["vocab_size"]),
+                   "hidden_size": int(config["hidden_size"]), "vocab_size": vocab,
                    "num_heads": int(config["num_heads"]), "num_hidden_layers": int(config["num_layers"]),
-                   "medusa_fc_bias": True, "truncated_vocab_size": int(config["vocab_size"]),
+                   "medusa_fc_bias": True, "truncated_vocab_size": vocab,
                    "torch_dtype": str(dtype).removeprefix("torch.")}
     provenance = provenance_of(drafter, target, method="medusa",
                                extra={"draft_vocab": None if drafter.vocab_map is None else drafter.vocab_map.numel()})
@@ -116,20 +118,22 @@ def export_vllm_medusa(drafter: Drafter, target, out: Path, dtype: torch.dtype =
     return publish_export(out, write, provenance)
 
 
-def medusa_state(heads: torch.nn.Module, dtype: torch.dtype,
-                 vocab_map: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def medusa_state(heads: torch.nn.Module, dtype: torch.dtype, vocab_map: torch.Tensor | None = None,
+                 vocab: int | None = None) -> dict[str, torch.Tensor]:
     """Our names (heads.{i}.blocks.{j}.linear.*, heads.{i}.proj.weight) under vLLM's; with a candidate
-    vocabulary vocab_map [M], each head's [V, D] projection keeps the candidates' rows and fills every other id
-    from the nearest smaller candidate (full_vocabulary_rows)."""
+    vocabulary vocab_map [M], each head's projection over the `vocab` target ids keeps the candidates' rows (a
+    reduced head's own [M, D], models.medusa.projection_rows) and fills every other id from the nearest smaller
+    candidate (full_vocabulary_rows)."""
     state = {}
+    rows = projection_rows(heads, vocab_map)  # K x [M, D] in vocab_map's order, or K x [V, D]
     for i, head in enumerate(heads.heads):
         for j, block in enumerate(head.blocks):
             state[f"blocks.{i}.layers.{j}.weight"] = block.linear.weight
             state[f"blocks.{i}.layers.{j}.bias"] = block.linear.bias
-        proj = head.proj.weight.detach().cpu()  # [V, D]
+        proj = rows[i].detach().cpu()
         if vocab_map is not None:
             ids = vocab_map.long().cpu()
-            proj = full_vocabulary_rows(proj[ids], ids, proj.shape[0])
+            proj = full_vocabulary_rows(proj, ids, vocab if vocab is not None else head.proj.weight.shape[0])
         state[f"lm_heads.{i}.weight"] = proj
     return {name: tensor.detach().to("cpu", dtype).contiguous() for name, tensor in state.items()}
 

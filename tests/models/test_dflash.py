@@ -86,6 +86,7 @@ def test_target_layers_init_starts_the_first_layer_as_the_targets():
     d = target.config.hidden_size
     torch.testing.assert_close(drafter.fc.weight[:, d:], torch.eye(d))
     assert not drafter.fc.weight[:, :d].any()
-    torch.testing.assert_close(drafter.layers[0].self_attn.k_proj.weight, target.model.layers[2].self_attn.k_proj.weight)
+    torch.testing.assert_close(drafter.layers[0].self_attn.k_proj.weight,
+                               target.model.layers[2].self_attn.k_proj.weight)
     with pytest.raises(ValueError, match="dflash.init"):
         DFlashDrafter.for_target(target, None, init="nonsense")

@@ -143,6 +143,27 @@ def test_medusa_heads_with_a_candidate_vocabulary_draft_the_same_tokens_in_vllm(
     assert json.loads((out / PROVENANCE_FILE).read_text())["draft_vocab"] == vocab_map.numel()
 
 
+def test_reduced_medusa_heads_export_as_the_full_heads_holding_the_same_rows(target, tmp_path):
+    """Heads that store only the candidates' rows (medusa.reduced_heads, the real-size target's) export to the
+    same vLLM checkpoint as full heads whose candidate rows are those."""
+    vocab_map = torch.tensor([0, 2, 3, 9, 17, 30, 31, 50, 63])
+    full = save_medusa(target, tmp_path / "full", vocab_map=vocab_map)
+    config = target.model.config
+    reduced = MedusaHeads(3, 2, config.hidden_size, vocab_map.numel(), reduced=True)
+    with torch.no_grad():
+        reduced.load_state_dict({name: (value[vocab_map] if name.endswith("proj.weight") else value)
+                                 for name, value in full.state_dict().items()})
+    save_drafter(tmp_path / "reduced" / "m", reduced, target, "medusa", config=dict(reduced.config),
+                 extra={"tree": [[0]]}, vocab_map=vocab_map)
+    exports = [export_for_vllm(tmp_path / kind / "m", tmp_path / kind / "out", target)[0]
+               for kind in ("full", "reduced")]
+    states = [load_file(str(out / "model.safetensors")) for out in exports]
+    assert states[0].keys() == states[1].keys()
+    assert all(torch.equal(states[0][name], states[1][name]) for name in states[0])
+    configs = [json.loads((out / "config.json").read_text()) for out in exports]
+    assert configs[0] == configs[1] and configs[1]["vocab_size"] == target.vocab_size
+
+
 @pytest.mark.parametrize("kw, reason", [({"sequential": True}, "sequential"),
                                         ({"prefix": {"num_heads": 2, "intermediate_size": 16, "rope_theta": 1e4}},
                                          "prefix-attention")])
