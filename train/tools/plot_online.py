@@ -21,7 +21,15 @@ def plot(metrics: dict, out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     windows = metrics["windows"]
     xs = [w["requests"][1] for w in windows]
-    ax.plot(xs, [w["alpha"] for w in windows], marker="o", label="live alpha (server log, per window)")
+    vllm = metrics.get("engine") == "vllm"
+    ax.plot(xs, [w["alpha"] for w in windows], marker="o",
+            label="vLLM's live alpha (its /metrics, per window)" if vllm else "live alpha (server log, per window)")
+    beside = metrics.get("builtin_windows") or []
+    if beside:  # a built-in run's curve beside vLLM's (online-demo --engine vllm --beside)
+        ax.plot([w["requests"][1] for w in beside], [w["alpha"] for w in beside], marker=".", linestyle="--",
+                label="built-in server's live alpha (its log, per window)")
+    for swap in (e for e in metrics.get("engine_swaps", []) if e["event"] == "engine_swap"):
+        ax.axvline(swap["requests_ingested"], color="green", alpha=0.3)
     updates = metrics.get("daemon_updates", [])
     if updates:
         ux = [u["requests_ingested"] for u in updates]
