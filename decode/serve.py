@@ -359,19 +359,27 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
 
 def require_api_key(app: FastAPI, api_key: str | None) -> None:
     """With `api_key`, every endpoint but /health needs `Authorization: Bearer <api_key>` (401 otherwise)."""
-    if not api_key:
-        return
-    expected = f"Bearer {api_key}".encode()
+    if api_key:
+        app.add_middleware(ApiKeyCheck, expected=f"Bearer {api_key}".encode())
 
-    @app.middleware("http")
-    async def require_key(request: Request, call_next):
-        if request.url.path != "/health":
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                return JSONResponse(error_body("a valid API key is required: Authorization: Bearer <key>",
-                                               code="invalid_api_key", kind="authentication_error"),
-                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        return await call_next(request)
+
+class ApiKeyCheck:
+    """The API-key check as plain ASGI, not Starlette's BaseHTTPMiddleware: the app below keeps the server's own
+    `receive`, so a client's disconnect reaches it unchanged (the logging front cancels the upstream call on it)."""
+
+    def __init__(self, app, expected: bytes):
+        self.app, self.expected = app, expected
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            return await self.app(scope, receive, send)
+        response = JSONResponse(error_body("a valid API key is required: Authorization: Bearer <key>",
+                                           code="invalid_api_key", kind="authentication_error"),
+                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
 
 
 def add_error_handlers(app: FastAPI, retry_after: typing.Callable[[], int]) -> None:

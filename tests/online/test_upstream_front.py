@@ -194,7 +194,7 @@ def test_an_upstream_refusal_is_passed_through_and_not_logged(target, tmp_path):
     assert r.status_code == 404 and "does not exist" in r.json()["error"]["message"]
 
 
-def wait_for(condition, timeout_s: float = 5.0) -> bool:
+def wait_for(condition, timeout_s: float = 15.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
