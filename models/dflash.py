@@ -43,7 +43,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from specdistill.models.drafters import Drafter, register_drafter_kind
-from specdistill.models.eagle3 import Eagle3MLP, rotate
+from specdistill.models.eagle3 import Eagle3MLP, ReducedVocab, rotate
 
 WEIGHTS_FILE = "dflash.safetensors"
 MAX_BLOCK_SIZE = 32  # the paper trains 8-16; a CPU verifies a few rows for the price of one, not 32
@@ -185,7 +185,7 @@ class DFlashLayer(nn.Module):
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible.unsqueeze(-3))
 
 
-class DFlashDrafter(nn.Module):
+class DFlashDrafter(ReducedVocab, nn.Module):
     def __init__(self, config: dict):
         super().__init__()
         check_config(config)
@@ -207,20 +207,6 @@ class DFlashDrafter(nn.Module):
     @property
     def block_size(self) -> int:
         return int(self.config["block_size"])
-
-    @property
-    def vocab_map(self) -> torch.Tensor:
-        """[M] target id of each draft index."""
-        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
-
-    def set_vocab(self, vocab_map: torch.Tensor) -> None:
-        """vocab_map [M]: sorted distinct target ids (the d2t offset form needs them increasing)."""
-        vocab_map = vocab_map.long().to(self.d2t.device)
-        if vocab_map.numel() != self.d2t.numel() or bool((vocab_map[1:] <= vocab_map[:-1]).any()):
-            raise ValueError(f"vocab map: {self.d2t.numel()} increasing target ids needed")
-        self.d2t.copy_(vocab_map - torch.arange(vocab_map.numel(), device=vocab_map.device))
-        self.t2d.zero_()
-        self.t2d[vocab_map] = True
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The target layers' states [..., K x D_target] -> the context c [..., D]."""

@@ -172,7 +172,29 @@ def gather_rows(x: torch.Tensor, rows: torch.Tensor, dim: int = -2) -> torch.Ten
     return x.gather(dim, index.expand(*x.shape[:dim], rows.shape[1], *x.shape[dim + 1:]))
 
 
-class Eagle3Drafter(nn.Module):
+class ReducedVocab:
+    """A drafter head over M of the target's V ids, kept as EAGLE-3's d2t offsets and t2d mask (buffers the
+    subclass registers: d2t [M] long, t2d [V] bool); shared by EAGLE-3 and DFlash drafters."""
+
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+
+    @property
+    def vocab_map(self) -> torch.Tensor:
+        """[M] target id of each draft index."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def set_vocab(self, vocab_map: torch.Tensor) -> None:
+        """vocab_map [M]: sorted distinct target ids (the d2t offsets need them increasing)."""
+        vocab_map = vocab_map.long().to(self.d2t.device)
+        if vocab_map.numel() != self.d2t.numel() or bool((vocab_map[1:] <= vocab_map[:-1]).any()):
+            raise ValueError(f"vocab map: {self.d2t.numel()} increasing target ids needed")
+        self.d2t.copy_(vocab_map - torch.arange(vocab_map.numel(), device=vocab_map.device))
+        self.t2d.zero_()
+        self.t2d[vocab_map] = True
+
+
+class Eagle3Drafter(ReducedVocab, nn.Module):
     def __init__(self, config: dict):
         super().__init__()
         check_config(config)
@@ -188,20 +210,6 @@ class Eagle3Drafter(nn.Module):
     @property
     def target_layers(self) -> list[int]:
         return list(self.config["target_layers"])
-
-    @property
-    def vocab_map(self) -> torch.Tensor:
-        """[M] target id of each draft index."""
-        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
-
-    def set_vocab(self, vocab_map: torch.Tensor) -> None:
-        """vocab_map [M]: sorted distinct target ids (EAGLE-3's d2t offsets need them increasing)."""
-        vocab_map = vocab_map.long().to(self.d2t.device)
-        if vocab_map.numel() != self.d2t.numel() or bool((vocab_map[1:] <= vocab_map[:-1]).any()):
-            raise ValueError(f"vocab map: {self.d2t.numel()} increasing target ids needed")
-        self.d2t.copy_(vocab_map - torch.arange(vocab_map.numel(), device=vocab_map.device))
-        self.t2d.zero_()
-        self.t2d[vocab_map] = True
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The target's three layers' states [..., 3 x D_target] -> g [..., D]. (Tried: training fc on

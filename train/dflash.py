@@ -36,12 +36,20 @@ from specdistill.distill.feature_cache import FeatureRecord, open_or_build
 from specdistill.distill.feature_capture import FeatureStaging
 from specdistill.distill.generation import pad_token_id
 from specdistill.models.dflash import MAX_BLOCK_SIZE, MAX_LAYERS, DFlashDrafter, default_target_layers
-from specdistill.models.drafters import save_drafter
 from specdistill.train import distill_steps as steps
 from specdistill.train.checkpoints import resume_or_start, save_checkpoint
-from specdistill.train.config import ConfigError, check_choice, option, to_dict
-from specdistill.train.eagle3 import BatchPlan, budget_spent, decided_steps, pad_batch, target_head_rows
-from specdistill.train.medusa import average_gradients, candidate_vocab
+from specdistill.train.config import ConfigError, check_choice, option
+from specdistill.train.eagle3 import (
+    BatchPlan,
+    apply_gradients,
+    budget_spent,
+    decided_steps,
+    keep_if_best,
+    pad_batch,
+    snapshot,
+    target_head_rows,
+)
+from specdistill.train.medusa import candidate_vocab
 from specdistill.train.methods import Method, register_method
 from specdistill.train.step_budget import StepBudget
 
@@ -247,13 +255,7 @@ def train_step(cfg, accelerator, target, drafter, head_rows, records, optimizer,
     with accelerator.autocast():  # the loss calls the drafter's parts, not the prepared forward accelerate wraps
         loss, accuracy = dflash_loss(module, target.model.get_input_embeddings(), head_rows, records,
                                      cfg.dflash.anchors, cfg.dflash.decay(), generator)
-    accelerator.backward(loss)  # under DeepSpeed: also averages the gradients over processes, clips, steps
-    if not steps.deepspeed(accelerator):
-        average_gradients(accelerator, module)  # the loss calls the drafter's parts, not DDP's forward
-    accelerator.clip_grad_norm_(drafter.parameters(), 1.0)
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad()
+    apply_gradients(accelerator, drafter, module, loss, optimizer, scheduler)
     return float(loss.detach()), accuracy
 
 
@@ -293,30 +295,13 @@ def measure_acceptance(cfg, target, drafter: DFlashDrafter, prompts: list[list[i
 
 
 def evaluate(cfg, accelerator, target, module: DFlashDrafter | None, state, eval_prompts) -> None:
-    """Measure tau on held-out prompts (main process); save the drafter when it is the best so far."""
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        tau, alpha = 1.0, None
-        if eval_prompts:
-            result = measure_acceptance(cfg, target, module, eval_prompts)
-            tau, alpha = result["tau"], result["alpha"]
-        state.history.append({"step": state.step, "tau": tau, "alpha": alpha})
-        log.info("step %d held-out tau %.3f alpha %.3f", state.step, tau, alpha or 0.0)
-        accelerator.log({"eval/tau": tau}, step=state.step)
-        if tau > state.best_tau or not eval_prompts:  # unmeasured: the latest is kept
-            state.best_tau, state.best_step = tau, state.step
-            save_snapshot(cfg, target, module, state, "best")
-    accelerator.wait_for_everyone()
+    """Measure tau on held-out prompts; keep the drafter when it is the best so far."""
+    keep_if_best(cfg, accelerator, target, module, state, eval_prompts, measure_acceptance, save_snapshot)
 
 
 def save_snapshot(cfg, target, drafter: DFlashDrafter, state, name: str) -> Path:
     """The drafter as it is now, as a complete drafter directory under work_dir/<name> (atomic)."""
-    copy = DFlashDrafter(drafter.config)
-    copy.load_state_dict(drafter.state_dict())
-    return save_drafter(Path(cfg.work_dir) / name, copy.to(target.dtype), target, "dflash",
-                        config={**drafter.config, **to_dict(cfg)},
-                        extra={"decoding": decoding_options(cfg), "step": state.step, "held_out_tau": state.best_tau,
-                               "history": state.history})
+    return snapshot(cfg, target, drafter, state, name, "dflash", decoding_options(cfg))
 
 
 # ZeRO-2 only: the mask embedding is a bare parameter the blocks read directly, which ZeRO-3's per-module gathering

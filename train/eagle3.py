@@ -388,14 +388,20 @@ def train_step(cfg, accelerator, target, drafter, head_rows, records, optimizer,
                                      cfg.eagle3.steps, cfg.eagle3.decay, cfg.eagle3.prompt_weight,
                                      copy_weight=cfg.eagle3.copy_weight, feature_noise=cfg.eagle3.feature_noise,
                                      noise=noise)
-    accelerator.backward(loss)  # under DeepSpeed: also averages the gradients over processes, clips, steps
+    apply_gradients(accelerator, drafter, module, loss, optimizer, scheduler)
+    return float(loss.detach()), accuracy
+
+
+def apply_gradients(accelerator, drafter, module, loss, optimizer, scheduler) -> None:
+    """One optimizer step of a drafter whose loss calls its parts (`module`, unwrapped) rather than the prepared
+    forward: under DDP the gradients are averaged by hand; under DeepSpeed its backward does that, clips and steps."""
+    accelerator.backward(loss)
     if not steps.deepspeed(accelerator):
-        average_gradients(accelerator, module)  # the loss calls the drafter's parts, not DDP's forward
+        average_gradients(accelerator, module)
     accelerator.clip_grad_norm_(drafter.parameters(), 1.0)  # a no-op under DeepSpeed (its gradient_clipping)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad()
-    return float(loss.detach()), accuracy
 
 
 def after_step(cfg, accelerator, target, drafter, state, eval_prompts, loss, accuracy, scheduler, total,
@@ -434,29 +440,41 @@ def decoding_options(cfg) -> dict:
 
 
 def evaluate(cfg, accelerator, target, module: Eagle3Drafter | None, state, eval_prompts) -> None:
-    """Measure tau on held-out prompts (main process); save the drafter when it is the best so far.
-    `module`: the whole drafter (WholeDrafter.of, called by every process; None on the others under ZeRO-3)."""
+    """Measure tau on held-out prompts; keep the drafter when it is the best so far."""
+    keep_if_best(cfg, accelerator, target, module, state, eval_prompts, measure_acceptance, save_snapshot)
+
+
+def keep_if_best(cfg, accelerator, target, module, state, eval_prompts, measure, save) -> None:
+    """Measure tau on held-out prompts (main process, `measure(cfg, target, module, prompts)`); save the drafter
+    when it is the best so far (`save(cfg, target, module, state, "best")`). `module`: the whole drafter
+    (WholeDrafter.of, called by every process; None on the others under ZeRO-3)."""
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         tau, alpha = 1.0, None
         if eval_prompts:
-            result = measure_acceptance(cfg, target, module, eval_prompts)
+            result = measure(cfg, target, module, eval_prompts)
             tau, alpha = result["tau"], result["alpha"]
         state.history.append({"step": state.step, "tau": tau, "alpha": alpha})
         log.info("step %d held-out tau %.3f alpha %.3f", state.step, tau, alpha or 0.0)
         accelerator.log({"eval/tau": tau}, step=state.step)
         if tau > state.best_tau or not eval_prompts:  # unmeasured: the latest is kept
             state.best_tau, state.best_step = tau, state.step
-            save_snapshot(cfg, target, module, state, "best")
+            save(cfg, target, module, state, "best")
     accelerator.wait_for_everyone()
 
 
 def save_snapshot(cfg, target, drafter: Eagle3Drafter, state, name: str) -> Path:
     """The drafter as it is now, as a complete drafter directory under work_dir/<name> (atomic)."""
-    options = {key: value for key, value in decoding_options(cfg).items() if value}
-    copy = Eagle3Drafter(drafter.config)
+    return snapshot(cfg, target, drafter, state, name, "eagle3", decoding_options(cfg))
+
+
+def snapshot(cfg, target, drafter, state, name: str, kind: str, decoding: dict) -> Path:
+    """A copy of `drafter` (its class rebuilt from its config) saved as a drafter directory of `kind` under
+    work_dir/<name>, with the set decoding options and the run's held-out history."""
+    copy = type(drafter)(drafter.config)
     copy.load_state_dict(drafter.state_dict())
-    return save_drafter(Path(cfg.work_dir) / name, copy.to(target.dtype), target, "eagle3",
+    options = {key: value for key, value in decoding.items() if value}
+    return save_drafter(Path(cfg.work_dir) / name, copy.to(target.dtype), target, kind,
                         config={**drafter.config, **to_dict(cfg)},
                         extra={"decoding": options, "step": state.step, "held_out_tau": state.best_tau,
                                "history": state.history})

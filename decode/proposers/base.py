@@ -100,6 +100,22 @@ _BUILDERS: dict[str, ProposerBuilder] = {}
 _WRAPPERS: dict[str, ProposerWrapper] = {}
 
 
+class QueuedFeatures:
+    """For self-drafting proposers that read the target's features of each position once it is committed
+    (EAGLE-3, DFlash): the prompt's rows and each verification's accepted path wait in `pending` until the
+    next proposal feeds them to the drafter."""
+
+    pending: list[torch.Tensor]
+
+    def observe_prefill(self, features: torch.Tensor) -> None:
+        """features [n, K x D]: the prompt's positions."""
+        self.pending.append(features)
+
+    def observe_verification(self, features: torch.Tensor, verdict) -> None:
+        """features [N, K x D] of the verified tree; the accepted path's rows are the next positions."""
+        self.pending.append(features[verdict.path])
+
+
 def register_proposer(kind: str, builder: ProposerBuilder) -> None:
     """Teach build_proposer a drafter kind: builder(drafter, target_model, gamma, eos_token_ids, **kw) -> Proposer."""
     _BUILDERS[kind] = builder

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from specdistill.decode.proposers.base import Proposer, register_proposer, stored_format
+from specdistill.decode.proposers.base import Proposer, QueuedFeatures, register_proposer, stored_format
 from specdistill.decode.sampling import SamplingConfig, logits_to_probs, sample
 from specdistill.decode.tree import TokenTree
 from specdistill.models.dflash import DFlashCache, DFlashDrafter  # importing it registers the kind "dflash"
@@ -33,7 +33,7 @@ from specdistill.models.packed_linear import drafting_weights, packed_for_infere
 __all__ = ["DFlashProposer", "build_dflash_proposer"]
 
 
-class DFlashProposer(Proposer):
+class DFlashProposer(QueuedFeatures, Proposer):
     name = "dflash"
     self_drafting = True
 
@@ -72,14 +72,6 @@ class DFlashProposer(Proposer):
             self.cache = DFlashCache(self.drafter, rows, self.device, self.dtype)
         self.cache.length = 0
         self.pending = []
-
-    def observe_prefill(self, features: torch.Tensor) -> None:
-        """features [n, K x D]: the prompt's positions."""
-        self.pending.append(features)
-
-    def observe_verification(self, features: torch.Tensor, verdict) -> None:
-        """features [N, K x D] of the verified tree; the accepted path's rows are the next positions."""
-        self.pending.append(features[verdict.path])
 
     @torch.no_grad()
     def propose(self, seq: list[int], max_depth: int, sampling: SamplingConfig, generator) -> TokenTree:

@@ -51,7 +51,7 @@ import torch
 from specdistill.decode.draft_steps import ContextStep, DraftTreeStep, candidate_depths, draft_graphs_supported
 from specdistill.decode.lean_eagle3 import DISABLE_ENV as LEAN_DISABLE_ENV
 from specdistill.decode.lean_eagle3 import LeanEagle3, lean_eagle3, lean_eagle3_runs
-from specdistill.decode.proposers.base import CATCH_UP_SPLIT, Proposer, register_proposer, stored_format
+from specdistill.decode.proposers.base import CATCH_UP_SPLIT, Proposer, QueuedFeatures, register_proposer, stored_format
 from specdistill.decode.runner import synchronized_clock
 from specdistill.decode.sampling import SamplingConfig, logits_to_probs, sample
 from specdistill.decode.tree import TokenTree
@@ -90,7 +90,7 @@ class Candidate:
     row: int = -1  # the drafter cache row that expanded it (its children's logits), -1 if not expanded
 
 
-class Eagle3Proposer(Proposer):
+class Eagle3Proposer(QueuedFeatures, Proposer):
     name = "eagle3"
     self_drafting = True
 
@@ -171,14 +171,6 @@ class Eagle3Proposer(Proposer):
 
     def price_verification(self, seconds: Callable[[int], float] | None) -> None:
         self.verify_seconds = seconds if self.priced else None
-
-    def observe_prefill(self, features: torch.Tensor) -> None:
-        """features [n, 3D]: the prompt's positions."""
-        self.pending.append(features)
-
-    def observe_verification(self, features: torch.Tensor, verdict) -> None:
-        """features [N, 3D] of the verified tree; the accepted path's rows are the next positions."""
-        self.pending.append(features[verdict.path])
 
     @torch.no_grad()
     def propose(self, seq: list[int], max_depth: int, sampling: SamplingConfig, generator) -> TokenTree:

@@ -71,6 +71,23 @@ def exact_marginals(model, prompt, cfg, vocab):
     return joint12.sum(0), (joint12[..., None] * p3_given_12).sum((0, 1))
 
 
+def sampled_tokens(engine, prompt, n):
+    """n sampled 3-token continuations of prompt at temperature 1, seeds 0..n-1."""
+    return [engine.generate(prompt, 3, SamplingConfig(1.0, seed=s)).tokens for s in range(n)]
+
+
+def assert_unbiased_and_a_wrong_rule_caught(monkeypatch, engine, target, prompt, vocab, n=1500):
+    """The engine's 2nd and 3rd sampled tokens follow the target's exact marginals (chi-square p > 1e-3), and
+    resampling from p instead of the residual after a rejection is caught (p < 1e-6): the negative control."""
+    exp2, exp3 = exact_marginals(target, prompt, SamplingConfig(temperature=1.0), vocab)
+    outs = sampled_tokens(engine, prompt, n)
+    assert chi2_pvalue([o[1] for o in outs], exp2) > 1e-3
+    assert chi2_pvalue([o[2] for o in outs], exp3) > 1e-3
+    monkeypatch.setattr(sampling_mod, "residual", lambda p, token, q: p)
+    wrong = sampled_tokens(engine, prompt, n)
+    assert min(chi2_pvalue([o[1] for o in wrong], exp2), chi2_pvalue([o[2] for o in wrong], exp3)) < 1e-6
+
+
 @pytest.mark.parametrize("cfg", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=5, top_p=0.9)],
                          ids=["t1", "t07_topk_topp"])
 def test_engine_sampling_matches_target_distribution(cfg):
