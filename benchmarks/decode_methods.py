@@ -1,7 +1,7 @@
 """The decoding table of docs/results.md: every method against plain decoding of the default target, in one process.
 
-    python -m benchmarks.decode_methods [--preset lookup|table|qwen-coder] [--sets mt-bench arena-heldout humaneval]
-                                        [--dry-run]
+    python -m benchmarks.decode_methods [--preset lookup|table|qwen-coder|dflash]
+                                        [--sets mt-bench arena-heldout humaneval] [--fixed-depth] [--dry-run]
 
 A wrapper around `python -m decode.evaluate` (Spec-Bench's protocol: greedy, batch size 1, warm-up, methods
 interleaved per question, turn 2 on the method's own turn 1; greedy outputs checked token for token) that fixes the
@@ -17,6 +17,9 @@ methods and question sets the results page quotes, so its figures come from one 
   HumanEval's first 8 problems and MT-bench `--per-category 1`: prompt lookup, the 0.5B sibling as a draft model,
   the EAGLE-3 drafter of configs/distill/qwen_coder_eagle3.yaml alone and with prompt lookup, and llama.cpp's plain
   decoding, n-gram and draft-model speculation on the same GGUF (`--peers llamacpp`; `make llamacpp` first).
+- `--preset dflash`: the DFlash block drafter of configs/distill/smollm2_dflash.yaml beside EAGLE-3
+  (smollm2_eagle3.yaml, the same data) and prompt lookup, each alone and with prompt lookup; `--fixed-depth` for the
+  tau of each drafter's full depth.
 
 Question sets, 128 new tokens a turn: `mt-bench` (MT-bench `--per-category 2`: 16 questions, both turns; the
 qwen-coder preset: 1 a category), `arena-heldout` (8 Arena-Hard v2.0 prompts no shipped job trains on: records past
@@ -39,12 +42,14 @@ ARENA = ROOT.parent / "shared" / "data" / "arena_hard" / "question_v2.0.jsonl"
 HUMANEVAL = ROOT.parent / "shared" / "data" / "humaneval" / "HumanEval.jsonl.gz"
 EAGLE3 = "runs/smollm2_eagle3/drafter"
 QWEN_EAGLE3 = "runs/qwen_coder_eagle3/drafter"
+DFLASH = "runs/smollm2_dflash/drafter"
 JOBS = {  # drafter of the table -> the shipped job that writes it
     EAGLE3: "configs/distill/smollm2_eagle3.yaml",
     "runs/quickstart/drafter": "configs/distill/quickstart.yaml",
     "runs/smollm2_lookahead/drafter": "configs/distill/smollm2_lookahead.yaml",
     "runs/quickstart_seqkd/drafter": "configs/distill/quickstart_seqkd.yaml",
     QWEN_EAGLE3: "configs/distill/qwen_coder_eagle3.yaml",
+    DFLASH: "configs/distill/smollm2_dflash.yaml",
 }
 PRESETS = {
     "lookup": {"drafters": ["prompt_lookup"], "peers": ["hf"], "sets": ["mt-bench"]},
@@ -54,6 +59,8 @@ PRESETS = {
     "qwen-coder": {"drafters": ["prompt_lookup", "qwen2.5-coder-0.5b", QWEN_EAGLE3, f"{QWEN_EAGLE3}+prompt_lookup"],
                    "peers": ["llamacpp"], "sets": ["humaneval", "mt-bench"], "target": "qwen2.5-coder-1.5b",
                    "per_category": 1, "extra": ["--llamacpp-draft", "qwen2.5-coder-0.5b"]},
+    "dflash": {"drafters": ["prompt_lookup", EAGLE3, f"{EAGLE3}+prompt_lookup", DFLASH, f"{DFLASH}+prompt_lookup"],
+               "peers": [], "sets": ["mt-bench", "arena-heldout"]},
 }
 SETS = ("mt-bench", "arena-heldout", "humaneval")
 
@@ -85,6 +92,8 @@ def evaluate_argv(args, question_set: str, questions: Path | str) -> list[str]:
     if question_set == "humaneval":
         argv += ["--limit", "8"]
     argv += PRESETS[args.preset].get("extra", [])
+    if args.fixed_depth:
+        argv += ["--fixed-depth"]
     for spec in args.drafter:
         argv += ["--drafter", spec]
     for peer in args.peers:
@@ -119,6 +128,8 @@ def parse_args(argv=None):
     p.add_argument("--arena", default=str(ARENA), help="Arena-Hard v2.0's question_v2.0.jsonl")
     for option in ("target", "device", "dtype", "threads"):
         p.add_argument(f"--{option}", default=None, help=f"passed to decode.evaluate's --{option}")
+    p.add_argument("--fixed-depth", action="store_true", help="passed to decode.evaluate: every drafter drafts its "
+                   "full depth (tau comparable across kinds; speed is then not the engine's)")
     p.add_argument("--dry-run", action="store_true", help="print the decode.evaluate commands and stop")
     args = p.parse_args(argv)
     preset = PRESETS[args.preset]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from specdistill.distill.prompts import load_prompts, normalize_text
 from specdistill.train.tools.online_demo import drafter_training_texts
 
@@ -114,3 +116,18 @@ def test_the_plot_draws_vllms_curve_beside_the_builtin_one(tmp_path, monkeypatch
     assert curves["vLLM's live alpha (its /metrics, per window)"] == [0.1, 0.3]
     assert curves["built-in server's live alpha (its log, per window)"] == [0.2]
     assert [line.get_xdata()[0] for line in ax.get_lines() if line.get_label().startswith("_")] == [25]  # the swap
+
+
+def test_plot_online_beside_reads_a_builtin_runs_windows_and_refuses_a_vllm_run(tmp_path, monkeypatch):
+    from specdistill.train.tools import plot_online
+
+    drawn = []
+    monkeypatch.setattr(plot_online, "plot", lambda metrics, out: drawn.append(metrics) or out)
+    vllm = {"engine": "vllm", "windows": [{"requests": [0, 20], "alpha": 0.1}]}
+    builtin = {"engine": "builtin", "windows": [{"requests": [0, 20], "alpha": 0.2}]}
+    (tmp_path / "vllm.json").write_text(json.dumps(vllm))
+    (tmp_path / "builtin.json").write_text(json.dumps(builtin))
+    plot_online.main([str(tmp_path / "vllm.json"), "--beside", str(tmp_path / "builtin.json")])
+    assert drawn[0]["builtin_windows"] == builtin["windows"] and drawn[0]["windows"] == vllm["windows"]
+    with pytest.raises(SystemExit, match="vllm.json: not a built-in"):
+        plot_online.main([str(tmp_path / "vllm.json"), "--beside", str(tmp_path / "vllm.json")])

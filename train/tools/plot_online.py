@@ -3,6 +3,7 @@ at each update, and (for the demo) the held-out alpha before and after.
 
     specdistill plot-online runs/online_demo/metrics.json [--out PNG]     # the demo's summary
     specdistill plot-online WORK/metrics.jsonl [--out PNG]                # a running daemon's journal
+    specdistill plot-online VLLM_RUN/metrics.json --beside BUILTIN_RUN/metrics.json   # two demos run side by side
 """
 
 from __future__ import annotations
@@ -73,14 +74,26 @@ def from_daemon_journal(path: Path) -> dict:
     return {"windows": windows, "daemon_updates": [e for e in events if e["event"] == "update"]}
 
 
+def builtin_windows(path: Path) -> list[dict]:
+    """The live-alpha windows of a built-in demo's metrics.json (an error naming the file otherwise)."""
+    metrics = json.loads(path.read_text())
+    if metrics.get("engine", "builtin") != "builtin" or not metrics.get("windows"):
+        raise SystemExit(f"--beside {path}: not a built-in online-demo's metrics.json (no built-in windows)")
+    return metrics["windows"]
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("metrics", help="metrics.json written by specdistill online-demo")
     p.add_argument("--out", default=None, help="PNG path (default: acceptance.png beside metrics.json)")
+    p.add_argument("--beside", default="", help="a built-in demo's metrics.json whose live alpha is drawn beside "
+                   "(for a vLLM run made at the same time, so without online-demo's own --beside)")
     args = p.parse_args(argv)
     path = Path(args.metrics)
     out = Path(args.out) if args.out else path.with_name("acceptance.png")
     metrics = from_daemon_journal(path) if path.suffix == ".jsonl" else json.loads(path.read_text())
+    if args.beside:
+        metrics["builtin_windows"] = builtin_windows(Path(args.beside))
     print(plot(metrics, out))
 
 
