@@ -1,13 +1,13 @@
 """llama.cpp as a peer in the evaluation (`--peers llamacpp`): llama.cpp's own server decoding the very GGUF file our
 target was converted from, plainly (`llamacpp`), with its n-gram speculation (`llamacpp+ngram`), with a draft model
-given by `--llamacpp-draft` (`llamacpp+draft`) and with each EAGLE-3 drafter given by `--drafter` (`llamacpp+eagle3`),
-on the same prompt token ids as our methods, interleaved question by question like every method.
+given by `--llamacpp-draft` (`llamacpp+draft`) and with each EAGLE-3 or DFlash drafter given by `--drafter`
+(`llamacpp+eagle3`, `llamacpp+dflash`), on the same prompt token ids as our methods, interleaved question by question
+like every method.
 
-llamacpp+eagle3 is our drafter as a llama.cpp user would run it: exported to the speculators format
-(models.export, which writes the target's config and tokenizer beside it), converted by llama.cpp's own
-`convert_hf_to_gguf.py` from the same tree as the binaries, and served with `--spec-type draft-eagle3`, a chain of
---gamma tokens per step. The GGUF is cached under the cache root's llamacpp/ folder, named by a digest of the
-drafter's files, the converter's sources and the output type: each drafter converts once.
+llamacpp+eagle3 and llamacpp+dflash are our drafter as a llama.cpp user would run it: exported (the speculators
+format; DFlash's checkpoint), converted by llama.cpp's own `convert_hf_to_gguf.py` from the same tree as the binaries
+and cached (decode.llamacpp_convert), and served with `--spec-type draft-eagle3` / `draft-dflash`, a chain of --gamma
+tokens per step.
 
 llama.cpp is built by `make llamacpp` (.llamacpp/bin, from the llama.cpp tree that the pinned llama-cpp-python sdist
 vendors). Each method is one `llama-server` process (one slot, this process's torch thread count, on localhost at a
@@ -26,8 +26,6 @@ position where such a peer's answer first leaves the baseline's (decode.peers.fi
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -47,6 +45,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdistill.decode.engine import truncate_at_eos
+from specdistill.decode.llamacpp_convert import (  # noqa: F401 (the peer's names for them, which tests use)
+    CONVERTER_ENV,
+    EAGLE3_OUTTYPE,
+    LlamacppNotBuiltError,
+    check_converter_modules,
+    convert_command,
+    converter_script,
+    drafter_gguf,
+    eagle3_cache_key,
+    eagle3_gguf,
+)
 from specdistill.decode.metrics import RequestStats
 from specdistill.decode.peers import Method, TurnOutput
 
@@ -54,12 +63,9 @@ log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN_ENV = "SPECDISTILL_LLAMACPP_BIN"  # a folder holding llama-server (default: .llamacpp/bin, built by make llamacpp)
-# llama.cpp's converter (default: the tree make llamacpp unpacked, whose binaries we run: its GGUF is theirs)
-CONVERTER_ENV = "SPECDISTILL_LLAMACPP_CONVERTER"
-PLAIN, NGRAM, DRAFT, EAGLE3 = "llamacpp", "llamacpp+ngram", "llamacpp+draft", "llamacpp+eagle3"
-# the converted drafter's weights: f32, so that llama.cpp drafts with the weights we trained and the peer measures its
-# runtime, not a rounding (SmolLM2's features reach 2.5e4, which an f16 copy of the activations keeps to 3 digits)
-EAGLE3_OUTTYPE = "f32"
+PLAIN, NGRAM, DRAFT, EAGLE3, DFLASH = ("llamacpp", "llamacpp+ngram", "llamacpp+draft", "llamacpp+eagle3",
+                                      "llamacpp+dflash")
+FEATURE_METHODS = {"eagle3": EAGLE3, "dflash": DFLASH}  # our drafter kinds llama.cpp runs -> the method's name
 # llama.cpp's n-gram speculation closest to our prompt_lookup drafter: its `ngram-simple` finds the latest earlier
 # occurrence of the last NGRAM_SIZE tokens and drafts up to NGRAM_DRAFT_TOKENS of what followed (ours: the longest of
 # 3..1 tokens, 10 drafts; llama.cpp's defaults, 12 and 48, are for long agentic contexts and never match in a chat)
@@ -72,10 +78,6 @@ REQUEST_TIMEOUT_S = 900.0
 SPECULATION_ERROR = re.compile(r"^\S+ E (.*(?:\bspec\b|specul).*)$", re.IGNORECASE)
 # what a server that died says last: ".../llama-graph.cpp:1384: GGML_ASSERT(t_layer_inp[il] != nullptr ...) failed"
 FATAL_LINE = re.compile(r"GGML_ASSERT|GGML_ABORT|terminate called|^\S+ E ")
-
-
-class LlamacppNotBuiltError(FileNotFoundError):
-    """llama.cpp's server binary is not there: `make llamacpp` was not run."""
 
 
 def bin_dir() -> Path:
@@ -169,80 +171,6 @@ def target_gguf(target) -> tuple[Path | None, str | None]:
         return None, f"target {target.name!r} is not from a GGUF file llama.cpp could load ({err})"
 
 
-# ---- our EAGLE-3 drafter as llama.cpp's GGUF --------------------------------------------------------------------
-
-def converter_script() -> Path:
-    """llama.cpp's convert_hf_to_gguf.py, or LlamacppNotBuiltError saying where it is expected."""
-    script = Path(os.environ.get(CONVERTER_ENV) or ROOT / ".llamacpp" / "src" / "convert_hf_to_gguf.py")
-    if not script.is_file():
-        raise LlamacppNotBuiltError(f"llama.cpp's converter {script} does not exist: run `make llamacpp`, or set "
-                                    f"${CONVERTER_ENV} to a convert_hf_to_gguf.py")
-    return script
-
-
-def files_digest(paths: Iterable[Path], root: Path) -> str:
-    """sha256 over each file's path relative to `root` and its bytes, in sorted order."""
-    digest = hashlib.sha256()
-    for path in sorted(paths):
-        digest.update(str(path.relative_to(root)).encode() + b"\0")
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                digest.update(chunk)
-    return digest.hexdigest()
-
-
-def eagle3_cache_key(drafter_dir: Path, script: Path, outtype: str = EAGLE3_OUTTYPE) -> str:
-    """What the converted GGUF depends on: the drafter's files (manifest and weights), the converter's sources (the
-    script and its conversion/ package) and the output type."""
-    drafter_dir, tree = Path(drafter_dir), script.parent
-    drafter = files_digest([p for p in drafter_dir.rglob("*") if p.is_file()], drafter_dir)
-    converter = files_digest([script, *(tree / "conversion").glob("*.py")], tree)
-    return hashlib.sha256(f"{drafter} {converter} {outtype}".encode()).hexdigest()[:24]
-
-
-def convert_command(script: Path, export: Path, out: Path, outtype: str = EAGLE3_OUTTYPE) -> list[str]:
-    """llama.cpp's converter on a speculators export, the target's config and tokenizer from the export's own
-    target/ folder (models.export writes it: the converter refuses an EAGLE-3 drafter without them)."""
-    from specdistill.models.export import TARGET_DIR
-
-    return [sys.executable, str(script), str(export), "--target-model-dir", str(export / TARGET_DIR),
-            "--outfile", str(out), "--outtype", outtype]
-
-
-def check_converter_modules() -> None:
-    """The converter imports sentencepiece before it looks for a tokenizer.model, so without the module it fails
-    even on a BPE tokenizer (its requirements list it; ours do not need it otherwise)."""
-    if importlib.util.find_spec("sentencepiece") is None:
-        raise RuntimeError("llama.cpp's convert_hf_to_gguf.py needs the sentencepiece module (its requirements list "
-                           f"it): `{sys.executable} -m pip install 'sentencepiece>=0.1.98,<0.3'`")
-
-
-def eagle3_gguf(drafter_dir: str | Path, target) -> Path:
-    """The eagle3 drafter at `drafter_dir` (aligned to `target`) as a GGUF llama-server loads with --spec-type
-    draft-eagle3: exported, converted by llama.cpp's converter and cached under its content's key, so it converts
-    once. A RuntimeError says why the converter failed (its last lines); LlamacppNotBuiltError without it."""
-    from specdistill.models.cache import cache_root
-    from specdistill.models.export import export_speculators
-
-    script, drafter_dir = converter_script(), Path(drafter_dir)
-    final = cache_root() / "llamacpp" / f"eagle3-{eagle3_cache_key(drafter_dir, script)}.gguf"
-    if final.is_file():
-        return final
-    check_converter_modules()
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".eagle3-", dir=final.parent) as work:
-        export = export_speculators(drafter_dir, Path(work) / "export", target)
-        out, command = Path(work) / final.name, convert_command(script, export, Path(work) / final.name)
-        log.info("converting %s with llama.cpp's converter: %s", drafter_dir, " ".join(command))
-        done = subprocess.run(command, cwd=work, stdin=subprocess.DEVNULL, capture_output=True, text=True)
-        if done.returncode != 0 or not out.is_file():
-            tail = " | ".join((done.stdout + done.stderr).strip().splitlines()[-6:])
-            raise RuntimeError(f"llama.cpp's converter failed on the export of {drafter_dir} (status "
-                               f"{done.returncode}; {' '.join(command)}): {tail}")
-        os.replace(out, final)
-    return final
-
-
 # ---- the server's command line, request and reply ---------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -281,17 +209,32 @@ def eagle3_args(draft: Path, gamma: int) -> tuple[str, ...]:
             "--spec-draft-n-min", "0", "--spec-draft-p-min", "0")
 
 
-def eagle3_drafters(drafters) -> dict[str, str]:
-    """{method name: drafter directory} for the eagle3 drafters among {spec: Drafter}: one method per directory
-    (DIR and DIR+prompt_lookup are one drafter to llama.cpp), named llamacpp+eagle3, or llamacpp+eagle3[spec] when
-    there are several."""
+def dflash_args(draft: Path, gamma: int) -> tuple[str, ...]:
+    """A DFlash GGUF filling a block of gamma drafts in one forward at every step (llama.cpp drafts it as a chain,
+    the block's top token per row: no tree, no adaptive depth)."""
+    return ("--spec-type", "draft-dflash", "--spec-draft-model", str(draft), "--spec-draft-n-max", str(gamma),
+            "--spec-draft-n-min", "0", "--spec-draft-p-min", "0")
+
+
+SPEC_ARGS = {"eagle3": eagle3_args, "dflash": dflash_args}
+
+
+def feature_drafters(drafters, kind: str = "eagle3") -> dict[str, str]:
+    """{method name: drafter directory} for the drafters of `kind` (eagle3, dflash) among {spec: Drafter}: one method
+    per directory (DIR and DIR+prompt_lookup are one drafter to llama.cpp), named llamacpp+<kind>, or
+    llamacpp+<kind>[spec] when there are several."""
+    method = FEATURE_METHODS[kind]
     first_spec: dict[str, str] = {}  # drafter directory -> the first spec that named it
     for spec, drafter in (drafters or {}).items():
-        if drafter.kind == "eagle3" and drafter.path:
+        if drafter.kind == kind and drafter.path:
             first_spec.setdefault(drafter.path, spec)
     if len(first_spec) == 1:
-        return {EAGLE3: next(iter(first_spec))}
-    return {f"{EAGLE3}[{spec}]": path for path, spec in first_spec.items()}
+        return {method: next(iter(first_spec))}
+    return {f"{method}[{spec}]": path for path, spec in first_spec.items()}
+
+
+def eagle3_drafters(drafters) -> dict[str, str]:
+    return feature_drafters(drafters, "eagle3")
 
 
 def server_configs(model: Path, threads: int, gamma: int, draft: Path | None) -> tuple[list[ServerConfig], dict]:
@@ -457,37 +400,44 @@ def server_method(server: LlamaServer, max_new_tokens: int, eos_token_ids) -> Me
     return Method(server.config.name, run, lossless=False, close=server.close, fallible=True)
 
 
-def eagle3_configs(model: Path, threads: int, gamma: int, eagle3: dict[str, str], target
-                   ) -> tuple[list[ServerConfig], dict[str, str]]:
-    """One llama-server per {method: eagle3 drafter directory}, the drafter converted now (or taken from the cache);
-    a drafter that does not convert is a reason in the returned {method: reason}."""
+def feature_configs(model: Path, threads: int, gamma: int, methods: dict[str, str], target, kind: str = "eagle3"
+                    ) -> tuple[list[ServerConfig], dict[str, str]]:
+    """One llama-server per {method: drafter directory of `kind`}, the drafter converted now (or taken from the
+    cache); a drafter that does not convert is a reason in the returned {method: reason}."""
     configs, skipped = [], {}
-    for name, drafter_dir in eagle3.items():
+    for name, drafter_dir in methods.items():
         try:
-            configs.append(ServerConfig(name, model, threads, eagle3_args(eagle3_gguf(drafter_dir, target), gamma)))
+            draft = drafter_gguf(drafter_dir, target, kind)
+            configs.append(ServerConfig(name, model, threads, SPEC_ARGS[kind](draft, gamma)))
         except (RuntimeError, ValueError, OSError) as err:
             skipped[name] = str(err)
     return configs, skipped
 
 
+def eagle3_configs(model: Path, threads: int, gamma: int, eagle3: dict[str, str], target):
+    return feature_configs(model, threads, gamma, eagle3, target, "eagle3")
+
+
 def llamacpp_methods(target, max_new_tokens: int, greedy: bool, threads: int, gamma: int = 5,
                      draft: str | None = None, log_dir: Path | None = None,
                      drafters=None) -> tuple[list[Method], dict[str, str]]:
-    """llamacpp, llamacpp+ngram, (with a draft GGUF, a name or path) llamacpp+draft and, for the eagle3 drafters among
-    {spec: Drafter}, llamacpp+eagle3: each a server started now (Method.close stops it). LlamacppNotBuiltError
-    without `make llamacpp`; a method that cannot run (the target not from a GGUF, sampling, a drafter the converter
-    refuses, a server that fails to start) is a reason in the returned {method: reason}."""
+    """llamacpp, llamacpp+ngram, (with a draft GGUF, a name or path) llamacpp+draft and, for the eagle3 and dflash
+    drafters among {spec: Drafter}, llamacpp+eagle3 and llamacpp+dflash: each a server started now (Method.close
+    stops it). LlamacppNotBuiltError without `make llamacpp`; a method that cannot run (the target not from a GGUF,
+    sampling, a drafter the converter refuses, a server that fails to start) is a reason in the returned
+    {method: reason}."""
     binary = server_binary()
-    eagle3 = eagle3_drafters(drafters)
-    names = [PLAIN, NGRAM, DRAFT, *eagle3]
+    features = {kind: feature_drafters(drafters, kind) for kind in FEATURE_METHODS}
+    names = [PLAIN, NGRAM, DRAFT, *(name for methods in features.values() for name in methods)]
     model, reason = target_gguf(target)
     reason = reason or (None if greedy else "the llama.cpp peers run greedy decoding only")
     if reason:
         log.warning("skipping the llama.cpp peers: %s", reason)
         return [], dict.fromkeys(names, reason)
     configs, skipped = server_configs(model, threads, gamma, None if draft is None else resolve_gguf(draft))
-    more, unconverted = eagle3_configs(model, threads, gamma, eagle3, target)
-    configs, skipped = [*configs, *more], {**skipped, **unconverted}
+    for kind, methods in features.items():
+        more, unconverted = feature_configs(model, threads, gamma, methods, target, kind)
+        configs, skipped = [*configs, *more], {**skipped, **unconverted}
     for name, why in skipped.items():
         log.info("skipping %s: %s", name, why)
     logs = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="llamacpp-logs-"))

@@ -95,7 +95,7 @@ from specdistill.models.export_vllm import export_vllm_draft_model, export_vllm_
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("speculators", "vllm")
+FORMATS = ("speculators", "vllm", "dflash")
 VLLM_KINDS = ("draft_model", "eagle3", "medusa")  # what vLLM's speculative decoding loads
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -380,7 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculators: the speculators library's EAGLE-3 checkpoint, which vLLM loads for "
                         "method eagle3 (kind eagle3 only); vllm: what vLLM loads for the drafter's kind "
                         "(draft_model: an HF directory with a full-vocabulary head; eagle3: speculators; "
-                        "medusa: vLLM's Medusa checkpoint)")
+                        "medusa: vLLM's Medusa checkpoint); dflash: the checkpoint llama.cpp's convert_hf_to_gguf.py "
+                        "turns into a `dflash` GGUF (kind dflash only; models/export_dflash.py)")
     p.add_argument("--out", required=True, help="output directory (created; an earlier export there is replaced)")
     p.add_argument("--target", default=None, help="the target the drafter was trained for: an HF model directory, "
                    "a .gguf file, a hub id in the local HF cache, or nothing for the embedded default "
@@ -390,10 +391,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verifier", default=None, help="verifier name_or_path written to the config (what vLLM loads "
                    "as the target); default: the target's name (the embedded default: its hub id)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of the exported weights")
+    p.add_argument("--mask-token-id", type=int, default=None, help="--format dflash: the target id whose embedding "
+                   "row carries the drafter's mask embedding (default: the vocabulary's last id)")
     p.add_argument("--with-embed-tokens", action="store_true",
                    help="also write embed_tokens.weight (a copy of the target's input embedding); by default "
                         "vLLM shares the target's")
     return p
+
+
+def main_dflash(parser: argparse.ArgumentParser, args, load_target) -> int:
+    from specdistill.models.export_dflash import export_dflash
+
+    try:
+        target = load_target(args.target)
+    except (ValueError, OSError) as err:
+        parser.error(f"argument --target: {err}")
+    try:
+        out = export_dflash(args.drafter, args.out, target, mask_token_id=args.mask_token_id)
+    except (ValueError, FileNotFoundError) as err:
+        parser.error(f"argument drafter: {err}")
+    sys.stdout.write(f"{out}\n")
+    log.info("convert it with llama.cpp's convert_hf_to_gguf.py %s --target-model-dir %s/%s", out, out, TARGET_DIR)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -416,6 +435,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(f"{out}\n")
         log.info("serve it with vLLM's speculative_config {'method': %r, 'model': %r, ...}", method, str(out))
         return 0
+    if args.format == "dflash":
+        return main_dflash(parser, args, load_target)
     try:
         out = check_out_dir(args.out, Path(args.drafter).expanduser().absolute())
     except ValueError as err:

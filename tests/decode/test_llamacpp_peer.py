@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specdistill.decode import llamacpp_peer
+from specdistill.decode import llamacpp_convert, llamacpp_peer
 from specdistill.decode.evaluate import EvalConfig, build_methods, conversation_for_turn, evaluate_methods, main
 from specdistill.decode.llamacpp_peer import (
     BIN_ENV,
@@ -391,7 +391,7 @@ def eagle3_setup(monkeypatch, tmp_path):
     monkeypatch.setenv(CONVERTER_ENV, str(fake_converter(tmp_path)))
     monkeypatch.setenv(BIN_ENV, str(fake_server(tmp_path).parent))
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
-    monkeypatch.setattr(llamacpp_peer, "check_converter_modules", lambda: None)  # the stand-in needs none
+    monkeypatch.setattr(llamacpp_convert, "check_converter_modules", lambda: None)  # the stand-in needs none
     drafter = Eagle3Drafter.for_target(target.model, None, [0, 2, 1], seed=1)
     save_drafter(tmp_path / "eagle", drafter, target, "eagle3", config={**drafter.config})
     return target, tmp_path / "eagle"
@@ -440,7 +440,7 @@ def test_without_the_converter_or_sentencepiece_the_error_says_what_to_do(monkey
     monkeypatch.setenv(CONVERTER_ENV, str(tmp_path / "nowhere.py"))
     with pytest.raises(LlamacppNotBuiltError, match="make llamacpp"):
         eagle3_gguf(tmp_path, None)
-    monkeypatch.setattr(llamacpp_peer.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(llamacpp_convert.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(RuntimeError, match="sentencepiece"):
         check_converter_modules()
 
