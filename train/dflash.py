@@ -296,7 +296,7 @@ def measure_acceptance(cfg, target, drafter: DFlashDrafter, prompts: list[list[i
 
 def evaluate(cfg, accelerator, target, module: DFlashDrafter | None, state, eval_prompts) -> None:
     """Measure tau on held-out prompts; keep the drafter when it is the best so far."""
-    keep_if_best(cfg, accelerator, target, module, state, eval_prompts, measure_acceptance, save_snapshot)
+    keep_if_best(cfg, accelerator, target, module, state, eval_prompts, measure_acceptance, save_snapshot, log)
 
 
 def save_snapshot(cfg, target, drafter: DFlashDrafter, state, name: str) -> Path:

@@ -444,7 +444,7 @@ def evaluate(cfg, accelerator, target, module: Eagle3Drafter | None, state, eval
     keep_if_best(cfg, accelerator, target, module, state, eval_prompts, measure_acceptance, save_snapshot)
 
 
-def keep_if_best(cfg, accelerator, target, module, state, eval_prompts, measure, save) -> None:
+def keep_if_best(cfg, accelerator, target, module, state, eval_prompts, measure, save, logger=log) -> None:
     """Measure tau on held-out prompts (main process, `measure(cfg, target, module, prompts)`); save the drafter
     when it is the best so far (`save(cfg, target, module, state, "best")`). `module`: the whole drafter
     (WholeDrafter.of, called by every process; None on the others under ZeRO-3)."""
@@ -455,7 +455,7 @@ def keep_if_best(cfg, accelerator, target, module, state, eval_prompts, measure,
             result = measure(cfg, target, module, eval_prompts)
             tau, alpha = result["tau"], result["alpha"]
         state.history.append({"step": state.step, "tau": tau, "alpha": alpha})
-        log.info("step %d held-out tau %.3f alpha %.3f", state.step, tau, alpha or 0.0)
+        logger.info("step %d held-out tau %.3f alpha %.3f", state.step, tau, alpha or 0.0)
         accelerator.log({"eval/tau": tau}, step=state.step)
         if tau > state.best_tau or not eval_prompts:  # unmeasured: the latest is kept
             state.best_tau, state.best_step = tau, state.step
