@@ -28,7 +28,6 @@ CONVERTER_ENV = "SPECDISTILL_LLAMACPP_CONVERTER"
 # the converted drafter's weights: f32, so that llama.cpp drafts with the weights we trained and the peer measures its
 # runtime, not a rounding (SmolLM2's features reach 2.5e4, which an f16 copy of the activations keeps to 3 digits)
 OUTTYPE = "f32"
-EAGLE3_OUTTYPE = OUTTYPE
 KINDS = ("eagle3", "dflash")
 
 
@@ -63,9 +62,6 @@ def gguf_cache_key(drafter_dir: Path, script: Path, outtype: str = OUTTYPE) -> s
     drafter = files_digest([p for p in drafter_dir.rglob("*") if p.is_file()], drafter_dir)
     converter = files_digest([script, *(tree / "conversion").glob("*.py")], tree)
     return hashlib.sha256(f"{drafter} {converter} {outtype}".encode()).hexdigest()[:24]
-
-
-eagle3_cache_key = gguf_cache_key
 
 
 def convert_command(script: Path, export: Path, out: Path, outtype: str = OUTTYPE) -> list[str]:
@@ -121,7 +117,3 @@ def drafter_gguf(drafter_dir: str | Path, target, kind: str = "eagle3") -> Path:
                                f"{done.returncode}; {' '.join(command)}): {tail}")
         os.replace(out, final)
     return final
-
-
-def eagle3_gguf(drafter_dir: str | Path, target) -> Path:
-    return drafter_gguf(drafter_dir, target, "eagle3")

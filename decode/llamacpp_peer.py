@@ -45,17 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdistill.decode.engine import truncate_at_eos
-from specdistill.decode.llamacpp_convert import (  # noqa: F401 (the peer's names for them, which tests use)
-    CONVERTER_ENV,
-    EAGLE3_OUTTYPE,
-    LlamacppNotBuiltError,
-    check_converter_modules,
-    convert_command,
-    converter_script,
-    drafter_gguf,
-    eagle3_cache_key,
-    eagle3_gguf,
-)
+from specdistill.decode.llamacpp_convert import LlamacppNotBuiltError, drafter_gguf
 from specdistill.decode.metrics import RequestStats
 from specdistill.decode.peers import Method, TurnOutput
 
@@ -233,10 +223,6 @@ def feature_drafters(drafters, kind: str = "eagle3") -> dict[str, str]:
     return {f"{method}[{spec}]": path for path, spec in first_spec.items()}
 
 
-def eagle3_drafters(drafters) -> dict[str, str]:
-    return feature_drafters(drafters, "eagle3")
-
-
 def server_configs(model: Path, threads: int, gamma: int, draft: Path | None) -> tuple[list[ServerConfig], dict]:
     """One server per method: plain, n-gram and (with a draft GGUF) draft-model speculation; {method: reason} for
     the ones left out."""
@@ -412,10 +398,6 @@ def feature_configs(model: Path, threads: int, gamma: int, methods: dict[str, st
         except (RuntimeError, ValueError, OSError) as err:
             skipped[name] = str(err)
     return configs, skipped
-
-
-def eagle3_configs(model: Path, threads: int, gamma: int, eagle3: dict[str, str], target):
-    return feature_configs(model, threads, gamma, eagle3, target, "eagle3")
 
 
 def llamacpp_methods(target, max_new_tokens: int, greedy: bool, threads: int, gamma: int = 5,

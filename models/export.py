@@ -91,6 +91,7 @@ from specdistill.models.cache import make_temp_sibling, publish_dir
 from specdistill.models.drafters import MANIFEST, load_drafter, read_manifest
 from specdistill.models.eagle3 import Eagle3Drafter, check_config
 from specdistill.models.embedded import EMBEDDED_NAME
+from specdistill.models.export_dflash import is_dflash_export
 from specdistill.models.export_vllm import export_vllm_draft_model, export_vllm_medusa, is_vllm_export
 
 log = logging.getLogger(__name__)
@@ -160,7 +161,8 @@ def check_out_dir(out: str | Path, drafter_path: Path | None) -> Path:
     if drafter_path is not None and (out.resolve() == drafter_path.resolve()
                                      or drafter_path.resolve().is_relative_to(out.resolve())):
         raise ValueError(f"--out {out} would replace the drafter directory {drafter_path} itself")
-    if out.is_dir() and any(out.iterdir()) and not (is_speculators_dir(out) or is_vllm_export(out)):
+    if out.is_dir() and any(out.iterdir()) and not (is_speculators_dir(out) or is_vllm_export(out)
+                                                    or is_dflash_export(out)):
         raise ValueError(f"--out {out} is a non-empty directory that is not an earlier export; "
                          "give a new or empty directory (an earlier export there is replaced)")
     return out

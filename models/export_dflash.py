@@ -69,7 +69,7 @@ def dflash_tensors(drafter: DFlashDrafter, target) -> dict[str, torch.Tensor]:
     """Our state dict under z-lab's names (the converter adds "model."), plus the target's input embedding that
     the mask row is patched into; no mask_embedding (mask_embedding.pt) and no t2d (the converter drops it)."""
     state = {name: t.detach().float().cpu().contiguous() for name, t in drafter.state_dict().items()
-             if name not in ("mask_embedding", "t2d")}
+             if name not in ("mask_embedding", "t2d", "d2t")}
     state["d2t"] = drafter.d2t.detach().long().cpu().contiguous()
     state["embed_tokens.weight"] = target.model.get_input_embeddings().weight.detach().float().cpu().contiguous()
     return state
@@ -81,12 +81,10 @@ def export_dflash(drafter_path: str | Path, out: str | Path, target, *, mask_tok
     from specdistill.models.drafters import load_drafter
     from specdistill.models.export import TARGET_DIR, check_out_dir, write_target_files
 
-    drafter_path, out = Path(drafter_path), Path(out).expanduser().absolute()
+    drafter_path, out = Path(drafter_path), check_out_dir(out, drafter_path)  # an earlier export is replaced
     loaded = load_drafter(drafter_path, target, device="cpu")  # refuses a drafter aligned to another target
     if loaded.kind != "dflash":
         raise ValueError(f"{drafter_path}: a drafter of kind {loaded.kind!r}; --format dflash exports dflash drafters")
-    if not is_dflash_export(out):  # an earlier export is replaced; anything else is checked as every format's --out
-        out = check_out_dir(out, drafter_path)
     drafter = loaded.model.float()
     if drafter.config["hidden_size"] != target.model.get_input_embeddings().weight.shape[1]:
         raise ValueError("llama.cpp's dflash graph reads the target's embedding: the drafter's hidden_size must be "

@@ -141,7 +141,7 @@ def llamacpp_dflash_logits(gguf, hidden: list[torch.Tensor], tokens: list[int]) 
 def test_llamacpps_converter_turns_our_dflash_export_into_the_same_drafter(target, tmp_path):
     """Our export through llama.cpp's own converter, read back and computed as llama.cpp's dflash graph computes
     it, gives our drafter's block logits on the embedded default target's own features."""
-    from specdistill.decode.llamacpp_peer import LlamacppNotBuiltError, check_converter_modules, converter_script
+    from specdistill.decode.llamacpp_convert import LlamacppNotBuiltError, check_converter_modules, converter_script
 
     try:
         script = converter_script()

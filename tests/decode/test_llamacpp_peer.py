@@ -13,28 +13,30 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specdistill.decode import llamacpp_convert, llamacpp_peer
+from specdistill.decode import llamacpp_convert
 from specdistill.decode.evaluate import EvalConfig, build_methods, conversation_for_turn, evaluate_methods, main
+from specdistill.decode.llamacpp_convert import (
+    CONVERTER_ENV,
+    OUTTYPE,
+    check_converter_modules,
+    convert_command,
+    drafter_gguf,
+    gguf_cache_key,
+)
 from specdistill.decode.llamacpp_peer import (
     BIN_ENV,
-    CONVERTER_ENV,
     DRAFT,
     EAGLE3,
-    EAGLE3_OUTTYPE,
     NGRAM,
     NGRAM_DRAFT_TOKENS,
     NGRAM_SIZE,
     PLAIN,
     LlamacppNotBuiltError,
     ServerConfig,
-    check_converter_modules,
     completion_payload,
-    convert_command,
     eagle3_args,
-    eagle3_cache_key,
-    eagle3_drafters,
-    eagle3_gguf,
     fatal_lines,
+    feature_drafters,
     llamacpp_methods,
     resolve_gguf,
     server_binary,
@@ -111,16 +113,16 @@ def test_the_converter_reads_the_target_from_the_exports_own_folder(tmp_path):
     command = convert_command(script, export, out)
     assert command[:3] == [sys.executable, str(script), str(export)]
     assert option(command, "--target-model-dir") == str(export / TARGET_DIR)  # models.export writes it
-    assert option(command, "--outfile") == str(out) and option(command, "--outtype") == EAGLE3_OUTTYPE
+    assert option(command, "--outfile") == str(out) and option(command, "--outtype") == OUTTYPE
 
 
 def test_one_eagle3_method_per_drafter_directory():
     eagle = SimpleNamespace(kind="eagle3", path="/runs/a")
     other = SimpleNamespace(kind="eagle3", path="/runs/b")
-    assert eagle3_drafters(None) == {}
-    assert eagle3_drafters({"prompt_lookup": SimpleNamespace(kind="prompt_lookup", path=None)}) == {}
-    assert eagle3_drafters({"/runs/a": eagle, "/runs/a+prompt_lookup": eagle}) == {EAGLE3: "/runs/a"}
-    assert eagle3_drafters({"/runs/a+prompt_lookup": eagle, "/runs/b": other, "/runs/a": eagle}) == {
+    assert feature_drafters(None, "eagle3") == {}
+    assert feature_drafters({"prompt_lookup": SimpleNamespace(kind="prompt_lookup", path=None)}, "eagle3") == {}
+    assert feature_drafters({"/runs/a": eagle, "/runs/a+prompt_lookup": eagle}, "eagle3") == {EAGLE3: "/runs/a"}
+    assert feature_drafters({"/runs/a+prompt_lookup": eagle, "/runs/b": other, "/runs/a": eagle}, "eagle3") == {
         f"{EAGLE3}[/runs/a+prompt_lookup]": "/runs/a", f"{EAGLE3}[/runs/b]": "/runs/b"}
 
 
@@ -403,35 +405,35 @@ def conversions(tmp_path: Path) -> list[dict]:
 
 def test_a_drafter_converts_once_from_an_export_that_carries_the_target(eagle3_setup, tmp_path):
     target, drafter_dir = eagle3_setup
-    gguf = eagle3_gguf(drafter_dir, target)
+    gguf = drafter_gguf(drafter_dir, target, "eagle3")
     assert gguf.is_file() and gguf.parent == tmp_path / "cache" / "llamacpp" and gguf.suffix == ".gguf"
     (done,) = conversions(tmp_path)
     assert {"config.json", "model.safetensors", TARGET_DIR, "tokenizer.json"} <= set(done["files"])
     assert option(done["converter"], "--target-model-dir").endswith(f"export/{TARGET_DIR}")
-    assert eagle3_gguf(drafter_dir, target) == gguf and len(conversions(tmp_path)) == 1  # cached: not converted again
+    assert drafter_gguf(drafter_dir, target, "eagle3") == gguf and len(conversions(tmp_path)) == 1  # cached
     assert not [p for p in gguf.parent.iterdir() if p.name.startswith(".")]  # no work folder left behind
 
 
 def test_the_cache_key_follows_the_drafters_content_and_the_converter(eagle3_setup, tmp_path):
     _, drafter_dir = eagle3_setup
     script = fake_converter(tmp_path)
-    key = eagle3_cache_key(drafter_dir, script)
-    assert eagle3_cache_key(drafter_dir, script) == key
-    assert eagle3_cache_key(drafter_dir, script, "f16") != key
+    key = gguf_cache_key(drafter_dir, script)
+    assert gguf_cache_key(drafter_dir, script) == key
+    assert gguf_cache_key(drafter_dir, script, "f16") != key
     (script.parent / "conversion").mkdir()
     (script.parent / "conversion" / "llama.py").write_text("# a newer converter\n")
-    assert eagle3_cache_key(drafter_dir, script) != key
-    key = eagle3_cache_key(drafter_dir, script)
+    assert gguf_cache_key(drafter_dir, script) != key
+    key = gguf_cache_key(drafter_dir, script)
     weights = next((drafter_dir / "model").glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:-1] + bytes([weights.read_bytes()[-1] ^ 1]))  # one bit of one weight
-    assert eagle3_cache_key(drafter_dir, script) != key
+    assert gguf_cache_key(drafter_dir, script) != key
 
 
 def test_a_conversion_that_fails_names_the_drafter_and_says_why(eagle3_setup, monkeypatch, tmp_path):
     target, drafter_dir = eagle3_setup
     monkeypatch.setenv("FAIL_CONVERSION", "1")
     with pytest.raises(RuntimeError, match="duplicate target ids") as info:
-        eagle3_gguf(drafter_dir, target)
+        drafter_gguf(drafter_dir, target, "eagle3")
     assert str(drafter_dir) in str(info.value) and "status 1" in str(info.value)
     assert not list((tmp_path / "cache" / "llamacpp").iterdir())  # nothing half-written in the cache
 
@@ -439,7 +441,7 @@ def test_a_conversion_that_fails_names_the_drafter_and_says_why(eagle3_setup, mo
 def test_without_the_converter_or_sentencepiece_the_error_says_what_to_do(monkeypatch, tmp_path):
     monkeypatch.setenv(CONVERTER_ENV, str(tmp_path / "nowhere.py"))
     with pytest.raises(LlamacppNotBuiltError, match="make llamacpp"):
-        eagle3_gguf(tmp_path, None)
+        drafter_gguf(tmp_path, None, "eagle3")
     monkeypatch.setattr(llamacpp_convert.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(RuntimeError, match="sentencepiece"):
         check_converter_modules()
@@ -453,7 +455,7 @@ def test_the_evaluation_runs_each_eagle3_drafter_on_its_own_server(eagle3_setup,
     try:
         assert [m.name for m in methods] == [PLAIN, NGRAM, EAGLE3] and set(skipped) == {DRAFT}
         (command,) = [r for r in records(tmp_path) if isinstance(r, list) and "draft-eagle3" in r]
-        assert option(command, "--spec-draft-model") == str(eagle3_gguf(drafter_dir, target))
+        assert option(command, "--spec-draft-model") == str(drafter_gguf(drafter_dir, target, "eagle3"))
         assert option(command, "--spec-draft-n-max") == "3"
         out = methods[2].run([5, 6, 7])
         assert out.stats.drafted == 4 and out.stats.accepted == 1  # its draft counters, as the other methods'
@@ -552,7 +554,7 @@ def test_llamacpps_converter_turns_our_export_into_the_same_drafter(monkeypatch,
     """Our export through llama.cpp's own converter, read back and computed as llama.cpp's EAGLE3 graph computes it,
     gives our drafter's logits on the embedded default target's own features."""
     try:
-        llamacpp_peer.converter_script()
+        llamacpp_convert.converter_script()
         check_converter_modules()
     except (LlamacppNotBuiltError, RuntimeError) as err:
         pytest.skip(str(err))
@@ -563,7 +565,7 @@ def test_llamacpps_converter_turns_our_export_into_the_same_drafter(monkeypatch,
     vocab_map = torch.arange(0, target.vocab_size, 7)[:4096]  # a reduced head: d2t offsets that are not zero
     drafter = Eagle3Drafter.for_target(target.model, vocab_map, [15, 2, 27], seed=5)  # fused out of layer order
     save_drafter(tmp_path / "eagle", drafter, target, "eagle3", config={**drafter.config})
-    gguf = eagle3_gguf(tmp_path / "eagle", target)
+    gguf = drafter_gguf(tmp_path / "eagle", target, "eagle3")
     ids = torch.tensor([target.encode_chat([{"role": "user", "content": "Name three colours of the sea."}])])
     with torch.no_grad():
         hidden = target.model(input_ids=ids, output_hidden_states=True).hidden_states  # [i]: the input of layer i
