@@ -131,3 +131,30 @@ def test_plot_online_beside_reads_a_builtin_runs_windows_and_refuses_a_vllm_run(
     assert drawn[0]["builtin_windows"] == builtin["windows"] and drawn[0]["windows"] == vllm["windows"]
     with pytest.raises(SystemExit, match="vllm.json: not a built-in"):
         plot_online.main([str(tmp_path / "vllm.json"), "--beside", str(tmp_path / "vllm.json")])
+
+
+def test_with_vllm_the_first_version_is_exported_before_the_front_starts(tmp_path, monkeypatch):
+    """The supervisor's first engine serves v000000's vLLM export, and the daemon (which writes the later ones)
+    starts only once that engine is healthy: the demo must write the first export itself, before the front."""
+    from specdistill.train.tools import online_demo
+
+    calls = []
+    monkeypatch.setattr(online_demo, "export_version_for_vllm",
+                        lambda store, version, target, gamma: calls.append(("export", version, gamma)))
+
+    def front(*a, **k):
+        calls.append(("front",))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(online_demo, "start_front", front)
+    monkeypatch.setattr(online_demo, "start_server", front)
+    args = demo_args("--engine", "vllm", "--gamma", "4")
+    with pytest.raises(RuntimeError, match="stop here"):
+        online_demo.serve_and_learn(object(), args, tmp_path / "store", tmp_path / "logs", tmp_path / "work", tmp_path,
+                                    [])
+    assert calls == [("export", "v000000", 4), ("front",)]
+    calls.clear()
+    with pytest.raises(RuntimeError, match="stop here"):
+        online_demo.serve_and_learn(object(), demo_args(), tmp_path / "store", tmp_path / "logs", tmp_path / "work",
+                                    tmp_path, [])
+    assert calls == [("front",)]

@@ -62,6 +62,7 @@ from specdistill.models.drafter_store import current_version, init_store, set_ma
 from specdistill.models.drafters import load_drafter
 from specdistill.models.target import load_target
 from specdistill.train.acceptance import measure_acceptance
+from specdistill.train.online_vllm import export_version_for_vllm
 
 ROOT = Path(__file__).resolve().parents[2]
 log = logging.getLogger("specdistill.online_demo")
@@ -394,11 +395,19 @@ def measure_before(target, args, store: Path, heldout, general, out: Path) -> di
     return before
 
 
-def serve_and_learn(args, store: Path, logs: Path, work: Path, out: Path, stream: list[str]) -> None:
+def export_first_version(target, args, store: Path) -> None:
+    """--engine vllm: v000000 in vLLM's format before the front starts. The supervisor's first engine serves that
+    export, and the daemon, which exports every version it publishes, starts only once that engine is healthy."""
+    export_version_for_vllm(store, "v000000", target, args.gamma)
+
+
+def serve_and_learn(target, args, store: Path, logs: Path, work: Path, out: Path, stream: list[str]) -> None:
     """Steps 3-4: the server and the daemon as subprocesses, the stream replayed through HTTP; returns once the
     daemon has used every request. DIR/serve.json records the replay."""
     port = args.port or free_port()
     vllm = args.engine == "vllm"
+    if vllm:
+        export_first_version(target, args, store)
     server = start_front(args, store, logs, port, out) if vllm else start_server(args, store, logs, port, out)
     daemon = None
     try:
@@ -507,7 +516,7 @@ def main(argv=None) -> dict:
     else:  # v000000 is the starting drafter, so a finished run can measure it again
         before = measure_before(target, args, store, heldout, general, out)
     if not args.finish:
-        serve_and_learn(args, store, logs, work, out, stream)
+        serve_and_learn(target, args, store, logs, work, out, stream)
     return finish(target, args, store, logs, work, out, heldout, general, before)
 
 
