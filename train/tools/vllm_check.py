@@ -38,13 +38,15 @@ def chain_proposer(drafter, target, depth: int):
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("drafter", nargs="?", default="runs/smollm2_eagle3_gpu/drafter")
+    p.add_argument("--target", default=None, help="the drafter's target (default: the embedded smollm2-135m), "
+                   "e.g. qwen2.5-coder-1.5b; vLLM loads its converted directory")
     p.add_argument("--questions", default=str(ROOT.parent / "shared/data/mt_bench/question.jsonl"))
     p.add_argument("--per-category", type=int, default=1)
     p.add_argument("--depth", type=int, default=6, help="chain depth (EAGLE-3, draft model; Medusa: its heads)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--out", default="runs/vllm_check.json")
     args = p.parse_args(argv)
-    target = load_target()
+    target = load_target(args.target)
     drafter = load_drafter(args.drafter, target)
     questions = load_questions(args.questions, per_category=args.per_category)
     prompts = [target.encode_chat([{"role": "user", "content": q.turns[0]}]) for q in questions]
