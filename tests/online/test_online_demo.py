@@ -158,3 +158,33 @@ def test_with_vllm_the_first_version_is_exported_before_the_front_starts(tmp_pat
         online_demo.serve_and_learn(object(), demo_args(), tmp_path / "store", tmp_path / "logs", tmp_path / "work",
                                     tmp_path, [])
     assert calls == [("front",)]
+
+
+def test_finish_lets_the_daemon_use_the_last_requests_before_measuring(tmp_path, monkeypatch):
+    """A daemon stopped mid-update (the stream served, its last requests not yet learned from) resumes under
+    --finish, its log appended to, before the final measurement; one that overruns is stopped, naming --finish."""
+    from specdistill.train.tools import online_demo
+
+    class Daemon:
+        def __init__(self, rc=0, hangs=False):
+            self.rc, self.hangs, self.killed = rc, hangs, False
+
+        def wait(self, timeout=None):
+            if self.hangs:
+                import subprocess
+                raise subprocess.TimeoutExpired("daemon", timeout)
+            return self.rc
+
+        def kill(self):
+            self.killed = True
+
+    started = []
+    monkeypatch.setattr(online_demo, "start_daemon", lambda *a, mode="w", **k: started.append(mode) or Daemon())
+    args = demo_args("--finish", "--daemon-timeout", "5")
+    online_demo.complete_learning(args, tmp_path / "store", tmp_path / "logs", tmp_path / "work", tmp_path)
+    assert started == ["a"]
+    hung = Daemon(hangs=True)
+    monkeypatch.setattr(online_demo, "start_daemon", lambda *a, **k: hung)
+    with pytest.raises(SystemExit, match="--finish"):
+        online_demo.complete_learning(args, tmp_path / "store", tmp_path / "logs", tmp_path / "work", tmp_path)
+    assert hung.killed

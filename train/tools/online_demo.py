@@ -22,8 +22,9 @@
    forward per request: a greedy output is the target's iff every token is the argmax after its prefix);
 6. DIR/metrics.json and DIR/acceptance.png (specdistill plot-online) are written.
 
-A run interrupted after step 4 (all requests served and used) is completed with `--finish` and the same
-arguments: steps 5-6 on the store and logs already in DIR.
+A run interrupted after step 3 (all requests served) is completed with `--finish` and the same arguments: the
+daemon runs again until it has used every logged request (it resumes from its ledger in DIR/daemon; a daemon that
+had finished stops at once), then steps 5-6 on the store and logs already in DIR.
 
 With `--engine vllm` (`make vllm`), step 3 serves through vLLM instead: the logging front and swap supervisor
 (`python -m specdistill.train.engine_swap`) start a vLLM server with v000000's vLLM export as its draft model, the
@@ -111,8 +112,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "prompt's own tokens (v000000's manifest gets extra.prompt_vocab; the server, the daemon and "
                    "every published version follow it). On by default: two 500-request runs kept MT-bench within "
                    "0.015 with it, against 0.024-0.025 without (docs/journal.md)); the built-in engine's only")
-    p.add_argument("--finish", action="store_true", help="complete a run in --out whose stream was served and "
-                   "learned from but whose final measurement did not finish (steps 5-6 only)")
+    p.add_argument("--finish", action="store_true", help="complete a run in --out whose stream was served: the "
+                   "daemon resumes until it has used every request, then the final measurement (steps 5-6)")
+    p.add_argument("--daemon-timeout", type=float, default=3600.0,
+                   help="seconds the daemon may take after the stream to use the last requests (then it is "
+                   "stopped and `--finish` completes the run)")
     return resolve_engine_options(p.parse_args(argv))
 
 
@@ -332,9 +336,16 @@ def daemon_command(args, store: Path, logs: Path, work: Path, port: int) -> list
     return cmd
 
 
-def start_daemon(args, store: Path, logs: Path, work: Path, port: int, out: Path) -> subprocess.Popen:
+def start_daemon(args, store: Path, logs: Path, work: Path, port: int, out: Path, mode: str = "w") -> subprocess.Popen:
     return subprocess.Popen(daemon_command(args, store, logs, work, port), cwd=ROOT,
-                            stdout=open(out / "daemon.log", "w"), stderr=subprocess.STDOUT)
+                            stdout=open(out / "daemon.log", mode), stderr=subprocess.STDOUT)
+
+
+def complete_learning(args, store: Path, logs: Path, work: Path, out: Path) -> None:
+    """--finish: the daemon again, resuming from its ledger, until it has used every logged request (its log
+    appended to). No server runs now, so with --engine vllm its engine reads find nothing and it goes on without."""
+    daemon = start_daemon(args, store, logs, work, args.port or free_port(), out, mode="a")
+    wait_for(daemon, "daemon", timeout_s=args.daemon_timeout)
 
 
 def wait_healthy(client: httpx.Client, server: subprocess.Popen, timeout_s: float = 300) -> None:
@@ -372,7 +383,8 @@ def wait_for(proc: subprocess.Popen, name: str, timeout_s: float) -> None:
         rc = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
-        raise SystemExit(f"the {name} did not finish in {timeout_s:.0f} s") from None
+        raise SystemExit(f"the {name} did not finish in {timeout_s:.0f} s; it was stopped (rerun with --finish to "
+                         "complete the run)") from None
     if rc != 0:
         raise SystemExit(f"the {name} exited with {rc}; see its log")
 
@@ -419,7 +431,7 @@ def serve_and_learn(target, args, store: Path, logs: Path, work: Path, out: Path
             t1 = time.time()
             answers = replay_stream(client, stream, args.max_tokens)
             (out / "serve.json").write_text(json.dumps({"requests": len(answers), "serve_seconds": time.time() - t1}))
-        wait_for(daemon, "daemon", timeout_s=1800)
+        wait_for(daemon, "daemon", timeout_s=args.daemon_timeout)
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -515,7 +527,9 @@ def main(argv=None) -> dict:
         before = json.loads((out / "before.json").read_text())
     else:  # v000000 is the starting drafter, so a finished run can measure it again
         before = measure_before(target, args, store, heldout, general, out)
-    if not args.finish:
+    if args.finish:
+        complete_learning(args, store, logs, work, out)
+    else:
         serve_and_learn(target, args, store, logs, work, out, stream)
     return finish(target, args, store, logs, work, out, heldout, general, before)
 
