@@ -75,24 +75,33 @@ def test_with_vllm_the_daemon_exports_versions_and_reads_the_fronts_metrics(tmp_
     assert "--export_vllm" not in daemon_command(builtin, tmp_path / "s", tmp_path / "l", tmp_path / "w", 1)
 
 
-def ingest_row(requests: int, drafts: float, first: float, drafted: float, accepted: float) -> dict:
-    return {"event": "ingest", "requests_ingested": requests, "engine_drafts": drafts, "engine_drafted": drafted,
-            "engine_accepted": accepted, "engine_acceptance_per_position": [first / drafts, 0.0]}
+def ingest_row(time: float, requests: int, drafts: float, first: float, drafted: float, accepted: float) -> dict:
+    return {"event": "ingest", "time": time, "requests_ingested": requests, "engine_drafts": drafts,
+            "engine_drafted": drafted, "engine_accepted": accepted,
+            "engine_acceptance_per_position": [first / drafts, 0.0]}
 
 
-def test_vllms_windows_pool_the_daemons_reads_by_drafts_per_window_of_requests():
+def test_vllms_windows_place_each_read_by_the_requests_served_by_its_time():
+    """A read of vLLM's counters covers every request the engine answered since the previous read, however few
+    the daemon had ingested (it reads the log behind the engine, and not while it trains)."""
     import pytest
 
-    from specdistill.train.tools.online_demo import engine_windows
+    from specdistill.train.tools.online_demo import engine_windows, placed
 
-    rows = [ingest_row(10, 100, 10, 500, 12), ingest_row(20, 300, 90, 1500, 100),
-            {"event": "ingest", "requests_ingested": 22, "engine_drafts": None},  # /metrics not read: skipped
-            {"event": "update", "requests_ingested": 25}, ingest_row(30, 50, 40, 250, 60)]
-    windows = engine_windows(rows, 20)
-    assert [w["requests"] for w in windows] == [[0, 20], [20, 40]]
+    served = [float(t) for t in range(1, 61)]  # request i answered at time i
+    rows = [ingest_row(10.5, 4, 100, 10, 500, 12),  # 10 served, 4 ingested
+            ingest_row(20.5, 8, 300, 90, 1500, 100),  # 20 served
+            {"event": "ingest", "time": 25.5, "requests_ingested": 9, "engine_drafts": None},  # not read: skipped
+            {"event": "update", "time": 26.0, "requests_ingested": 9},
+            ingest_row(55.5, 10, 50, 40, 250, 60)]  # one read after the update spans requests 21-55
+    windows = engine_windows(rows, 20, served)
+    assert [w["requests"] for w in windows] == [[0, 20], [20, 55]]
     assert windows[0]["alpha"] == pytest.approx((10 + 90) / (100 + 300))  # weighted by drafts, not a mean of ratios
     assert windows[0]["accepted_over_drafted"] == pytest.approx(112 / 2000)
     assert windows[1]["alpha"] == pytest.approx(40 / 50) and windows[1]["tau"] == pytest.approx(1 + 60 / 50)
+    tail = engine_windows(rows[:1], 20, served)  # reads short of a window: what they cover
+    assert [w["requests"] for w in tail] == [[0, 10]]
+    assert [e["requests_served"] for e in placed(rows[3:4], served)] == [26]
 
 
 def test_the_plot_draws_vllms_curve_beside_the_builtin_one(tmp_path, monkeypatch):

@@ -38,6 +38,7 @@ vLLM's acceptance per window of requests (from the daemon's journal), plotted be
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import logging
 import os
@@ -268,23 +269,49 @@ def live_windows(records: list[dict], size: int) -> list[dict]:
     return windows
 
 
-def engine_windows(rows: list[dict], size: int) -> list[dict]:
-    """vLLM's live acceptance per window of `size` requests, from the daemon's journal (its ingest rows carry the
-    increase of vLLM's spec-decode counters since the previous read). alpha is first-position acceptance (accepted
-    at position 0 / drafts), as live_windows' is; a window holds the ingest rows that ended inside it."""
-    windows: dict[int, dict] = {}
+def served_by(times: list[float], t: float) -> int:
+    """How many of the logged requests (their log times, sorted) had been answered at time t."""
+    return bisect.bisect_right(times, t)
+
+
+def engine_windows(rows: list[dict], size: int, served_times: list[float]) -> list[dict]:
+    """vLLM's live acceptance per window of about `size` served requests, from the daemon's journal: each ingest
+    row carries the increase of vLLM's spec-decode counters since the previous read, which covers every request
+    the engine answered in that time (the daemon reads the log behind the engine, and not at all while it trains),
+    so a read is placed by the requests answered by its time (`served_times`: the log's times, sorted), not by
+    what the daemon had ingested. Consecutive reads are pooled until they span `size` requests; a window's
+    `requests` is the span its reads cover. alpha is first-position acceptance (accepted at position 0 / drafts),
+    as live_windows' is."""
+    windows, start, served = [], 0, 0
+    pooled = {"drafts": 0.0, "first_accepted": 0.0, "drafted": 0.0, "accepted": 0.0}
+
+    def close(end: int) -> None:
+        if pooled["drafts"]:
+            windows.append({"requests": [start, end], "alpha": pooled["first_accepted"] / pooled["drafts"],
+                            "accepted_over_drafted": pooled["accepted"] / pooled["drafted"] if pooled["drafted"]
+                            else None, "tau": 1 + pooled["accepted"] / pooled["drafts"]})
+        for key in pooled:
+            pooled[key] = 0.0
+
     for row in rows:
-        if row.get("event") != "ingest" or not row.get("engine_drafts"):
-            continue
-        start = (row["requests_ingested"] - 1) // size * size
-        w = windows.setdefault(start, {"drafts": 0.0, "first_accepted": 0.0, "drafted": 0.0, "accepted": 0.0})
-        w["drafts"] += row["engine_drafts"]
-        w["first_accepted"] += (row.get("engine_acceptance_per_position") or [0.0])[0] * row["engine_drafts"]
-        w["drafted"] += row["engine_drafted"]
-        w["accepted"] += row["engine_accepted"]
-    return [{"requests": [start, start + size], "alpha": w["first_accepted"] / w["drafts"],
-             "accepted_over_drafted": w["accepted"] / w["drafted"] if w["drafted"] else None,
-             "tau": 1 + w["accepted"] / w["drafts"]} for start, w in sorted(windows.items())]
+        if row.get("event") != "ingest" or row.get("engine_drafts") is None:
+            continue  # /metrics not read at this ingest: the next read covers its span
+        served = served_by(served_times, row["time"])
+        pooled["drafts"] += row["engine_drafts"]
+        pooled["first_accepted"] += (row.get("engine_acceptance_per_position") or [0.0])[0] * row["engine_drafts"]
+        pooled["drafted"] += row["engine_drafted"]
+        pooled["accepted"] += row["engine_accepted"]
+        if served - start >= size:
+            close(served)
+            start = served
+    close(served)  # the reads short of a full window
+    return windows
+
+
+def placed(events, served_times: list[float]) -> list[dict]:
+    """Journal events (the daemon's updates, the supervisor's engine events), each with `requests_served`: how
+    many requests had been answered when it happened, the plot's x (the daemon's `requests_ingested` lags it)."""
+    return [{**e, "requests_served": served_by(served_times, e["time"])} for e in events]
 
 
 # ---- processes -------------------------------------------------------------------------------------
@@ -447,16 +474,17 @@ def finish(target, args, store: Path, logs: Path, work: Path, out: Path, heldout
     records = read_log(logs)
     check = greedy_mismatches(target, records)
     journal = read_daemon_metrics(work)
-    updates = [e for e in journal if e["event"] == "update"]
+    served_times = sorted(r["time"] for r in records)
+    updates = placed((e for e in journal if e["event"] == "update"), served_times)
     served = json.loads((out / "serve.json").read_text()) if (out / "serve.json").exists() else {}
     metrics = {
         "requests": served.get("requests", len(records)), "logged": len(records), "max_tokens": args.max_tokens,
         "gamma": args.gamma,
         "engine": args.engine,
-        "windows": (engine_windows(journal, args.window) if args.engine == "vllm"
+        "windows": (engine_windows(journal, args.window, served_times) if args.engine == "vllm"
                     else live_windows(records, args.window)),
         "builtin_windows": json.loads(Path(args.beside).read_text())["windows"] if args.beside else None,
-        "engine_swaps": [e for e in journal if e["event"].startswith("engine_")],
+        "engine_swaps": placed((e for e in journal if e["event"].startswith("engine_")), served_times),
         "alpha_first_window": before["heldout"]["token_acceptance"],
         "alpha_last_window": after["heldout"]["token_acceptance"],
         "general_alpha_before": before["general"]["token_acceptance"],

@@ -30,15 +30,15 @@ def plot(metrics: dict, out: Path) -> Path:
         ax.plot([w["requests"][1] for w in beside], [w["alpha"] for w in beside], marker=".", linestyle="--",
                 label="built-in server's live alpha (its log, per window)")
     for swap in (e for e in metrics.get("engine_swaps", []) if e["event"] == "engine_swap"):
-        ax.axvline(swap["requests_ingested"], color="green", alpha=0.3)
+        ax.axvline(swap.get("requests_served", swap["requests_ingested"]), color="green", alpha=0.3)
     updates = metrics.get("daemon_updates", [])
     if updates:
-        ux = [u["requests_ingested"] for u in updates]
+        ux = [u.get("requests_served", u["requests_ingested"]) for u in updates]
         ax.plot(ux, [u["heldout_alpha_candidate"] for u in updates], "x--", label="daemon: candidate held-out alpha")
         ax.plot(ux, [u["heldout_alpha_served"] for u in updates], ".:", label="daemon: served held-out alpha")
         for u in updates:
             if not u["published"]:
-                ax.axvline(u["requests_ingested"], color="red", alpha=0.2)
+                ax.axvline(u.get("requests_served", u["requests_ingested"]), color="red", alpha=0.2)
     if "alpha_first_window" not in metrics:  # a daemon journal: no demo measurements around it
         return finish(fig, ax, out, f"online distillation: {sum(u['published'] for u in updates)} published, "
                                     f"{sum(not u['published'] for u in updates)} rollbacks")
