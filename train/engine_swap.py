@@ -341,9 +341,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--upstream-timeout", type=float, default=600.0,
                    help="seconds an engine may take to answer (or between two stream chunks): past it, 504")
     p.add_argument("--poll", type=float, default=2.0, help="seconds between looks at the store's current version")
+    p.add_argument("--upstream-token-ids", action=argparse.BooleanOptionalAction, default=None,
+                   help="ask the engine for its prompt and output token ids (vLLM's return_token_ids) and log those, "
+                   "not the answer's text re-tokenized, which can split a word differently (default: on for vLLM's "
+                   "server, off for an --engine-cmd)")
     p.add_argument("--api-key", default=os.environ.get("SPECDISTILL_API_KEY"),
                    help="the front's own key, required of clients (default: $SPECDISTILL_API_KEY)")
     return p.parse_args(argv)
+
+
+def asks_token_ids(args: argparse.Namespace) -> bool:
+    """Whether the front asks its engines for their token ids: yes for vLLM's server (it returns them since
+    0.10.2), for another --engine-cmd only when told."""
+    return args.upstream_token_ids if args.upstream_token_ids is not None else args.engine_cmd is None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -361,7 +371,8 @@ def main(argv: list[str] | None = None) -> None:
         target_dir, model_name, args.vllm_python or str(vllm_python()), args.num_speculative_tokens, args.dtype,
         args.vllm_arg)
     target = load_target(args.target, device="cpu")
-    front = build_front(target, None, args.log_dir, timeout_s=args.upstream_timeout, max_queue=args.max_queue)
+    front = build_front(target, None, args.log_dir, timeout_s=args.upstream_timeout, max_queue=args.max_queue,
+                        request_token_ids=asks_token_ids(args))
     del target
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded request or health check
     supervisor = Supervisor(front.router, launcher, Path(args.store), choose_stop_start(args.mode,

@@ -222,3 +222,15 @@ def test_an_engine_process_gets_the_launchers_environment_and_folder(tmp_path):
 
     assert "PROBE=set" in output_of(["env"])
     assert output_of(["pwd"]) == [str(tmp_path)]
+
+
+def test_the_supervisors_front_logs_vllms_own_token_ids_unless_told_otherwise():
+    """Re-tokenizing vLLM's text can split a word differently from what vLLM generated (a 64-token answer logged as
+    63 or 65 tokens, its last one not the target's choice), so the front asks vLLM for its ids."""
+    from specdistill.train.engine_swap import asks_token_ids, parse_args
+
+    base = ["--store", "s", "--target", "t", "--log-dir", "l"]
+    assert asks_token_ids(parse_args(base)) is True
+    assert asks_token_ids(parse_args([*base, "--no-upstream-token-ids"])) is False
+    assert asks_token_ids(parse_args([*base, "--engine-cmd", "fake --port {port}"])) is False
+    assert asks_token_ids(parse_args([*base, "--engine-cmd", "fake", "--upstream-token-ids"])) is True
