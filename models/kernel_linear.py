@@ -156,6 +156,8 @@ class KQuantLinear(torch.nn.Module):
         if x.requires_grad and torch.is_grad_enabled():
             raise RuntimeError("KQuantLinear is for inference; train the original module")
         rows = x.numel() // self.in_features
+        if rows == 0:  # as nn.Linear: no rows in, none out (a draft model's catch-up asks its head for no logits)
+            return x.new_zeros(*x.shape[:-1], self.out_features)
         y = self.matrix.gemm(x.reshape(rows, self.in_features).float().contiguous())
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 

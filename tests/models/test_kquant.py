@@ -105,6 +105,7 @@ def test_a_fused_matrix_of_mixed_formats_equals_its_parts_with_its_bias():
         y = fused(x)
         alone = torch.cat([KQuantLinear([p], None, lib)(x) for p in parts], dim=-1) + bias
     assert y.shape == (1, 6, 64) and torch.equal(y, alone) and torch.equal(fused.rows(x), y)
+    assert fused(torch.randn(0, 512)).shape == (0, 64)  # no rows, as nn.Linear (a catch-up asking for no logits)
     with pytest.raises(ValueError, match="segments of different K"):
         KQuantLinear([parts[0], random_blocks("Q4_K", 16, 256)], None, lib)
 
