@@ -434,19 +434,13 @@ def measure_before(target, args, store: Path, heldout, general, out: Path) -> di
     return before
 
 
-def export_first_version(target, args, store: Path) -> None:
-    """--engine vllm: v000000 in vLLM's format before the front starts. The supervisor's first engine serves that
-    export, and the daemon, which exports every version it publishes, starts only once that engine is healthy."""
-    export_version_for_vllm(store, "v000000", target, args.gamma)
-
-
 def serve_and_learn(target, args, store: Path, logs: Path, work: Path, out: Path, stream: list[str]) -> None:
     """Steps 3-4: the server and the daemon as subprocesses, the stream replayed through HTTP; returns once the
     daemon has used every request. DIR/serve.json records the replay."""
     port = args.port or free_port()
     vllm = args.engine == "vllm"
-    if vllm:
-        export_first_version(target, args, store)
+    if vllm:  # the supervisor's first engine serves v000000's vLLM export; the daemon, which exports every later
+        export_version_for_vllm(store, "v000000", target, args.gamma)  # version, starts once that engine is healthy
     server = start_front(args, store, logs, port, out) if vllm else start_server(args, store, logs, port, out)
     daemon = None
     try:
