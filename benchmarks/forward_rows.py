@@ -1,10 +1,12 @@
 """What a target forward of N rows costs against one row: the price of verifying an N-node tree.
 
-    python -m benchmarks.forward_rows [--target T] [--rows 1 2 4 8 12 16 24] [--context 300] [--reps 30] [--out DIR]
+    python -m benchmarks.forward_rows [--target T] [--rows 1 2 4 8 12 16 24] [--context 300] [--reps 30] [--pages]
+        [--out DIR]
 
 The cost model (decode/cost_model.py, docs/design/cost-model.md) prices every draft by this ratio. One process
 builds a ModelRunner per form of the kernel library this CPU runs (models/kernels: "fma", and "amx" where the
-CPU has AMX-BF16; $SPECDISTILL_NO_AMX selects the FMA form), fills each cache with the same `--context` tokens,
+CPU has AMX-BF16; $SPECDISTILL_NO_AMX selects the FMA form; with `--pages` also "fma 4k", the FMA form's weights in
+ordinary pages instead of 2 MiB ones, models.huge_pages), fills each cache with the same `--context` tokens,
 then times forwards of N rows after that prefix (logits for every row, as verification needs; the rows are not
 committed, so each forward writes over the last), every (form, N) interleaved rep by rep. Checks that the forms
 give the same greedy token at every row. Prints ms per forward and each as a multiple of its own one-row forward;
@@ -19,11 +21,13 @@ from benchmarks.harness import interleave, median_ms, parser, print_table, switc
 
 
 def runner_for(model, form: str, context: list[int]):
-    """A ModelRunner whose kernel matrices are in `form`, its cache holding `context` (committed)."""
+    """A ModelRunner whose kernel matrices are in `form` ("fma", "amx", "fma 4k": the FMA form's weights in
+    ordinary pages, models.huge_pages), its cache holding `context` (committed)."""
     from specdistill.decode.runner import ModelRunner
+    from specdistill.models.huge_pages import NO_HUGE_PAGES_ENV
     from specdistill.models.kernels import NO_AMX_ENV
 
-    with switched_off(NO_AMX_ENV, form == "fma"):
+    with switched_off(NO_AMX_ENV, form != "amx"), switched_off(NO_HUGE_PAGES_ENV, form.endswith("4k")):
         runner = ModelRunner(model)
     runner.start(len(context) + 64)
     runner.forward(context)
@@ -42,6 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 24])
     p.add_argument("--context", type=int, default=300)
     p.add_argument("--target", default=None, help="the target (models.target.load_target; default: the embedded one)")
+    p.add_argument("--pages", action="store_true", help="also the FMA form with its weights in ordinary 4 KiB pages "
+                   "(\"fma 4k\"; by default they are in 2 MiB pages where the OS gives them, models.huge_pages)")
     args = p.parse_args(argv)
     if any(not 1 <= r <= 64 for r in args.rows) or args.context < 1 or args.reps < 1:
         p.error("--rows between 1 and 64, --context and --reps at least 1")
@@ -58,7 +64,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(min(torch.get_num_threads(), os.cpu_count() or 1))
     model = load_target(args.target).model
     context = [(37 * i) % 30000 + 100 for i in range(args.context)]
-    forms = ["fma"] + (["amx"] if amx_unavailable() is None else [])
+    forms = ["fma"] + (["fma 4k"] if args.pages else []) + (["amx"] if amx_unavailable() is None else [])
     runners = {form: runner_for(model, form, context) for form in forms}
     with torch.inference_mode():
         same = len(forms) == 1 or all(torch.equal(*[forward_rows(runners[f], r) for f in forms]) for r in args.rows)

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from specdistill.models import kernels
 from specdistill.models.gguf_blocks import ATTRIBUTE as KQUANT_ATTRIBUTE
+from specdistill.models.huge_pages import huge_pages_unavailable
 from specdistill.models.kernel_linear import KernelLinear, KQuantLinear, Q41Linear, kquant_segments, q41_or_packed
 from specdistill.models.kernels import MAX_ROWS, amx_unavailable
 from specdistill.models.packed_linear import (
@@ -104,8 +105,8 @@ def lean_decoder(model: torch.nn.Module, weights: str) -> "LeanDecoder | None":
         return None
     decoder = model.get_decoder()
     # the norms' weights are read in place; their identity joins the linears' signature
-    key = (weights, gemm_padding(), kernels.unavailable(), amx_unavailable(), sdpa_asked(), unfused_asked(),
-           weights_signature(decoder), tuple(p.data_ptr() for p in decoder.parameters()))
+    key = (weights, gemm_padding(), kernels.unavailable(), amx_unavailable(), huge_pages_unavailable(), sdpa_asked(),
+           unfused_asked(), weights_signature(decoder), tuple(p.data_ptr() for p in decoder.parameters()))
     return cached_copy(_cache, decoder, key, lambda: built_decoder(decoder, weights))
 
 

@@ -23,6 +23,7 @@ import torch
 
 from specdistill.models import kernels
 from specdistill.models.gguf_blocks import ATTRIBUTE as KQUANT_ATTRIBUTE
+from specdistill.models.huge_pages import huge_pages_unavailable, in_huge_pages
 from specdistill.models.kernels import MAX_ROWS, amx_unavailable, vnni_unavailable
 from specdistill.models.kquant import INT8_KINDS, KQuantBlocks, int8_fields
 from specdistill.models.kquant import pack as kquant_pack
@@ -73,7 +74,7 @@ class KernelLinear(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear, lib):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.codes = self.pack(linear.weight.detach())
+        self.codes = fields_in_huge_pages(self.pack(linear.weight.detach()))
         self.gemm = self.bind(lib, self.codes)  # x [R, K] contiguous fp32 -> [R, N], checked by the library
         self.prefill = PackedLinear(linear)
 
@@ -169,6 +170,15 @@ class KQuantLinear(torch.nn.Module):
         return "KQuantLinear (" + "+".join(self.kinds) + ")"
 
 
+def fields_in_huge_pages(weight):
+    """A packed weight (Q41Weight, Q80Weight, Q8Int8Weight) with each of its tensors moved into 2 MiB pages: the
+    kernels stream them every token (models.huge_pages)."""
+    for name, value in vars(weight).items():
+        if isinstance(value, torch.Tensor):
+            setattr(weight, name, in_huge_pages(value))
+    return weight
+
+
 def kquant_matrix(lib, blocks: KQuantBlocks):
     """The library's matrix over a GGUF's `blocks`: Q4KMatrix or Q6KMatrix (models.kquant.pack), or for Q8_0 and
     Q5_0 (int8 codes times a step per 32) the int8 kernel's Int8Matrix over exactly those codes and steps."""
@@ -176,8 +186,8 @@ def kquant_matrix(lib, blocks: KQuantBlocks):
         fields = int8_fields(blocks)
         n, k = blocks.shape
         w = int8_layout(fields["codes"].reshape(n, k // GROUP, GROUP), fields["d"])
-        return lib.Int8Matrix(w.codes, w.step, w.bias)
-    packed = kquant_pack(blocks)
+        return lib.Int8Matrix(in_huge_pages(w.codes), in_huge_pages(w.step), in_huge_pages(w.bias))
+    packed = {name: in_huge_pages(t) for name, t in kquant_pack(blocks).items()}  # streamed every token
     return lib.Q4KMatrix(**packed) if blocks.kind == "Q4_K" else lib.Q6KMatrix(**packed)
 
 
@@ -210,7 +220,8 @@ def head_for_inference(head: torch.nn.Module) -> torch.nn.Module:
     target's tied embedding) and the library runs, else models.packed_linear's packed copy. Logged once per head;
     the grid check (a pass over every weight) and the copy are cached until the weights change."""
     if kquant_usable(head):  # a K-quant GGUF's own head (a real-size target's untied Q6_K output)
-        return cached_copy(_copies, head, ("kquant", weights_signature(head)), lambda: kquant_linear(head))
+        return cached_copy(_copies, head, ("kquant", huge_pages_unavailable(), weights_signature(head)),
+                           lambda: kquant_linear(head))
     usable = cached_copy(_head_checks, head, weights_signature(head), lambda: q80_usable(head))
     if not usable or kernels.unavailable() is not None:
         return packed_for_inference(head)
@@ -220,7 +231,8 @@ def head_for_inference(head: torch.nn.Module) -> torch.nn.Module:
         log.info("fp32 head: the Q8_0 kernel (%d x %d, its %s form)", head.out_features, head.in_features,
                  fast.codes.form)
         return fast
-    return cached_copy(_copies, head, ("q80", amx_unavailable(), weights_signature(head)), build)
+    return cached_copy(_copies, head, ("q80", amx_unavailable(), huge_pages_unavailable(), weights_signature(head)),
+                       build)
 
 
 def q80_rounded_linear(linear: torch.nn.Linear) -> torch.nn.Linear:
@@ -273,11 +285,11 @@ class GreedyHead:
         self.lib = lib
         check_int8_shape("GreedyHead", weight)
         codes, step = q80_codes(weight.detach().float())  # [N, G, 32], [N, G]: the FMA form's own grid
-        self.codes = int8_layout(codes, step)
+        self.codes = fields_in_huge_pages(int8_layout(codes, step))
         self.matrix = lib.Int8Matrix(self.codes.codes, self.codes.step, self.codes.bias)
         slack = (GREEDY_SLACK * step.double() * codes.abs().sum(-1).double()).float()
         slack = torch.nextafter(slack, torch.full_like(slack, float("inf")))  # rounded up: never below the bound
-        self.slack = by_block(slack)  # [N/16, G, 16]
+        self.slack = in_huge_pages(by_block(slack))  # [N/16, G, 16]
 
     def tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x fp32 [R, K] (1 <= R <= MAX_ROWS) -> (each row's argmax [R] int64, -1 for a row with no candidate (NaN);
@@ -298,7 +310,7 @@ def greedy_head_for(head: torch.nn.Module) -> GreedyHead | None:
         kernels.warn_fallback("the greedy head", why, "greedy steps compute every logit: the head 1.65-2.2x costlier, "
                               "plain decoding about 1.13x slower")
         return None
-    return cached_copy(_copies, fast, ("greedy", weights_signature(head)),
+    return cached_copy(_copies, fast, ("greedy", huge_pages_unavailable(), weights_signature(head)),
                        lambda: GreedyHead(head.weight, kernels.library()))
 
 
@@ -327,7 +339,7 @@ def q41_for_inference(module: torch.nn.Module) -> torch.nn.Module:
     change."""
     if kernels.unavailable() is not None or not packing_supported(module):
         return packed_for_inference(module)
-    return cached_copy(_copies, module, ("q41", amx_unavailable(), weights_signature(module)),
+    return cached_copy(_copies, module, ("q41", amx_unavailable(), huge_pages_unavailable(), weights_signature(module)),
                        lambda: clone_with_packed_linears(module, _on_a_kernel_or_packed))
 
 
