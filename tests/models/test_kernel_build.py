@@ -89,7 +89,10 @@ def test_a_failed_build_raises_with_the_compilers_words_and_leaves_nothing(tmp_p
 def test_the_library_runs_on_torchs_openmp_runtime_alone():
     kernels.library().rms_norm_rows(*[__import__("torch").ones(2, 16), __import__("torch").ones(16), 1e-5])
     mapped = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line}
-    assert len(mapped) == 1 and "torch" in next(iter(mapped)), mapped
+    # the soname the library asks for (libgomp.so.1) is torch's copy; wheels that vendor a private runtime under a
+    # hashed name (sentencepiece's libgomp-<hash>.so) are theirs alone and do not count
+    shared = {path for path in mapped if Path(path).name.startswith("libgomp.so")}
+    assert len(shared) == 1 and "torch" in next(iter(shared)), mapped
 
 
 def test_a_fallback_from_the_library_is_one_warning_naming_reason_and_cost(monkeypatch, caplog):
