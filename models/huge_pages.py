@@ -47,7 +47,8 @@ def huge_pages_unavailable() -> str | None:
 
 class HugePageArena:
     """Hands out 64-byte aligned tensors from anonymous mappings advised MADV_HUGEPAGE before any page is touched.
-    Each tensor holds its mapping: a mapping is unmapped when the last tensor in it is freed."""
+    Each tensor holds its mapping: a mapping the arena has moved past is unmapped when the last tensor in it is
+    freed (the one it is filling stays; its untouched pages cost no memory)."""
 
     def __init__(self, chunk: int = CHUNK):
         self.chunk = chunk
