@@ -1,6 +1,6 @@
 """The decoding table of docs/results.md: every method against plain decoding of the default target, in one process.
 
-    python -m benchmarks.decode_methods [--preset lookup|table|qwen-coder|dflash]
+    python -m benchmarks.decode_methods [--preset lookup|table|qwen-coder|dflash|qwen-coder-dflash]
                                         [--sets mt-bench arena-heldout humaneval] [--fixed-depth] [--dry-run]
 
 A wrapper around `python -m decode.evaluate` (Spec-Bench's protocol: greedy, batch size 1, warm-up, methods
@@ -20,6 +20,9 @@ methods and question sets the results page quotes, so its figures come from one 
 - `--preset dflash`: the DFlash block drafter of configs/distill/smollm2_dflash.yaml beside EAGLE-3
   (smollm2_eagle3.yaml, the same data) and prompt lookup, each alone and with prompt lookup; `--fixed-depth` for the
   tau of each drafter's full depth.
+- `--preset qwen-coder-dflash`: the same on the real-size target: the DFlash drafter of
+  configs/distill/qwen_coder_dflash.yaml beside EAGLE-3 (qwen_coder_eagle3.yaml, the same data) and prompt lookup,
+  each alone and with prompt lookup, on the qwen-coder preset's question sets.
 
 Question sets, 128 new tokens a turn: `mt-bench` (MT-bench `--per-category 2`: 16 questions, both turns; the
 qwen-coder preset: 1 a category), `arena-heldout` (8 Arena-Hard v2.0 prompts no shipped job trains on: records past
@@ -43,6 +46,7 @@ HUMANEVAL = ROOT.parent / "shared" / "data" / "humaneval" / "HumanEval.jsonl.gz"
 EAGLE3 = "runs/smollm2_eagle3/drafter"
 QWEN_EAGLE3 = "runs/qwen_coder_eagle3/drafter"
 DFLASH = "runs/smollm2_dflash/drafter"
+QWEN_DFLASH = "runs/qwen_coder_dflash/drafter"
 JOBS = {  # drafter of the table -> the shipped job that writes it
     EAGLE3: "configs/distill/smollm2_eagle3.yaml",
     "runs/quickstart/drafter": "configs/distill/quickstart.yaml",
@@ -50,6 +54,7 @@ JOBS = {  # drafter of the table -> the shipped job that writes it
     "runs/quickstart_seqkd/drafter": "configs/distill/quickstart_seqkd.yaml",
     QWEN_EAGLE3: "configs/distill/qwen_coder_eagle3.yaml",
     DFLASH: "configs/distill/smollm2_dflash.yaml",
+    QWEN_DFLASH: "configs/distill/qwen_coder_dflash.yaml",
 }
 PRESETS = {
     "lookup": {"drafters": ["prompt_lookup"], "peers": ["hf"], "sets": ["mt-bench"]},
@@ -61,6 +66,10 @@ PRESETS = {
                    "per_category": 1, "extra": ["--llamacpp-draft", "qwen2.5-coder-0.5b"]},
     "dflash": {"drafters": ["prompt_lookup", EAGLE3, f"{EAGLE3}+prompt_lookup", DFLASH, f"{DFLASH}+prompt_lookup"],
                "peers": [], "sets": ["mt-bench", "arena-heldout"]},
+    "qwen-coder-dflash": {"drafters": ["prompt_lookup", QWEN_EAGLE3, f"{QWEN_EAGLE3}+prompt_lookup", QWEN_DFLASH,
+                                       f"{QWEN_DFLASH}+prompt_lookup"],
+                          "peers": [], "sets": ["humaneval", "mt-bench"], "target": "qwen2.5-coder-1.5b",
+                          "per_category": 1},
 }
 SETS = ("mt-bench", "arena-heldout", "humaneval")
 
