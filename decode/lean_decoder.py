@@ -235,11 +235,13 @@ class LeanLayer:
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_layer,
                  mask: torch.Tensor | None, slots: torch.Tensor | None = None,
-                 visible: torch.Tensor | None = None) -> torch.Tensor:
+                 visible: torch.Tensor | None = None, spans: torch.Tensor | None = None) -> torch.Tensor:
         """x [1, N, D], cos/sin [1, 1, N, hd], mask [1, 1, G*N, T] (tiled for the groups) -> [1, N, D].
-        slots [N]: the cache positions to write (a fixed-shape step, decode.step_graphs); None: after the
-        committed prefix. visible [N, T] bool, where the kernel library runs: the same mask as keys each row sees,
-        for its attention kernel (`mask` is then not read)."""
+        slots [N]: the cache positions to write (a fixed-shape step, decode.step_graphs; several sequences in one
+        cache, distill.engine_generation); None: after the committed prefix. visible [N, T] bool, where the kernel
+        library runs: the same mask as keys each row sees, for its attention kernel (`mask` is then not read).
+        spans [N, 2] int64, where the kernel library runs: row n sees the cache's keys [spans[n, 0], spans[n, 1])
+        and nothing else (`attention_spans`; `mask` and `visible` are then not read)."""
         n = x.shape[1]
         if self.fused is not None and visible is not None and slots is None and cache_layer.is_initialized:
             return self.fused(x, cos, sin, cache_layer, visible)  # n <= MAX_ROWS: visible is given only then
@@ -256,7 +258,9 @@ class LeanLayer:
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         # [1, Hkv, T, hd]
         keys, values = cache_layer.update(k, v) if slots is None else cache_layer.write(k, v, slots)
-        if visible is not None:
+        if spans is not None:
+            out = self.native.attention_spans(q[0], keys[0], values[0], spans, self.scaling)[None]  # [1, N, H*hd]
+        elif visible is not None:
             out = self.native.attention_rows(q[0], keys[0], values[0], visible.contiguous(),
                                               self.scaling)[None]  # [1, N, H*hd]
         else:
@@ -347,19 +351,23 @@ class LeanDecoder:
                                                      or config.num_attention_heads)
 
     def __call__(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, mask: torch.Tensor,
-                 position_ids: torch.Tensor, cache, feature_layers: list[int], slots: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                 position_ids: torch.Tensor, cache, feature_layers: list[int], slots: torch.Tensor | None = None,
+                 spans: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """input_ids [1, N] (or inputs_embeds [1, N, D]), mask [1, 1, N, T] additive, position_ids [1, N]
         -> (the final normed hidden states [1, N, D], the inputs of `feature_layers`, each [1, N, D]).
-        slots [N]: where the rows' keys and values go (see LeanLayer)."""
+        slots [N]: where the rows' keys and values go; spans [N, 2]: the keys each row sees, in place of `mask`
+        (None then; see LeanLayer: only where the kernel library's attention runs, `kernel_attention`)."""
+        if spans is not None and (slots is None or not self.kernel_attention):
+            raise ValueError("spans need slots to write to and the kernel library's attention (kernel_attention)")
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary_emb(x, position_ids)  # [1, N, hd] each
         cos, sin = cos[:, None], sin[:, None]
-        visible = kernel_visibility(mask) if self.kernel_attention else None  # [N, T] bool, or None
-        grouped = None if visible is not None else mask.repeat(1, 1, self.groups, 1) if self.groups > 1 else mask
+        visible = kernel_visibility(mask) if self.kernel_attention and spans is None else None  # [N, T] bool, or None
+        grouped = None if visible is not None or spans is not None else \
+            mask.repeat(1, 1, self.groups, 1) if self.groups > 1 else mask
         wanted, features = set(feature_layers), {}
         for index, layer in enumerate(self.layers):
             if index in wanted:
                 features[index] = x
-            x = layer(x, cos, sin, cache.layers[index], grouped, slots, visible)
+            x = layer(x, cos, sin, cache.layers[index], grouped, slots, visible, spans)
         return rms_norm_rows_or_torch(self.native, x, self.norm), [features[i] for i in feature_layers]

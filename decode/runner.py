@@ -115,13 +115,16 @@ class ModelRunner:
         int64), the argmax of forward's logits, ties to the first. On the greedy head where it runs (the exact
         argmax without computing every logit: models.kernel_linear.GreedyHead), else from the logits."""
         hidden, rows, logits = self.run(tokens, depths, ancestors, logits_rows, None)
-        if logits is None and self.greedy_head is not None and rows.shape[0] <= MAX_ROWS:
+        return hidden, self.greedy_tokens(rows) if logits is None else logits.argmax(-1)
+
+    def greedy_tokens(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n, D] final hidden states -> each row's most probable next token [n] int64 (ties to the first): the
+        greedy head's where it runs, else the argmax of the head's logits."""
+        if self.greedy_head is not None and rows.shape[0] <= MAX_ROWS:
             best, _ = self.greedy_head.tokens(rows)
             if bool((best >= 0).all()):
-                return hidden, best
-        if logits is None:  # no greedy head here, or a row without candidates (NaN): every logit, as forward
-            logits = self.head(rows).float()
-        return hidden, logits.argmax(-1)
+                return best
+        return self.head(rows).float().argmax(-1)  # no greedy head here, or a row without candidates (NaN)
 
     def run(self, tokens: list[int], depths: list[int] | None, ancestors: torch.Tensor | None,
             logits_rows: slice | None,

@@ -35,11 +35,13 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from specdistill.distill.engine_generation import engine_generation_unavailable, generate_greedy_together
 from specdistill.distill.feature_capture import FeatureStaging
 from specdistill.distill.generation import generate_batch, pad_token_id
 from specdistill.distill.prompts import Prompt
 from specdistill.distill.teacher_vllm import BACKENDS, VllmTeacher, sample_seed
 from specdistill.models.cache import cache_root
+from specdistill.models.kernels import MAX_ROWS
 
 __all__ = [
     "TeacherDataSettings", "generate_teacher_data", "load_teacher_data", "teacher_data_key", "teacher_data_dir",
@@ -141,6 +143,8 @@ def teacher_data_key(target, prompts: Sequence[Prompt], settings: TeacherDataSet
     recorded = asdict(settings)
     if settings.backend == "builtin":
         del recorded["backend"]
+        if settings.greedy and greedy_generator(target.model) == "engine":
+            recorded["greedy_generator"] = "engine"  # caches of transformers' greedy answers keep their keys
     payload = {
         "format_version": FORMAT_VERSION,
         "fingerprint": target.fingerprint,
@@ -200,10 +204,19 @@ def generate_shard(target, prompts: Sequence[Prompt], settings: TeacherDataSetti
 def builtin_responses(model, encoded: list[list[int]], jobs: list[tuple[int, int]], settings: TeacherDataSettings,
                       shard: int, pad_id: int, eos_ids: set[int],
                       staging: FeatureStaging | None = None) -> dict[tuple[int, int], list[int]]:
-    """{(prompt index, sample_idx): answer} from the target itself, batched (distill.generation)."""
+    """{(prompt index, sample_idx): answer} from the target itself: the greedy answers from the engine's own forward
+    where it runs the target (distill.engine_generation: the engine's plain decodes, batch_size prompts side by side,
+    no padding), the samples (and greedy answers elsewhere) from transformers' generate (distill.generation)."""
     # longest prompts first so each batch pads little; a stable sort keeps the order deterministic
     jobs = sorted(jobs, key=lambda job: -len(encoded[job[0]]))
     responses: dict[tuple[int, int], list[int]] = {}
+    greedy_jobs = [job for job in jobs if job[1] == 0 and settings.greedy]
+    if greedy_jobs and greedy_generator(model) == "engine":
+        outs = generate_greedy_together(model, [encoded[i] for i, _ in greedy_jobs],
+                                        max_new_tokens=settings.max_new_tokens, eos_token_ids=eos_ids,
+                                        max_batch=min(settings.batch_size, MAX_ROWS), staging=staging)
+        responses.update(zip(greedy_jobs, outs))
+        jobs = [job for job in jobs if job not in responses]
     device = next(model.parameters()).device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(shard_seed(settings.seed, shard))
@@ -216,6 +229,17 @@ def builtin_responses(model, encoded: list[list[int]], jobs: list[tuple[int, int
                                       temperature=settings.temperature, top_p=settings.top_p, staging=staging)
                 responses.update(zip(batch, outs))
     return responses
+
+
+def greedy_generator(model) -> str:
+    """Who writes the built-in backend's greedy answers: "engine" (distill.engine_generation) where it runs `model`,
+    else "generate" (transformers'). Part of the cache key: the two may differ where two tokens' logits tie to the
+    last bits."""
+    reason = engine_generation_unavailable(model)
+    if reason is not None:
+        log.info("teacher data: greedy answers from transformers' generate (%s)", reason)
+        return "generate"
+    return "engine"
 
 
 def vllm_responses(teacher: VllmTeacher, encoded: list[list[int]], jobs: list[tuple[int, int]],

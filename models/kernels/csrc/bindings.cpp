@@ -422,6 +422,33 @@ at::Tensor attention_rows_op(const at::Tensor &q, const at::Tensor &keys, const 
     return out;
 }
 
+at::Tensor attention_spans_op(const at::Tensor &q, const at::Tensor &keys, const at::Tensor &values,
+                              const at::Tensor &spans, double scale) {
+    // q [H, N, hd], keys and values [Hkv, T, hd], spans int64 [N, 2]: row n sees keys [spans[n, 0], spans[n, 1])
+    // -> [N, H hd]
+    const char *fn = "attention_spans";
+    check_tensor(q, at::kFloat, fn, "q");
+    TORCH_CHECK_VALUE(q.dim() == 3 && q.size(2) % 16 == 0 && q.size(2) <= 256, fn,
+                      ": q must be [H, N, hd] with hd a multiple of 16 up to 256, got ", q.sizes());
+    int64_t H = q.size(0), N = q.size(1), hd = q.size(2);
+    TORCH_CHECK_VALUE(keys.dim() == 3 && keys.size(0) > 0 && H % keys.size(0) == 0, fn,
+                      ": keys must be [Hkv, T, hd] with Hkv dividing the ", H, " query heads, got ", keys.sizes());
+    int64_t Hkv = keys.size(0), T = keys.size(1);
+    check_cache(keys, values, Hkv, hd, fn);
+    check_tensor(spans, at::kLong, fn, "spans");
+    check_shape(spans, {N, 2}, fn, "spans");
+    const int64_t *bounds = spans.data_ptr<int64_t>();
+    for (int64_t n = 0; n < N; n++)
+        TORCH_CHECK_VALUE(0 <= bounds[2 * n] && bounds[2 * n] < bounds[2 * n + 1] && bounds[2 * n + 1] <= T, fn,
+                          ": row ", n, "'s span [", bounds[2 * n], ", ", bounds[2 * n + 1],
+                          ") is empty or outside the ", T, " keys");
+    auto out = at::empty({N, H * hd}, q.options());
+    check_memory(attention_spans(q.data_ptr<float>(), H, Hkv, N, hd, keys.data_ptr<float>(), values.data_ptr<float>(),
+                                 keys.stride(0), bounds, static_cast<float>(scale), out.data_ptr<float>(), threads()),
+                 fn);
+    return out;
+}
+
 // ---- a decoder layer's rows in two calls (decode.lean_decoder.FusedLayer) --------------------------------------
 
 struct LayerShape {  // what the layer's matrices and the call's rows must agree on
@@ -637,6 +664,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("rope_qk", &rope_qk_op, py::arg("qkv"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
           py::arg("cos"), py::arg("sin"));
     m.def("attention_rows", &attention_rows_op, py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("visible"),
+          py::arg("scale"));
+    m.def("attention_spans", &attention_spans_op, py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("spans"),
           py::arg("scale"));
     py::class_<KQuantProjection>(m, "KQuantProjection")
         .def(py::init<std::vector<py::object>, c10::optional<at::Tensor>>(), py::arg("parts"), py::arg("bias"))

@@ -71,6 +71,8 @@ void rope_qk(const float *qkv, int N, int H, int Hkv, int hd, const float *cos, 
              float *k);
 int attention_rows(const float *q, int H, int Hkv, int N, int hd, const float *k, const float *v, long head_stride,
                    int T, const uint8_t *visible, float scale, float *out, int threads);
+int attention_spans(const float *q, int H, int Hkv, int N, int hd, const float *k, const float *v, long head_stride,
+                    const int64_t *spans, float scale, float *out, int threads);
 void append_keys_values(const float *k, const float *qkv, int N, int H, int Hkv, int hd, float *keys,
                         float *values, long head_stride, int start);
 int layer_rows_attention(const float *x, int N, int D, const float *norm_in, float eps_in, q41_matrix qkv, int H,

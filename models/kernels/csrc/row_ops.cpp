@@ -137,6 +137,48 @@ int attention_rows(const float *q, int H, int Hkv, int N, int hd, const float *k
     return 0;
 }
 
+// Rows of several sequences in one forward (distill.engine_generation: many prompts decoded together), each sequence's
+// keys a contiguous span of one cache: row n attends to the keys [spans[2n], spans[2n + 1]) alone, all of them seen,
+// so its numbers are the ones attention_rows gives it over the same keys in its own cache (attend_row over the same
+// keys in the same order), and its cost follows its own span, not the cache's. 0, or -1 without scratch memory.
+int attention_spans(const float *q, int H, int Hkv, int N, int hd, const float *k, const float *v, long head_stride,
+                    const int64_t *spans, float scale, float *out, int threads) {
+    int longest = 1, group = H / Hkv, units = H * N;
+    for (int n = 0; n < N; n++) {
+        int width = (int)(spans[2 * n + 1] - spans[2 * n]);
+        if (width > longest) longest = width;
+    }
+    int padded = (longest + 15) / 16 * 16;
+    if (threads > units) threads = units;
+    if (threads < 1) threads = 1;
+    float *scratch = (float *)malloc(sizeof(float) * (size_t)padded * threads);
+    uint8_t *seen = (uint8_t *)malloc((size_t)padded);
+    if (scratch == NULL || seen == NULL) {
+        free(scratch);
+        free(seen);
+        return -1;
+    }
+    memset(seen, 1, (size_t)padded);
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int u = 0; u < units; u++) {  // (head, row) pairs, as attention_rows
+        int h = u / N, n = u % N;
+        long first = spans[2 * n];
+        int T = (int)(spans[2 * n + 1] - first);
+        size_t kv = (size_t)(h / group) * head_stride + (size_t)first * hd;
+        const float *row_q = q + (size_t)u * hd, *row_k = k + kv, *row_v = v + kv;
+        float *scores = scratch + (size_t)omp_get_thread_num() * padded, *row_out = out + (size_t)n * H * hd + h * hd;
+        switch (hd) {
+            case 64: attend_row(row_q, row_k, row_v, T, 64, seen, scale, scores, row_out); break;
+            case 128: attend_row(row_q, row_k, row_v, T, 128, seen, scale, scores, row_out); break;
+            case 32: attend_row(row_q, row_k, row_v, T, 32, seen, scale, scores, row_out); break;
+            default: attend_row(row_q, row_k, row_v, T, hd, seen, scale, scores, row_out);
+        }
+    }
+    free(scratch);
+    free(seen);
+    return 0;
+}
+
 // The rows' rotated keys k [Hkv][N][hd] and their values (the v heads of the fused projection's rows qkv
 // [N][(H + 2 Hkv) hd]) into the cache at rows start..start+N-1 (head j's row t at keys + j * head_stride + t * hd).
 void append_keys_values(const float *k, const float *qkv, int N, int H, int Hkv, int hd, float *keys,
