@@ -6,10 +6,11 @@ batch's longest answer ends, and spends about half of a 16-row decode step of th
 thousands of prompts: the one job on this CPU where many rows per forward come for free.
 
 How: each prompt is prefilled alone by the engine (decode.runner.ModelRunner, the decoding loop's own prefill) and
-its keys and values are copied into a region of one shared cache (the arena, `max_batch` regions). Each step is then
-one forward with one row per sequence still answering: the row writes its key and value at its region's next slot
-and attends to its own region's keys alone (the kernel library's `attention_spans`). A sequence leaves as soon as
-it ends (EOS or max_new_tokens) and the next prompt takes its region: no padding, no row after an answer's end.
+its keys and values are copied into a span of one shared cache (the arena: up to `max_batch` sequences, each in the
+positions its prompt and longest answer need). Each step is then one forward with one row per sequence still
+answering: the row writes its key and value at its span's next slot and attends to its own span's keys alone (the
+kernel library's `attention_spans`). A sequence leaves as soon as it ends (EOS or max_new_tokens) and the next
+prompt takes its place: no padding, no row after an answer's end.
 
 Every row's numbers are the ones plain decoding of its prompt alone computes (the layer GEMMs compute each row alike
 whatever the row count; the attention reads the same keys in the same order), so the answers are the engine's
@@ -53,11 +54,11 @@ def unavailable_on(runner: ModelRunner) -> str | None:
 
 @dataclass
 class Answering:
-    """One prompt being answered: its region of the arena, what it has emitted, what its rows computed."""
+    """One prompt being answered: its span of the arena, what it has emitted, what its rows computed."""
 
     index: int  # the prompt's position in the caller's list
     prompt: list[int]
-    base: int  # its region's first slot in the arena
+    base: int  # its span's first slot in the arena
     tokens: list[int] = field(default_factory=list)  # emitted so far
     cached: int = 0  # positions of this sequence in the arena: the prompt, then the answer tokens fed back
     done: bool = False  # its answer ended (EOS or max_new_tokens)
@@ -74,24 +75,41 @@ class Answering:
 
 
 class Arena:
-    """One cache holding `regions` sequences side by side, `size` positions each (decode.kv_cache.SpecCache, its
-    layers' buffers shaped like the engine's own cache's)."""
+    """One cache holding up to `regions` sequences side by side, each in a span of the positions it needs (decode.
+    kv_cache.SpecCache, its layers' buffers shaped like the engine's own cache's): as many positions as the
+    `regions` largest needs, first fit, a freed span merged with its free neighbours."""
 
-    def __init__(self, runner: ModelRunner, regions: int, size: int):
-        self.cache = SpecCache(runner.num_layers, regions * size)
-        self.size = size
-        self.free = [r * size for r in range(regions)][::-1]  # region bases, taken from the end
+    def __init__(self, runner: ModelRunner, needs: Sequence[int], regions: int):
+        capacity = sum(sorted(needs, reverse=True)[:regions])
+        self.cache = SpecCache(runner.num_layers, capacity)
+        self.spans = [(0, capacity)]  # free [start, end), in order
+        self.room = regions  # sequences it may still take
 
-    def take(self) -> int:
-        return self.free.pop()
+    def take(self, need: int) -> int | None:
+        """The first free span's start for a sequence of `need` positions, or None (none fits, or it is full)."""
+        if self.room == 0:
+            return None
+        for i, (start, end) in enumerate(self.spans):
+            if end - start >= need:
+                self.spans[i:i + 1] = [(start + need, end)] if end - start > need else []
+                self.room -= 1
+                return start
+        return None
 
-    def release(self, base: int) -> None:
-        self.free.append(base)
+    def release(self, base: int, need: int) -> None:
+        self.room += 1
+        merged: list[tuple[int, int]] = []
+        for start, end in sorted([*self.spans, (base, base + need)]):
+            if merged and merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], end)
+            else:
+                merged.append((start, end))
+        self.spans = merged
 
     def load(self, source, base: int, length: int) -> None:
         """Copy positions [0, length) of `source` (the engine's cache after a prefill) to [base, base + length)."""
         for mine, theirs in zip(self.cache.layers, source.layers):
-            if not mine.is_initialized:  # buffers shaped like the engine's: [1, Hkv, regions x size, hd]
+            if not mine.is_initialized:  # buffers shaped like the engine's: [1, Hkv, capacity, hd]
                 mine.lazy_initialization(theirs.keys[:, :, :1], theirs.values[:, :, :1])
             mine.keys[:, :, base:base + length] = theirs.keys[:, :, :length]
             mine.values[:, :, base:base + length] = theirs.values[:, :, :length]
@@ -118,34 +136,35 @@ def generate_greedy_together(model: torch.nn.Module, prompts: Sequence[Sequence[
         raise RuntimeError(f"engine generation: {reason}")
     runner.feature_layers = list(staging.layers) if staging is not None else []
     eos, staged = set(eos_token_ids), staging is not None
-    arena = Arena(runner, max_batch, max(len(p) for p in prompts) + max_new_tokens)
+    needs = [len(p) + max_new_tokens for p in prompts]  # the prompt, and every answer token fed back
+    arena = Arena(runner, needs, max_batch)
     pending = list(range(len(prompts)))[::-1]  # popped from the end: the caller's order
     active: list[Answering] = []
     answers: dict[int, list[int]] = {}
     while pending or active:
-        while pending and arena.free:
+        while pending and (base := arena.take(needs[pending[-1]])) is not None:  # with none active, any fits
             index = pending.pop()
-            active.append(admit(runner, arena, index, list(prompts[index]), eos, max_new_tokens))
+            active.append(admit(runner, base, arena, index, list(prompts[index]), eos, max_new_tokens))
         rows = [seq for seq in active if not seq.finished(staged)]
         if rows:
             step(runner, arena, rows, eos, max_new_tokens)
         for seq in [seq for seq in active if seq.finished(staged)]:
             active.remove(seq)
-            arena.release(seq.base)
+            arena.release(seq.base, needs[seq.index])
             answers[seq.index] = seq.tokens
             if staging is not None:
                 staging.put(seq.prompt, seq.tokens, torch.cat(seq.features), torch.cat(seq.finals))
     return [answers[i] for i in range(len(prompts))]
 
 
-def admit(runner: ModelRunner, arena: Arena, index: int, prompt: list[int], eos: set[int],
+def admit(runner: ModelRunner, base: int, arena: Arena, index: int, prompt: list[int], eos: set[int],
           max_new_tokens: int) -> Answering:
     """Prefill `prompt` alone with the engine (its first answer token from the last row) and move its keys and
-    values into a free region of the arena."""
+    values to its span of the arena, from `base`."""
     n = len(prompt)
     runner.start(n)
     hidden, best = runner.forward_greedy(prompt, logits_rows=slice(n - 1, None))  # [n, D], [1]
-    seq = Answering(index, prompt, arena.take(), cached=n)
+    seq = Answering(index, prompt, base, cached=n)
     arena.load(runner.cache, seq.base, n)
     keep_rows(runner, seq, hidden)
     seq.emit(int(best[0]), eos, max_new_tokens)
@@ -154,11 +173,11 @@ def admit(runner: ModelRunner, arena: Arena, index: int, prompt: list[int], eos:
 
 def step(runner: ModelRunner, arena: Arena, rows: list[Answering], eos: set[int], max_new_tokens: int) -> None:
     """One forward of one row per sequence: its last emitted token at its next position, attending to its own
-    region; a sequence whose answer has ended (fed for its hidden states alone) emits nothing."""
+    span; a sequence whose answer has ended (fed for its hidden states alone) emits nothing."""
     positions = torch.tensor([seq.cached for seq in rows])  # [N]
     bases = torch.tensor([seq.base for seq in rows])  # [N]
     ids = torch.tensor([[seq.tokens[seq.cached - len(seq.prompt)] for seq in rows]])  # [1, N]
-    spans = torch.stack([bases, bases + positions + 1], dim=1)  # [N, 2]: the region up to the row itself
+    spans = torch.stack([bases, bases + positions + 1], dim=1)  # [N, 2]: its span up to the row itself
     last, features = runner.lean(ids, None, None, positions[None], arena.cache, runner.feature_layers,
                                  slots=bases + positions, spans=spans)  # [1, N, D], each [1, N, D]
     hidden = last[0]

@@ -109,3 +109,27 @@ def test_bad_arguments_are_errors_that_name_them(target, kwargs, named):
     prompts = call.pop("prompts")
     with pytest.raises(ValueError, match=named):
         generate_greedy_together(target.model, prompts, **call)
+
+
+def test_the_arena_gives_each_sequence_its_own_positions_and_gets_them_all_back():
+    from types import SimpleNamespace
+
+    from specdistill.distill.engine_generation import Arena
+
+    gen = torch.Generator().manual_seed(5)
+    needs = torch.randint(1, 50, (40,), generator=gen).tolist()
+    arena = Arena(SimpleNamespace(num_layers=1), needs, regions=4)
+    capacity = sum(sorted(needs, reverse=True)[:4])
+    held: dict[int, tuple[int, int]] = {}
+    for i, need in enumerate(needs):
+        while (base := arena.take(need)) is None:  # wait for room as the generator does: release the oldest
+            assert held, "an empty arena must fit any single need"
+            oldest = next(iter(held))
+            arena.release(*held.pop(oldest))
+        assert 0 <= base and base + need <= capacity
+        assert all(base + need <= b or b + n <= base for b, n in held.values())  # no overlap
+        held[i] = (base, need)
+        assert len(held) <= 4
+    for base, need in held.values():
+        arena.release(base, need)
+    assert arena.spans == [(0, capacity)] and arena.room == 4
