@@ -6,7 +6,7 @@
 Both generators answer the same prompts (chat-templated by the target, longest first as distill.teacher_data
 orders them) as the built-in teacher backend runs them: `generate` in batches of `--batch` (distill.generation:
 left padding, every row until the batch's longest answer ends), `engine` with `--batch` sequences per forward
-(distill.engine_generation: no padding, a sequence leaves when it ends, the next prompt takes its place). Timed
+(decode.batch_generation: no padding, a sequence leaves when it ends, the next prompt takes its place). Timed
 whole, the generators taking turns rep by rep after `--warmup` untimed runs on the first `--batch` prompts. Prints
 the answer tokens per second of each and their ratio, how many answers agree token for token and where the first
 disagreement of each other one lies, and how many of the engine's answers to the first `--check-plain` prompts are
@@ -43,7 +43,7 @@ def parse_args(argv=None):
 
 def generators(model, prompts: list[list[int]], args, eos: set[int], pad_id: int) -> dict:
     """{name: a call answering `prompts`, returning the answers}."""
-    from specdistill.distill.engine_generation import generate_greedy_together
+    from specdistill.decode.batch_generation import generate_greedy_together
     from specdistill.distill.generation import generate_batch
 
     def by_generate(chosen):

@@ -238,7 +238,7 @@ class LeanLayer:
                  visible: torch.Tensor | None = None, spans: torch.Tensor | None = None) -> torch.Tensor:
         """x [1, N, D], cos/sin [1, 1, N, hd], mask [1, 1, G*N, T] (tiled for the groups) -> [1, N, D].
         slots [N]: the cache positions to write (a fixed-shape step, decode.step_graphs; several sequences in one
-        cache, distill.engine_generation); None: after the committed prefix. visible [N, T] bool, where the kernel
+        cache, decode.batch_generation); None: after the committed prefix. visible [N, T] bool, where the kernel
         library runs: the same mask as keys each row sees, for its attention kernel (`mask` is then not read).
         spans [N, 2] int64, where the kernel library runs: row n sees the cache's keys [spans[n, 0], spans[n, 1])
         and nothing else (`attention_spans`; `mask` and `visible` are then not read)."""

@@ -8,7 +8,7 @@ norm), feeds each answer's last token once more (`feed_last_tokens`: the one pos
 and stages every record's rows on disk; the feature cache takes a staged record instead of computing it.
 
 Staged rows are the target's rows over the whole conversation, as decoding reads them (the feature cache cuts its
-window out of them). Where the engine writes the greedy answers (distill.engine_generation, which stages its own
+window out of them). Where the engine writes the greedy answers (decode.batch_generation, which stages its own
 rows the same way) they are the engine's rows exactly; transformers' generating copy computes with the engine's
 kernels (decode rows) and oneDNN (prefill), the feature pass with the model's own fp32 GEMMs: the same weights and
 precision, the last bits may differ.

@@ -25,7 +25,7 @@ import math
 import os
 import shutil
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,13 +35,11 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from specdistill.distill.engine_generation import engine_generation_unavailable, generate_greedy_together
 from specdistill.distill.feature_capture import FeatureStaging
 from specdistill.distill.generation import generate_batch, pad_token_id
 from specdistill.distill.prompts import Prompt
 from specdistill.distill.teacher_vllm import BACKENDS, VllmTeacher, sample_seed
 from specdistill.models.cache import cache_root
-from specdistill.models.kernels import MAX_ROWS
 
 __all__ = [
     "TeacherDataSettings", "generate_teacher_data", "load_teacher_data", "teacher_data_key", "teacher_data_dir",
@@ -51,6 +49,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+GREEDY_GENERATORS = ("generate", "engine")
+# decode.batch_generation.generate_greedy_together's signature: (model, prompts, *, max_new_tokens, eos_token_ids,
+# max_batch, staging) -> answers
+GreedyAnswers = Callable[..., list[list[int]]]
 
 
 @dataclass
@@ -66,10 +68,16 @@ class TeacherDataSettings:
     seed: int = 0
     max_prompt_tokens: int | None = None   # skip prompts longer than this (None = keep all)
     backend: str = "builtin"        # who generates the answers: "builtin" (the target here) or "vllm" (teacher_vllm)
+    # who writes the built-in backend's greedy answers: "generate" (transformers', distill.generation) or "engine"
+    # (the decoding engine's batched loop, decode.batch_generation, handed to generate_teacher_data as greedy_answers)
+    greedy_generator: str = "generate"
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"teacher backend {self.backend!r}: choose one of {', '.join(BACKENDS)}")
+        if self.greedy_generator not in GREEDY_GENERATORS:
+            raise ValueError(f"greedy_generator {self.greedy_generator!r}: choose one of "
+                             f"{', '.join(GREEDY_GENERATORS)}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not self.greedy and self.num_samples < 1:
@@ -91,15 +99,20 @@ class TeacherDataSettings:
 
 def generate_teacher_data(target, prompts: Sequence[Prompt], settings: TeacherDataSettings,
                           out_dir: str | Path | None = None, process_index: int = 0, num_processes: int = 1,
-                          cache_root: str | Path | None = None,
-                          staging: FeatureStaging | None = None) -> datasets.Dataset:
+                          cache_root: str | Path | None = None, staging: FeatureStaging | None = None,
+                          greedy_answers: GreedyAnswers | None = None) -> datasets.Dataset:
     """Make (or finish) the teacher data of `prompts`; return the rows of the shards this process owns,
     in order (all of them when num_processes == 1). With several processes, wait for all of them, then
     `load_teacher_data(out_dir)` gives the whole dataset. `target` is a models.target.Target.
     staging: the built-in generator also stages the hidden states of every row it generates here
-    (distill.feature_capture; EAGLE-3's feature cache takes them instead of a second pass)."""
+    (distill.feature_capture; EAGLE-3's feature cache takes them instead of a second pass).
+    greedy_answers: with settings.greedy_generator "engine", the engine's batched greedy decoding
+    (decode.batch_generation.generate_greedy_together; train/ hands it in)."""
     if not prompts:
         raise ValueError("no prompts to make teacher data from")
+    if settings.backend == "builtin" and settings.greedy_generator == "engine" and greedy_answers is None:
+        raise ValueError("greedy_generator 'engine': pass greedy_answers (decode.batch_generation."
+                         "generate_greedy_together)")
     if not 0 <= process_index < num_processes:
         raise ValueError(f"process_index {process_index} is not in [0, {num_processes})")
     key = teacher_data_key(target, prompts, settings)
@@ -116,7 +129,7 @@ def generate_teacher_data(target, prompts: Sequence[Prompt], settings: TeacherDa
     try:
         for shard in tqdm(todo, desc="teacher data", unit="shard", disable=process_index != 0):
             chunk = prompts[shard * settings.shard_size:(shard + 1) * settings.shard_size]
-            write_shard(generate_shard(target, chunk, settings, shard, teacher, staging), out, shard,
+            write_shard(generate_shard(target, chunk, settings, shard, teacher, staging, greedy_answers), out, shard,
                         settings.topk > 0)
     finally:
         if teacher is not None:
@@ -143,8 +156,8 @@ def teacher_data_key(target, prompts: Sequence[Prompt], settings: TeacherDataSet
     recorded = asdict(settings)
     if settings.backend == "builtin":
         del recorded["backend"]
-        if settings.greedy and greedy_generator(target.model) == "engine":
-            recorded["greedy_generator"] = "engine"  # caches of transformers' greedy answers keep their keys
+    if recorded["greedy_generator"] == "generate" or not settings.greedy:
+        del recorded["greedy_generator"]  # caches of transformers' greedy answers keep their keys
     payload = {
         "format_version": FORMAT_VERSION,
         "fingerprint": target.fingerprint,
@@ -172,10 +185,11 @@ def shard_seed(seed: int, shard: int) -> int:
 
 
 def generate_shard(target, prompts: Sequence[Prompt], settings: TeacherDataSettings, shard: int,
-                   teacher: VllmTeacher | None = None, staging: FeatureStaging | None = None) -> list[dict]:
+                   teacher: VllmTeacher | None = None, staging: FeatureStaging | None = None,
+                   greedy_answers: GreedyAnswers | None = None) -> list[dict]:
     """Rows of one shard, sorted by (prompt order, sample_idx); deterministic under (settings.seed, shard).
     teacher: the vLLM worker of a `backend: vllm` job (started here for this shard when None).
-    staging: the built-in generator stages each row's hidden states there (generate_teacher_data)."""
+    staging, greedy_answers: as generate_teacher_data's."""
     tokenizer, model = target.tokenizer, target.model
     eos_ids = set(target.eos_token_ids)
     pad_id = pad_token_id(tokenizer, eos_ids)
@@ -193,7 +207,7 @@ def generate_shard(target, prompts: Sequence[Prompt], settings: TeacherDataSetti
         else:
             responses = vllm_responses(teacher, encoded, jobs, settings, shard)
     else:
-        responses = builtin_responses(model, encoded, jobs, settings, shard, pad_id, eos_ids, staging)
+        responses = builtin_responses(model, encoded, jobs, settings, shard, pad_id, eos_ids, staging, greedy_answers)
     rows = [{"prompt_id": prompts[i].id, "sample_idx": s, "prompt_ids": encoded[i], "response_ids": responses[(i, s)]}
             for i, s in sorted(responses)]
     if settings.topk:
@@ -203,18 +217,18 @@ def generate_shard(target, prompts: Sequence[Prompt], settings: TeacherDataSetti
 
 def builtin_responses(model, encoded: list[list[int]], jobs: list[tuple[int, int]], settings: TeacherDataSettings,
                       shard: int, pad_id: int, eos_ids: set[int],
-                      staging: FeatureStaging | None = None) -> dict[tuple[int, int], list[int]]:
-    """{(prompt index, sample_idx): answer} from the target itself: the greedy answers from the engine's own forward
-    where it runs the target (distill.engine_generation: the engine's plain decodes, batch_size prompts side by side,
-    no padding), the samples (and greedy answers elsewhere) from transformers' generate (distill.generation)."""
+                      staging: FeatureStaging | None = None,
+                      greedy_answers: GreedyAnswers | None = None) -> dict[tuple[int, int], list[int]]:
+    """{(prompt index, sample_idx): answer} from the target itself: with greedy_generator "engine" the greedy answers
+    from `greedy_answers` (the engine's plain decodes, batch_size prompts side by side, no padding), the samples (and
+    otherwise the greedy answers too) from transformers' generate (distill.generation)."""
     # longest prompts first so each batch pads little; a stable sort keeps the order deterministic
     jobs = sorted(jobs, key=lambda job: -len(encoded[job[0]]))
     responses: dict[tuple[int, int], list[int]] = {}
     greedy_jobs = [job for job in jobs if job[1] == 0 and settings.greedy]
-    if greedy_jobs and greedy_generator(model) == "engine":
-        outs = generate_greedy_together(model, [encoded[i] for i, _ in greedy_jobs],
-                                        max_new_tokens=settings.max_new_tokens, eos_token_ids=eos_ids,
-                                        max_batch=min(settings.batch_size, MAX_ROWS), staging=staging)
+    if greedy_jobs and settings.greedy_generator == "engine":
+        outs = greedy_answers(model, [encoded[i] for i, _ in greedy_jobs], max_new_tokens=settings.max_new_tokens,
+                              eos_token_ids=eos_ids, max_batch=settings.batch_size, staging=staging)
         responses.update(zip(greedy_jobs, outs))
         jobs = [job for job in jobs if job not in responses]
     device = next(model.parameters()).device
@@ -229,17 +243,6 @@ def builtin_responses(model, encoded: list[list[int]], jobs: list[tuple[int, int
                                       temperature=settings.temperature, top_p=settings.top_p, staging=staging)
                 responses.update(zip(batch, outs))
     return responses
-
-
-def greedy_generator(model) -> str:
-    """Who writes the built-in backend's greedy answers: "engine" (distill.engine_generation) where it runs `model`,
-    else "generate" (transformers'). Part of the cache key: the two may differ where two tokens' logits tie to the
-    last bits."""
-    reason = engine_generation_unavailable(model)
-    if reason is not None:
-        log.info("teacher data: greedy answers from transformers' generate (%s)", reason)
-        return "generate"
-    return "engine"
 
 
 def vllm_responses(teacher: VllmTeacher, encoded: list[list[int]], jobs: list[tuple[int, int]],

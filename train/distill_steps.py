@@ -24,6 +24,7 @@ import torch
 from accelerate.utils import broadcast_object_list, gather_object
 from torch.utils.data import DataLoader
 
+from specdistill.decode.batch_generation import batch_generation_unavailable, generate_greedy_together
 from specdistill.distill.batching import Batch, collate, with_absent_column
 from specdistill.distill.feature_capture import FeatureStaging
 from specdistill.distill.followups import FOLLOW_UPS, follow_up_prompts, load_follow_ups
@@ -134,7 +135,9 @@ def load_target_for(cfg, accelerator):
         return load_target(cfg.target, device=str(accelerator.device), dtype=dtype)
 
 
-def teacher_settings(cfg) -> TeacherDataSettings:
+def teacher_settings(cfg, target=None) -> TeacherDataSettings:
+    """The generation settings of cfg's teacher data; with `target`, its greedy answers from the engine's batched
+    loop where the engine runs it (decode.batch_generation), else from transformers' generate."""
     sampled = cfg.gen_temperature > 0
     return TeacherDataSettings(max_new_tokens=cfg.max_new_tokens, greedy=not sampled or cfg.gen_keep_greedy,
                                num_samples=cfg.samples_per_prompt if sampled else 0,
@@ -142,7 +145,18 @@ def teacher_settings(cfg) -> TeacherDataSettings:
                                topk=cfg.topk, batch_size=cfg.gen_batch_size, seed=cfg.seed,
                                shard_size=cfg.gen_shard_size,
                                # a prompt longer than the training window would be cut to its end anyway
-                               max_prompt_tokens=cfg.max_seq_len, backend=cfg.teacher_backend)
+                               max_prompt_tokens=cfg.max_seq_len, backend=cfg.teacher_backend,
+                               greedy_generator=greedy_generator(target) if target is not None else "generate")
+
+
+def greedy_generator(target) -> str:
+    """"engine" where decode.batch_generation runs the target (a Llama-family target on the kernel library), else
+    "generate" (logged with the reason)."""
+    reason = batch_generation_unavailable(target.model)
+    if reason is not None:
+        log.info("teacher data: greedy answers from transformers' generate (%s)", reason)
+        return "generate"
+    return "engine"
 
 
 def teacher_data_plan(cfg, target) -> tuple[list, TeacherDataSettings, Path]:
@@ -154,7 +168,7 @@ def teacher_data_plan(cfg, target) -> tuple[list, TeacherDataSettings, Path]:
         prompts = prompts[: cfg.max_prompts]
     if not prompts:
         raise ValueError(f"prompts: the sources {cfg.prompts} gave no prompts (after exclusions)")
-    settings = teacher_settings(cfg)
+    settings = teacher_settings(cfg, target)
     return prompts, settings, teacher_data_dir(teacher_data_key(target, prompts, settings))
 
 
@@ -179,8 +193,9 @@ def teacher_records(cfg, target, accelerator, staging: FeatureStaging | None = N
 def answered(target, prompts, settings: TeacherDataSettings, out_dir: Path, accelerator,
              staging: FeatureStaging | None = None) -> list[dict]:
     """The teacher data of `prompts` under `settings` (made, or finished, here), read back by every process."""
+    engine = generate_greedy_together if settings.greedy_generator == "engine" else None
     generate_teacher_data(target, prompts, settings, out_dir=out_dir, process_index=accelerator.process_index,
-                          num_processes=accelerator.num_processes, staging=staging)
+                          num_processes=accelerator.num_processes, staging=staging, greedy_answers=engine)
     accelerator.wait_for_everyone()
     records = [dict(r) for r in load_teacher_data(out_dir)]
     tokens = sum(len(r["response_ids"]) for r in records)

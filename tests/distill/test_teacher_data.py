@@ -129,9 +129,9 @@ def test_resume_regenerates_only_missing_shards(target, tmp_path, monkeypatch):
     made: list[int] = []
     real = teacher_data.generate_shard
 
-    def counting(target, prompts, settings, shard, teacher=None, staging=None):
+    def counting(target, prompts, settings, shard, teacher=None, staging=None, greedy_answers=None):
         made.append(shard)
-        return real(target, prompts, settings, shard, teacher, staging)
+        return real(target, prompts, settings, shard, teacher, staging, greedy_answers)
 
     monkeypatch.setattr(teacher_data, "generate_shard", counting)
     full = rows(generate_teacher_data(target, prompts, SETTINGS, out_dir=tmp_path))
@@ -217,11 +217,12 @@ class TeacherFromTarget:
         pass
 
 
-def test_the_builtin_backend_keeps_its_cache_keys_and_vllm_gets_its_own(target):
+def test_the_builtin_backend_keeps_its_cache_keys_and_vllm_and_the_engine_get_their_own(target):
     import hashlib
     from dataclasses import asdict
     prompts = make_prompts(3)
-    settings = {k: v for k, v in asdict(SETTINGS).items() if k != "backend"}  # the settings before backends
+    # the settings before backends and greedy generators
+    settings = {k: v for k, v in asdict(SETTINGS).items() if k not in ("backend", "greedy_generator")}
     payload = {"format_version": teacher_data.FORMAT_VERSION, "fingerprint": target.fingerprint,
                "chat_template": getattr(target.tokenizer, "chat_template", None),
                "eos_token_ids": sorted(target.eos_token_ids), "prompts": [[p.id, p.messages] for p in prompts],
@@ -230,6 +231,16 @@ def test_the_builtin_backend_keeps_its_cache_keys_and_vllm_gets_its_own(target):
     assert teacher_data_key(target, prompts, SETTINGS) == before
     vllm = TeacherDataSettings(**{**SETTINGS.__dict__, "backend": "vllm"})
     assert teacher_data_key(target, prompts, vllm) != before
+    engine = TeacherDataSettings(**{**SETTINGS.__dict__, "greedy_generator": "engine"})
+    assert teacher_data_key(target, prompts, engine) not in (before, teacher_data_key(target, prompts, vllm))
+
+
+def test_the_engines_generator_must_be_handed_in_and_an_unknown_one_is_named(target, tmp_path):
+    engine = TeacherDataSettings(**{**SETTINGS.__dict__, "greedy_generator": "engine"})
+    with pytest.raises(ValueError, match="greedy_answers"):
+        generate_teacher_data(target, make_prompts(2), engine, out_dir=tmp_path)
+    with pytest.raises(ValueError, match="greedy_generator 'fast'"):
+        TeacherDataSettings(greedy_generator="fast")
 
 
 def test_vllm_backend_rows_are_the_builtin_format_and_train_identically(target, tmp_path, monkeypatch):

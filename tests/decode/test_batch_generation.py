@@ -1,4 +1,4 @@
-"""Many prompts decoded side by side by the engine's forward (distill.engine_generation): every answer is the
+"""Many prompts decoded side by side by the engine's forward (decode.batch_generation): every answer is the
 engine's plain greedy decode of its prompt alone, token for token, whatever the number of sequences per forward; EOS
 and max_new_tokens end each answer where plain decoding does; the staged hidden states are the target's at every
 position of each record; bad arguments are errors naming them. On the kernel path of both target kinds: the default
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdistill.decode.batch_generation import batch_generation_unavailable, generate_greedy_together
 from specdistill.decode.engine import SpeculativeEngine
 from specdistill.decode.runner import ModelRunner
-from specdistill.distill.engine_generation import engine_generation_unavailable, generate_greedy_together
 from specdistill.distill.feature_capture import FeatureStaging
 from specdistill.models import kernels
 from specdistill.models.gguf_blocks import attach_kquant_blocks
@@ -46,7 +46,7 @@ def plain_decodes(model, prompts, max_new_tokens: int, eos: set[int]) -> list[li
 
 
 def test_the_engine_runs_both_target_kinds(target):
-    assert engine_generation_unavailable(target.model) is None
+    assert batch_generation_unavailable(target.model) is None
 
 
 @pytest.mark.parametrize("max_batch", [1, 3, 64])
@@ -114,7 +114,7 @@ def test_bad_arguments_are_errors_that_name_them(target, kwargs, named):
 def test_the_arena_gives_each_sequence_its_own_positions_and_gets_them_all_back():
     from types import SimpleNamespace
 
-    from specdistill.distill.engine_generation import Arena
+    from specdistill.decode.batch_generation import Arena
 
     gen = torch.Generator().manual_seed(5)
     needs = torch.randint(1, 50, (40,), generator=gen).tolist()
@@ -133,3 +133,28 @@ def test_the_arena_gives_each_sequence_its_own_positions_and_gets_them_all_back(
     for base, need in held.values():
         arena.release(base, need)
     assert arena.spans == [(0, capacity)] and arena.room == 4
+
+
+def test_teacher_data_written_by_the_engine_are_its_plain_decodes(tmp_path):
+    """train/ picks the engine's generator for a target the engine runs (transformers' elsewhere) and hands it to the
+    teacher data, whose greedy answers are then the engine's plain decodes of the chat-templated prompts."""
+    from specdistill.distill.prompts import Prompt
+    from specdistill.distill.teacher_data import TeacherDataSettings, generate_teacher_data
+    from specdistill.train.distill_steps import greedy_generator
+    from tests.distill.conftest import CHAT_TEMPLATE
+    from tests.models.conftest import make_tiny_target, make_tiny_tokenizer
+
+    model = kernel_target().model
+    tokenizer = make_tiny_tokenizer(model.config.vocab_size)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    target = target_from_model(model, tokenizer, "tiny-q41-words")
+    assert greedy_generator(target) == "engine"
+    assert greedy_generator(make_tiny_target()) == "generate"  # head_dim 8: not the kernel library's attention
+    prompts = [Prompt(id=f"p{i}", messages=[{"role": "user", "content": " ".join(f"w{5 + (i * j) % 50}"
+                                                                               for j in range(3 + 4 * i))}])
+               for i in range(5)]
+    settings = TeacherDataSettings(max_new_tokens=10, batch_size=3, shard_size=2, greedy_generator="engine")
+    rows = list(generate_teacher_data(target, prompts, settings, out_dir=tmp_path,
+                                      greedy_answers=generate_greedy_together))
+    plain = plain_decodes(model, [target.encode_chat(p.messages) for p in prompts], 10, set(target.eos_token_ids))
+    assert [r["response_ids"] for r in rows] == plain

@@ -14,15 +14,16 @@ prompt takes its place: no padding, no row after an answer's end.
 
 Every row's numbers are the ones plain decoding of its prompt alone computes (the layer GEMMs compute each row alike
 whatever the row count; the attention reads the same keys in the same order), so the answers are the engine's
-plain greedy decodes token for token (tests/distill/test_engine_generation.py checks it against
+plain greedy decodes token for token (tests/decode/test_batch_generation.py checks it against
 decode.engine.SpeculativeEngine). With `staging`, each row's hidden states are kept as they pass (the inputs of the
 drafter's layers and the final normed state, as decoding computes them), the last token of each answer is fed once
-more for its own, and each record is staged (distill.feature_capture) when its sequence leaves.
+more for its own, and each record is staged (`staging.put`: distill.feature_capture's FeatureStaging) when its
+sequence leaves. The teacher data's built-in backend calls it (distill.teacher_data, handed it by train/: decode and
+distill never import each other).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -30,15 +31,12 @@ import torch
 
 from specdistill.decode.kv_cache import SpecCache
 from specdistill.decode.runner import ModelRunner
-from specdistill.distill.feature_capture import FeatureStaging, check_layers
 from specdistill.models.kernels import MAX_ROWS
 
-__all__ = ["engine_generation_unavailable", "generate_greedy_together"]
-
-log = logging.getLogger("specdistill.engine_generation")
+__all__ = ["batch_generation_unavailable", "generate_greedy_together"]
 
 
-def engine_generation_unavailable(model: torch.nn.Module) -> str | None:
+def batch_generation_unavailable(model: torch.nn.Module) -> str | None:
     """None where generate_greedy_together runs `model` (the engine's lean forward with the kernel library's
     attention: a Llama-family target on this CPU), else why not."""
     return unavailable_on(ModelRunner(model, static_shapes=False))
@@ -117,19 +115,20 @@ class Arena:
 
 @torch.inference_mode()
 def generate_greedy_together(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                             eos_token_ids: Collection[int], max_batch: int,
-                             staging: FeatureStaging | None = None) -> list[list[int]]:
+                             eos_token_ids: Collection[int], max_batch: int, staging=None) -> list[list[int]]:
     """Each prompt's greedy answer (new tokens, cut after the first EOS, kept), decoded `max_batch` at a time by
     the engine's forward; the same tokens as the engine's plain decoding of each prompt alone. staging: also stage
-    every record's hidden states (see the module docstring)."""
+    every record's hidden states: an object with `layers` (the target layers whose inputs it keeps) and
+    `put(prompt, answer, features [T, len(layers) x D], final [T, D])` (distill.feature_capture.FeatureStaging)."""
     if not 1 <= max_batch <= MAX_ROWS:
         raise ValueError(f"max_batch must be in [1, {MAX_ROWS}] (the kernels' rows per forward), got {max_batch}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("cannot generate from an empty list of prompts or an empty prompt")
-    if staging is not None:
-        check_layers(model, staging.layers)
+    layers = model.config.get_text_config().num_hidden_layers
+    if staging is not None and not all(0 <= int(i) < layers for i in staging.layers):
+        raise ValueError(f"staging layers {list(staging.layers)}: out of range for a target of {layers} layers")
     runner = ModelRunner(model, static_shapes=False)
     reason = unavailable_on(runner)
     if reason is not None:
