@@ -39,6 +39,9 @@ __all__ = ["batch_generation_unavailable", "generate_greedy_together"]
 def batch_generation_unavailable(model: torch.nn.Module) -> str | None:
     """None where generate_greedy_together runs `model` (the engine's lean forward with the kernel library's
     attention: a Llama-family target on this CPU), else why not."""
+    param = next(model.parameters())
+    if param.device.type != "cpu" or param.dtype != torch.float32:
+        return f"the target is {param.dtype} on {param.device.type}: the kernel library's attention is the CPU's, fp32"
     return unavailable_on(ModelRunner(model, static_shapes=False))
 
 

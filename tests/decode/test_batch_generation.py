@@ -45,8 +45,13 @@ def plain_decodes(model, prompts, max_new_tokens: int, eos: set[int]) -> list[li
     return [engine.generate(p, max_new_tokens).tokens for p in prompts]
 
 
-def test_the_engine_runs_both_target_kinds(target):
+def test_the_engine_runs_both_target_kinds_and_names_why_not_elsewhere(target):
+    from tests.conftest import make_tiny_llama
+
     assert batch_generation_unavailable(target.model) is None
+    assert "bfloat16" in batch_generation_unavailable(make_tiny_llama(hidden_size=128).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="engine generation"):  # head_dim 8: not the library's attention
+        generate_greedy_together(make_tiny_llama(), [[5, 6]], max_new_tokens=2, eos_token_ids=set(), max_batch=1)
 
 
 @pytest.mark.parametrize("max_batch", [1, 3, 64])
