@@ -401,10 +401,11 @@ void check_visible(const at::Tensor &visible, int64_t N, int64_t T, const char *
     check_shape(visible, {N, T}, fn, "visible");
 }
 
-at::Tensor attention_rows_op(const at::Tensor &q, const at::Tensor &keys, const at::Tensor &values,
-                             const at::Tensor &visible, double scale) {
-    // q [H, N, hd], keys and values [Hkv, T, hd], visible bool [N, T] -> [N, H hd]
-    const char *fn = "attention_rows";
+struct AttentionShape {  // q [H, N, hd] over keys and values [Hkv, T, hd]
+    int64_t H, N, hd, Hkv, T;
+};
+
+AttentionShape check_attention(const at::Tensor &q, const at::Tensor &keys, const at::Tensor &values, const char *fn) {
     check_tensor(q, at::kFloat, fn, "q");
     TORCH_CHECK_VALUE(q.dim() == 3 && q.size(2) % 16 == 0 && q.size(2) <= 256, fn,
                       ": q must be [H, N, hd] with hd a multiple of 16 up to 256, got ", q.sizes());
@@ -413,6 +414,14 @@ at::Tensor attention_rows_op(const at::Tensor &q, const at::Tensor &keys, const 
                       ": keys must be [Hkv, T, hd] with Hkv dividing the ", H, " query heads, got ", keys.sizes());
     int64_t Hkv = keys.size(0), T = keys.size(1);
     check_cache(keys, values, Hkv, hd, fn);
+    return {H, N, hd, Hkv, T};
+}
+
+at::Tensor attention_rows_op(const at::Tensor &q, const at::Tensor &keys, const at::Tensor &values,
+                             const at::Tensor &visible, double scale) {
+    // q [H, N, hd], keys and values [Hkv, T, hd], visible bool [N, T] -> [N, H hd]
+    const char *fn = "attention_rows";
+    auto [H, N, hd, Hkv, T] = check_attention(q, keys, values, fn);
     check_visible(visible, N, T, fn);
     auto out = at::empty({N, H * hd}, q.options());
     check_memory(attention_rows(q.data_ptr<float>(), H, Hkv, N, hd, keys.data_ptr<float>(), values.data_ptr<float>(),
@@ -427,14 +436,7 @@ at::Tensor attention_spans_op(const at::Tensor &q, const at::Tensor &keys, const
     // q [H, N, hd], keys and values [Hkv, T, hd], spans int64 [N, 2]: row n sees keys [spans[n, 0], spans[n, 1])
     // -> [N, H hd]
     const char *fn = "attention_spans";
-    check_tensor(q, at::kFloat, fn, "q");
-    TORCH_CHECK_VALUE(q.dim() == 3 && q.size(2) % 16 == 0 && q.size(2) <= 256, fn,
-                      ": q must be [H, N, hd] with hd a multiple of 16 up to 256, got ", q.sizes());
-    int64_t H = q.size(0), N = q.size(1), hd = q.size(2);
-    TORCH_CHECK_VALUE(keys.dim() == 3 && keys.size(0) > 0 && H % keys.size(0) == 0, fn,
-                      ": keys must be [Hkv, T, hd] with Hkv dividing the ", H, " query heads, got ", keys.sizes());
-    int64_t Hkv = keys.size(0), T = keys.size(1);
-    check_cache(keys, values, Hkv, hd, fn);
+    auto [H, N, hd, Hkv, T] = check_attention(q, keys, values, fn);
     check_tensor(spans, at::kLong, fn, "spans");
     check_shape(spans, {N, 2}, fn, "spans");
     const int64_t *bounds = spans.data_ptr<int64_t>();
