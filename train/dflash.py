@@ -51,6 +51,7 @@ from specdistill.train.eagle3 import (
 )
 from specdistill.train.medusa import candidate_vocab
 from specdistill.train.methods import Method, register_method
+from specdistill.train.phases import phase
 from specdistill.train.step_budget import StepBudget
 
 log = logging.getLogger("specdistill.dflash")
@@ -137,8 +138,9 @@ def train_dflash(cfg, accelerator, target, records: list[dict], eval_prompts: li
     vocab_map = candidate_vocab(cfg, target, records)  # the draft_vocab most frequent response tokens, EOS in
     drafter = build_drafter(cfg, target, vocab_map)
     pad_id = pad_token_id(target.tokenizer, target.eos_token_ids)
-    cache = open_or_build(target, records, drafter.target_layers, cfg.max_seq_len, cfg.gen_batch_size, pad_id,
-                          accelerator, staging=feature_staging(cfg, target))
+    with phase("target states"):  # the target's hidden states at the drafter's layers, cached on disk
+        cache = open_or_build(target, records, drafter.target_layers, cfg.max_seq_len, cfg.gen_batch_size, pad_id,
+                              accelerator, staging=feature_staging(cfg, target))
     plan = BatchPlan(cache, cfg.batch_size, cfg.seed)
     total = cfg.max_steps or cfg.epochs * -(-plan.batches_per_epoch // accelerator.num_processes)
     optimizer, scheduler = steps.make_optimizer(cfg, drafter, total)

@@ -23,6 +23,7 @@ from specdistill.train import distill_steps as steps
 from specdistill.train.config import ConfigError, load_config, to_dict
 from specdistill.train.distill_config import DistillConfig  # (imports every method, registering it)
 from specdistill.train.methods import method_named
+from specdistill.train.phases import phase, write_phases
 from specdistill.train.step_budget import start_job_clock
 
 log = logging.getLogger("specdistill.distill")
@@ -42,7 +43,10 @@ def main(argv: list[str] | None = None) -> Path | None:
     records = steps.teacher_records(cfg, target, accelerator, staging)
     measured = method.measures and accelerator.is_main_process
     eval_prompts = steps.eval_prompt_ids(cfg, target) if measured else []
-    out = method.run(cfg, accelerator, target, records, eval_prompts)
+    with phase("drafter training"):  # the target's states at the drafter's layers too, where the method reads them
+        out = method.run(cfg, accelerator, target, records, eval_prompts)
+    if accelerator.is_main_process:
+        write_phases(Path(cfg.work_dir) / "phases.json")
     steps.end_run(accelerator)
     return out
 

@@ -46,6 +46,7 @@ from specdistill.models.fingerprint import weights_fingerprint
 from specdistill.models.target import load_target
 from specdistill.train.acceptance import measure_acceptance
 from specdistill.train.config import to_dict
+from specdistill.train.phases import phase
 
 log = logging.getLogger("specdistill.distill")
 
@@ -131,7 +132,7 @@ def load_target_for(cfg, accelerator):
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.target_dtype)
     if dtype is None:  # auto
         dtype = torch.bfloat16 if accelerator.device.type == "cuda" else torch.float32
-    with unpartitioned(accelerator):
+    with unpartitioned(accelerator), phase("target"):
         return load_target(cfg.target, device=str(accelerator.device), dtype=dtype)
 
 
@@ -177,7 +178,8 @@ def teacher_records(cfg, target, accelerator, staging: FeatureStaging | None = N
     resumable, cached by content) and read back whole by every process. staging: where the generator also
     stages the hidden states of what it generates (EAGLE-3: distill.feature_capture)."""
     prompts, settings, out_dir = teacher_data_plan(cfg, target)
-    records = answered(target, prompts, settings, out_dir, accelerator, staging)
+    with phase("teacher data"):
+        records = answered(target, prompts, settings, out_dir, accelerator, staging)
     if cfg.follow_up_share > 0:  # second turns over the target's own first answers (distill.followups)
         requests = load_follow_ups(cfg.follow_ups) if cfg.follow_ups else FOLLOW_UPS
         second = follow_up_prompts(prompts, records, target.tokenizer, target.eos_token_ids, requests,
@@ -185,8 +187,9 @@ def teacher_records(cfg, target, accelerator, staging: FeatureStaging | None = N
         if second:
             # the first answer is in the prompt, so a second turn may outgrow the window: training keeps its end
             wide = dataclasses.replace(settings, max_prompt_tokens=None)
-            records += answered(target, second, wide, teacher_data_dir(teacher_data_key(target, second, wide)),
-                                accelerator, staging)
+            with phase("second turns"):
+                records += answered(target, second, wide, teacher_data_dir(teacher_data_key(target, second, wide)),
+                                    accelerator, staging)
     return records
 
 

@@ -59,6 +59,7 @@ from specdistill.train import distill_steps as steps
 from specdistill.train.colbt import split_held_out
 from specdistill.train.config import ConfigError, option, to_dict
 from specdistill.train.methods import Method, register_method
+from specdistill.train.phases import phase
 from specdistill.train.step_budget import StepBudget
 
 log = logging.getLogger("specdistill.medusa")
@@ -210,8 +211,9 @@ def cached_final_states(cfg, accelerator, target, records: list[dict]) -> list[E
     distill.feature_cache of these records with medusa.feature_layers (built first if absent): its `final`
     column is the target's final normed state at each position of the record's training window."""
     pad_id = pad_token_id(target.tokenizer, target.eos_token_ids)
-    cache = open_or_build(target, records, list(cfg.medusa.feature_layers), cfg.max_seq_len, cfg.gen_batch_size,
-                          pad_id, accelerator)
+    with phase("target states"):  # the target's hidden states at the drafter's layers, cached on disk
+        cache = open_or_build(target, records, list(cfg.medusa.feature_layers), cfg.max_seq_len, cfg.gen_batch_size,
+                              pad_id, accelerator)
     log.info("target final states read from the feature cache %s", cache.directory)
     examples: list[Example] = []
     for index in range(cache.num_shards):

@@ -1,0 +1,54 @@
+"""train.phases: each phase's time, its own sampled peak RSS and the job's high-water mark, kept when it raises."""
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from specdistill.train import phases
+
+
+@pytest.fixture(autouse=True)
+def no_earlier_phases(monkeypatch):
+    monkeypatch.setattr(phases, "_finished", [])
+    monkeypatch.setattr(phases, "_highest", None)
+
+
+def test_a_phase_that_holds_memory_reports_it_and_the_next_does_not():
+    with phases.phase("holds 400 MB"):
+        block = np.ones(50_000_000)  # 400 MB, touched
+        time.sleep(3 * phases.SAMPLE_SECONDS)
+        del block
+    with phases.phase("idle"):
+        time.sleep(2 * phases.SAMPLE_SECONDS)
+    held, idle = phases.finished_phases()
+    assert held["name"] == "holds 400 MB" and idle["name"] == "idle"
+    assert held["peak_rss_gb"] - held["end_rss_gb"] > 0.3  # the array was freed before the phase ended
+    assert idle["peak_rss_gb"] < held["peak_rss_gb"] - 0.3  # a phase's peak is its own, not the job's so far
+    assert idle["job_peak_rss_gb"] >= held["peak_rss_gb"]  # the high-water mark keeps the job's
+    assert held["seconds"] >= 3 * phases.SAMPLE_SECONDS
+
+
+def test_a_phase_that_raises_is_still_recorded():
+    with pytest.raises(ValueError), phases.phase("fails"):
+        raise ValueError("bad input")
+    assert [p["name"] for p in phases.finished_phases()] == ["fails"]
+
+
+def test_written_phases_are_the_finished_ones_whole(tmp_path):
+    with phases.phase("one"):
+        pass
+    path = tmp_path / "work" / "phases.json"
+    phases.write_phases(path)
+    assert json.loads(path.read_text()) == phases.finished_phases()
+    assert not list(path.parent.glob("*.tmp"))
+
+
+def test_without_proc_status_the_time_is_kept_and_memory_is_none(monkeypatch, tmp_path):
+    monkeypatch.setattr(phases, "_STATUS", tmp_path / "absent")
+    with phases.phase("elsewhere"):
+        pass
+    (record,) = phases.finished_phases()
+    assert record["peak_rss_gb"] is None and record["seconds"] >= 0
+    assert "memory not measured" in phases.describe(record)

@@ -1,0 +1,122 @@
+"""The job's phases with their wall time and memory: what loading the target, writing the teacher data, reading the
+target's states and training each cost, so that a run states peak RSS per phase (issue #62) and a job that nears the
+machine's memory shows which phase to look at.
+
+    with phase("teacher data"):
+        ...
+    finished_phases() -> [{"name", "seconds", "peak_rss_gb", "end_rss_gb", "job_peak_rss_gb"}, ...]
+
+A phase's own peak is the largest resident set sampled while it ran (every `SAMPLE_SECONDS` by a daemon thread, and
+at its start and end), so a spike shorter than the interval can be missed; the job's peak so far is the kernel's
+high-water mark (VmHWM; or an earlier phase's sample where that is larger, the kernel summing its per-CPU counters
+approximately). The high-water mark is never reset (writing /proc/self/clear_refs would, but it would also lower
+what getrusage and /usr/bin/time report for the whole job). Linux only: elsewhere a phase records its time and no
+memory (None), and its log line says so.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+log = logging.getLogger("specdistill.phases")
+
+SAMPLE_SECONDS = 0.25
+_STATUS = Path("/proc/self/status")
+_finished: list[dict] = []
+_highest: int | None = None  # KiB: the largest VmHWM or sample any phase has seen
+
+
+def status_kib(field: str) -> int | None:
+    """A `VmRSS`/`VmHWM`-style line of /proc/self/status in KiB; None where the file or field is missing."""
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def gib(kib: int | None) -> float | None:
+    return None if kib is None else round(kib / 2**20, 2)
+
+
+class PeakSampler:
+    """The largest VmRSS seen between start() and stop(), sampled by a daemon thread."""
+
+    def __init__(self, interval: float = SAMPLE_SECONDS):
+        self.interval, self.peak = interval, status_kib("VmRSS")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.observe()
+
+    def observe(self) -> None:
+        rss = status_kib("VmRSS")
+        if rss is not None and (self.peak is None or rss > self.peak):
+            self.peak = rss
+
+    def start(self) -> PeakSampler:
+        if self.peak is not None:  # nothing to sample where /proc is not there
+            self._thread.start()
+        return self
+
+    def stop(self) -> int | None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self.observe()
+        return self.peak
+
+
+@contextmanager
+def phase(name: str):
+    """Time the block and sample its resident set; log and keep the phase's record when it ends (also when it
+    raises: the record says how far the job got)."""
+    sampler = PeakSampler().start()
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        peak = sampler.stop()
+        job_peak = highest_seen(status_kib("VmHWM"), peak)
+        record = {"name": name, "seconds": round(time.monotonic() - started, 1), "peak_rss_gb": gib(peak),
+                  "end_rss_gb": gib(status_kib("VmRSS")), "job_peak_rss_gb": gib(job_peak)}
+        _finished.append(record)
+        log.info("phase %s: %s", name, describe(record))
+
+
+def highest_seen(*kib: int | None) -> int | None:
+    """The largest of these and of every earlier phase's, in KiB (None where nothing was measured)."""
+    global _highest
+    _highest = max((k for k in (*kib, _highest) if k is not None), default=None)
+    return _highest
+
+
+def describe(record: dict) -> str:
+    """'12:34, peak RSS 9.1 GB (at its end 8.0 GB, the job's so far 9.3 GB)' or the time alone."""
+    minutes, seconds = divmod(int(record["seconds"]), 60)
+    if record["peak_rss_gb"] is None:
+        return f"{minutes}:{seconds:02d} (no /proc/self/status here: memory not measured)"
+    return (f"{minutes}:{seconds:02d}, peak RSS {record['peak_rss_gb']:.1f} GB (at its end {record['end_rss_gb']:.1f}"
+            f" GB, the job's so far {record['job_peak_rss_gb']:.1f} GB)")
+
+
+def finished_phases() -> list[dict]:
+    """The records of the phases that ended in this process, in order."""
+    return [dict(record) for record in _finished]
+
+
+def write_phases(path: Path) -> None:
+    """The finished phases as JSON at `path`, written whole (a temporary file renamed over it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(finished_phases(), indent=1))
+    tmp.replace(path)
