@@ -4,7 +4,7 @@ machine's memory shows which phase to look at.
 
     with phase("teacher data"):
         ...
-    finished_phases() -> [{"name", "seconds", "peak_rss_gb", "end_rss_gb", "job_peak_rss_gb"}, ...]
+    finished_phases() -> [{"name", "seconds", "peak_rss_gib", "end_rss_gib", "job_peak_rss_gib"}, ...]
 
 A phase's own peak is the largest resident set sampled while it ran (every `SAMPLE_SECONDS` by a daemon thread, and
 at its start and end), so a spike shorter than the interval can be missed; the job's peak so far is the kernel's
@@ -42,7 +42,7 @@ def status_kib(field: str) -> int | None:
     return None
 
 
-def gib(kib: int | None) -> float | None:
+def gib(kib: int | None) -> float | None:  # KiB -> GiB (2**30 bytes), as /usr/bin/time reports KiB
     return None if kib is None else round(kib / 2**20, 2)
 
 
@@ -87,8 +87,8 @@ def phase(name: str):
     finally:
         peak = sampler.stop()
         job_peak = highest_seen(status_kib("VmHWM"), peak)
-        record = {"name": name, "seconds": round(time.monotonic() - started, 1), "peak_rss_gb": gib(peak),
-                  "end_rss_gb": gib(status_kib("VmRSS")), "job_peak_rss_gb": gib(job_peak)}
+        record = {"name": name, "seconds": round(time.monotonic() - started, 1), "peak_rss_gib": gib(peak),
+                  "end_rss_gib": gib(status_kib("VmRSS")), "job_peak_rss_gib": gib(job_peak)}
         _finished.append(record)
         log.info("phase %s: %s", name, describe(record))
 
@@ -101,12 +101,12 @@ def highest_seen(*kib: int | None) -> int | None:
 
 
 def describe(record: dict) -> str:
-    """'12:34, peak RSS 9.1 GB (at its end 8.0 GB, the job's so far 9.3 GB)' or the time alone."""
+    """'12:34, peak RSS 9.1 GiB (at its end 8.0 GiB, the job's so far 9.3 GiB)' or the time alone."""
     minutes, seconds = divmod(int(record["seconds"]), 60)
-    if record["peak_rss_gb"] is None:
+    if record["peak_rss_gib"] is None:
         return f"{minutes}:{seconds:02d} (no /proc/self/status here: memory not measured)"
-    return (f"{minutes}:{seconds:02d}, peak RSS {record['peak_rss_gb']:.1f} GB (at its end {record['end_rss_gb']:.1f}"
-            f" GB, the job's so far {record['job_peak_rss_gb']:.1f} GB)")
+    return (f"{minutes}:{seconds:02d}, peak RSS {record['peak_rss_gib']:.1f} GiB (at its end "
+            f"{record['end_rss_gib']:.1f} GiB, the job's so far {record['job_peak_rss_gib']:.1f} GiB)")
 
 
 def finished_phases() -> list[dict]:

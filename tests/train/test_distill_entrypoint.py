@@ -164,7 +164,7 @@ def test_literal_accelerate_launch_trains_and_resumes(tiny_target_dir, prompts_f
     # each phase's time and memory, in the order they ran (teacher data: a seqkd job has no second turns)
     phases = json.loads((full / "drafter.work" / "phases.json").read_text())
     assert [p["name"] for p in phases] == ["target", "teacher data", "drafter training"]
-    assert all(p["seconds"] >= 0 and 0 < p["peak_rss_gb"] <= p["job_peak_rss_gb"] for p in phases)
+    assert all(p["seconds"] >= 0 and 0 < p["peak_rss_gib"] <= p["job_peak_rss_gib"] for p in phases)
 
     part = tmp_path / "part"
     first = run_entrypoint(job_args(tiny_target_dir, prompts_file, part, checkpoint_every=2, stop_at_step=3))

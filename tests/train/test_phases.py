@@ -16,17 +16,17 @@ def no_earlier_phases(monkeypatch):
 
 
 def test_a_phase_that_holds_memory_reports_it_and_the_next_does_not():
-    with phases.phase("holds 400 MB"):
-        block = np.ones(50_000_000)  # 400 MB, touched
+    with phases.phase("holds 600 MB"):
+        block = np.ones(75_000_000)  # 600 MB (0.56 GiB), touched
         time.sleep(3 * phases.SAMPLE_SECONDS)
         del block
     with phases.phase("idle"):
         time.sleep(2 * phases.SAMPLE_SECONDS)
     held, idle = phases.finished_phases()
-    assert held["name"] == "holds 400 MB" and idle["name"] == "idle"
-    assert held["peak_rss_gb"] - held["end_rss_gb"] > 0.3  # the array was freed before the phase ended
-    assert idle["peak_rss_gb"] < held["peak_rss_gb"] - 0.3  # a phase's peak is its own, not the job's so far
-    assert idle["job_peak_rss_gb"] >= held["peak_rss_gb"]  # the high-water mark keeps the job's
+    assert held["name"] == "holds 600 MB" and idle["name"] == "idle"
+    assert held["peak_rss_gib"] - held["end_rss_gib"] > 0.3  # the array was freed before the phase ended
+    assert idle["peak_rss_gib"] < held["peak_rss_gib"] - 0.3  # a phase's peak is its own, not the job's so far
+    assert idle["job_peak_rss_gib"] >= held["peak_rss_gib"]  # the high-water mark keeps the job's
     assert held["seconds"] >= 3 * phases.SAMPLE_SECONDS
 
 
@@ -50,5 +50,5 @@ def test_without_proc_status_the_time_is_kept_and_memory_is_none(monkeypatch, tm
     with phases.phase("elsewhere"):
         pass
     (record,) = phases.finished_phases()
-    assert record["peak_rss_gb"] is None and record["seconds"] >= 0
+    assert record["peak_rss_gib"] is None and record["seconds"] >= 0
     assert "memory not measured" in phases.describe(record)
