@@ -32,9 +32,8 @@ from tqdm.auto import tqdm
 from specdistill.decode.engine import SpeculativeEngine
 from specdistill.decode.metrics import aggregate_stats
 from specdistill.decode.proposers.dflash import DFlashProposer
-from specdistill.distill.feature_cache import FeatureRecord, open_or_build
+from specdistill.distill.feature_cache import FeatureRecord
 from specdistill.distill.feature_capture import FeatureStaging
-from specdistill.distill.generation import pad_token_id
 from specdistill.models.dflash import MAX_BLOCK_SIZE, MAX_LAYERS, DFlashDrafter, default_target_layers
 from specdistill.train import distill_steps as steps
 from specdistill.train.checkpoints import resume_or_start, save_checkpoint
@@ -51,7 +50,6 @@ from specdistill.train.eagle3 import (
 )
 from specdistill.train.medusa import candidate_vocab
 from specdistill.train.methods import Method, register_method
-from specdistill.train.phases import phase
 from specdistill.train.step_budget import StepBudget
 
 log = logging.getLogger("specdistill.dflash")
@@ -137,10 +135,8 @@ def build_drafter(cfg, target, vocab_map) -> DFlashDrafter:
 def train_dflash(cfg, accelerator, target, records: list[dict], eval_prompts: list[list[int]]) -> Path | None:
     vocab_map = candidate_vocab(cfg, target, records)  # the draft_vocab most frequent response tokens, EOS in
     drafter = build_drafter(cfg, target, vocab_map)
-    pad_id = pad_token_id(target.tokenizer, target.eos_token_ids)
-    with phase("target states"):  # the target's hidden states at the drafter's layers, cached on disk
-        cache = open_or_build(target, records, drafter.target_layers, cfg.max_seq_len, cfg.gen_batch_size, pad_id,
-                              accelerator, staging=feature_staging(cfg, target))
+    cache = steps.target_states(cfg, accelerator, target, records, drafter.target_layers,
+                                staging=feature_staging(cfg, target))
     plan = BatchPlan(cache, cfg.batch_size, cfg.seed)
     total = cfg.max_steps or cfg.epochs * -(-plan.batches_per_epoch // accelerator.num_processes)
     optimizer, scheduler = steps.make_optimizer(cfg, drafter, total)

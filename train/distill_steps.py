@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 
 from specdistill.decode.batch_generation import batch_generation_unavailable, generate_greedy_together
 from specdistill.distill.batching import Batch, collate, with_absent_column
+from specdistill.distill.feature_cache import FeatureCache, open_or_build
 from specdistill.distill.feature_capture import FeatureStaging
 from specdistill.distill.followups import FOLLOW_UPS, follow_up_prompts, load_follow_ups
 from specdistill.distill.generation import pad_token_id
@@ -205,6 +206,16 @@ def answered(target, prompts, settings: TeacherDataSettings, out_dir: Path, acce
     log.info("teacher data %s: %d prompts, %d responses, %d response tokens", out_dir, len(prompts), len(records),
              tokens)
     return records
+
+
+def target_states(cfg, accelerator, target, records: list[dict], layers: list[int],
+                  staging: FeatureStaging | None = None) -> FeatureCache:
+    """The feature cache of the target's states at `layers` over these records (distill.feature_cache: built first
+    where absent, from what `staging` holds where the generator staged it), timed as the job's phase "target states"."""
+    pad_id = pad_token_id(target.tokenizer, target.eos_token_ids)
+    with phase("target states"):
+        return open_or_build(target, records, layers, cfg.max_seq_len, cfg.gen_batch_size, pad_id, accelerator,
+                             staging=staging)
 
 
 def build_drafter(cfg, target, records: list[dict]) -> tuple[torch.nn.Module, torch.Tensor | None]:

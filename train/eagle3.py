@@ -41,9 +41,8 @@ from tqdm.auto import tqdm
 from specdistill.decode.engine import SpeculativeEngine
 from specdistill.decode.metrics import aggregate_stats
 from specdistill.decode.proposers.eagle3 import Eagle3Proposer
-from specdistill.distill.feature_cache import FeatureCache, FeatureRecord, open_or_build
+from specdistill.distill.feature_cache import FeatureCache, FeatureRecord
 from specdistill.distill.feature_capture import FeatureStaging
-from specdistill.distill.generation import pad_token_id
 from specdistill.models.drafters import save_drafter
 from specdistill.models.eagle3 import Eagle3Drafter, default_target_layers
 from specdistill.train import distill_steps as steps
@@ -51,7 +50,6 @@ from specdistill.train.checkpoints import resume_or_start, save_checkpoint
 from specdistill.train.config import ConfigError, check_choice, option, to_dict
 from specdistill.train.medusa import average_gradients, candidate_vocab
 from specdistill.train.methods import Method, register_method
-from specdistill.train.phases import phase
 from specdistill.train.step_budget import StepBudget
 
 log = logging.getLogger("specdistill.eagle3")
@@ -127,10 +125,8 @@ def train_eagle3(cfg, accelerator, target, records: list[dict], eval_prompts: li
     drafter = Eagle3Drafter.for_target(target.model, vocab_map, target_layers(cfg, target), seed=cfg.seed,
                                        init=cfg.eagle3.init,
                                        intermediate_size=cfg.eagle3.intermediate_size).float().train()
-    pad_id = pad_token_id(target.tokenizer, target.eos_token_ids)
-    with phase("target states"):  # the target's hidden states at the drafter's layers, cached on disk
-        cache = open_or_build(target, records, drafter.target_layers, cfg.max_seq_len, cfg.gen_batch_size, pad_id,
-                              accelerator, staging=feature_staging(cfg, target))
+    cache = steps.target_states(cfg, accelerator, target, records, drafter.target_layers,
+                                staging=feature_staging(cfg, target))
     plan = BatchPlan(cache, cfg.batch_size, cfg.seed)
     total = cfg.max_steps or cfg.epochs * -(-plan.batches_per_epoch // accelerator.num_processes)
     optimizer, scheduler = steps.make_optimizer(cfg, drafter, total)

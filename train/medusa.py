@@ -49,7 +49,6 @@ from specdistill.decode.metrics import aggregate_stats
 from specdistill.decode.proposers import build_proposer
 from specdistill.decode.proposers.medusa import choose_tree, expected_accept_length
 from specdistill.distill.batching import batches_by_length, collate
-from specdistill.distill.feature_cache import open_or_build
 from specdistill.distill.generation import pad_token_id
 from specdistill.distill.losses import cross_entropy_loss, forward_kl
 from specdistill.distill.vocab import count_response_tokens, coverage, select_draft_vocab
@@ -59,7 +58,6 @@ from specdistill.train import distill_steps as steps
 from specdistill.train.colbt import split_held_out
 from specdistill.train.config import ConfigError, option, to_dict
 from specdistill.train.methods import Method, register_method
-from specdistill.train.phases import phase
 from specdistill.train.step_budget import StepBudget
 
 log = logging.getLogger("specdistill.medusa")
@@ -210,10 +208,7 @@ def cached_final_states(cfg, accelerator, target, records: list[dict]) -> list[E
     """(hidden [T, D] bf16, response [R]) per record, as `target_hidden_states` gives them, read from the
     distill.feature_cache of these records with medusa.feature_layers (built first if absent): its `final`
     column is the target's final normed state at each position of the record's training window."""
-    pad_id = pad_token_id(target.tokenizer, target.eos_token_ids)
-    with phase("target states"):  # the target's hidden states at the drafter's layers, cached on disk
-        cache = open_or_build(target, records, list(cfg.medusa.feature_layers), cfg.max_seq_len, cfg.gen_batch_size,
-                              pad_id, accelerator)
+    cache = steps.target_states(cfg, accelerator, target, records, list(cfg.medusa.feature_layers))
     log.info("target final states read from the feature cache %s", cache.directory)
     examples: list[Example] = []
     for index in range(cache.num_shards):

@@ -16,12 +16,13 @@ memory (None), and its log line says so.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
+
+from specdistill.distill.prompts import write_json_atomically
 
 log = logging.getLogger("specdistill.phases")
 
@@ -115,8 +116,5 @@ def finished_phases() -> list[dict]:
 
 
 def write_phases(path: Path) -> None:
-    """The finished phases as JSON at `path`, written whole (a temporary file renamed over it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(finished_phases(), indent=1))
-    tmp.replace(path)
+    """The finished phases as JSON at `path`, written whole."""
+    write_json_atomically(path, finished_phases())

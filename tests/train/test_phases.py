@@ -42,7 +42,7 @@ def test_written_phases_are_the_finished_ones_whole(tmp_path):
     path = tmp_path / "work" / "phases.json"
     phases.write_phases(path)
     assert json.loads(path.read_text()) == phases.finished_phases()
-    assert not list(path.parent.glob("*.tmp"))
+    assert list(path.parent.iterdir()) == [path]  # no temporary file left beside it
 
 
 def test_without_proc_status_the_time_is_kept_and_memory_is_none(monkeypatch, tmp_path):
