@@ -2,18 +2,19 @@
 
     train_dflash(cfg, accelerator, target, records, eval_prompts) -> the drafter directory (kind "dflash")
 
-Reads top to bottom, as EAGLE-3's recipe (train/eagle3.py), whose data it shares: the draft vocabulary (the
-teacher responses' `draft_vocab` most frequent tokens); the target's states at the fused layers for every record,
-once (distill.feature_cache, read from what the teacher generation staged where it did); the drafter
-(models.dflash); then each step draws `dflash.anchors` random anchor positions per sequence among those followed
-by a response token, puts a block of block_size rows at each (the anchor's token, then mask rows), every block
-attending to the context before its anchor and to its own rows (DFlashDrafter.blocks: all the sequence's blocks in
-one forward), and takes the cross-entropy of block row k's distribution against the target's distribution of that
-token (its head on its final state, restricted to the draft vocabulary), weighted exp(-(k - 1) / gamma) as the
-paper weights block positions (early positions decide how much of a block is accepted). Every `eval_every` steps
-the real engine decodes held-out prompts (decode.proposers.dflash, full block, no adaptation) and the drafter of
-best measured tau is published at the end. `--resume` is exact: the batch and its anchors are functions of the seed
-and the step. With max_minutes the step count follows the measured costs (train.step_budget), as EAGLE-3's.
+Reads top to bottom, as EAGLE-3's recipe (train/eagle3.py), whose data it shares: the draft vocabulary (the teacher
+responses' `draft_vocab` most frequent tokens); the target's states at the fused layers for every record, once
+(distill.feature_cache, read from what the teacher generation staged where it did); the drafter (models.dflash);
+then each step draws `dflash.anchors` random anchor positions per sequence among those followed by a response token
+(by any token with dflash.prompt_weight > 0, those rows weighted by it), puts a block of block_size rows at each
+(the anchor's token, then mask rows), every block attending to the context before its anchor and to its own rows
+(DFlashDrafter.blocks: all the sequence's blocks in one forward), and takes the cross-entropy of block row k's
+distribution against the target's distribution of that token (its head on its final state, restricted to the draft
+vocabulary), weighted exp(-(k - 1) / gamma) as the paper weights block positions (early positions decide how much
+of a block is accepted). Every `eval_every` steps the real engine decodes held-out prompts
+(decode.proposers.dflash, full block, no adaptation) and the drafter of best measured tau is published at the end.
+`--resume` is exact: the batch and its anchors are functions of the seed and the step. With max_minutes the step
+count follows the measured costs (train.step_budget), as EAGLE-3's.
 
 Config: the `dflash:` section (DFlashConfig), draft_vocab, and the common optimisation, eval_* and checkpoint fields.
 """
@@ -45,6 +46,7 @@ from specdistill.train.eagle3 import (
     decided_steps,
     keep_if_best,
     pad_batch,
+    position_weights,
     snapshot,
     target_head_rows,
 )
@@ -66,6 +68,8 @@ class DFlashConfig:
     target_layers: list[int] = option([], "target layers whose inputs are fused (1..L-1 of an L-layer target); "
                                           "empty: the paper's spread, as many as `layers`")
     anchors: int = option(16, "blocks per sequence in a training step, anchored at random response positions")
+    prompt_weight: float = option(0.0, "loss weight of block rows drafting a prompt token (the target's "
+                                       "distribution there); > 0 also anchors blocks inside the prompt")
     gamma: float = option(0.0, "block row k's loss weight is exp(-(k - 1) / gamma); 0: the paper's for the block "
                                "size (4 at 8, 5 at 10, 7 at 16; else block_size / 2 - 1)")
     init: str = option("target_layers", "how the layers start: target_layers (the target's layers after its deepest "
@@ -86,6 +90,8 @@ class DFlashConfig:
                               f"{self.target_layers}")
         if self.anchors < 1:
             raise ConfigError(f"dflash.anchors: must be >= 1, got {self.anchors}")
+        if not 0 <= self.prompt_weight <= 1:
+            raise ConfigError(f"dflash.prompt_weight: must be in [0, 1], got {self.prompt_weight}")
         if self.gamma < 0:
             raise ConfigError(f"dflash.gamma: must be >= 0 (0: the paper's), got {self.gamma}")
         check_choice("dflash.init", self.init, ("target_layers", "random"))  # models.dflash.DFLASH_INITS
@@ -197,8 +203,8 @@ def follow_budget(accelerator, budget: StepBudget, state, total: int, seconds: f
 # ---- the loss --------------------------------------------------------------------------------------------
 
 def sample_anchors(mask: torch.Tensor, count: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Up to `count` distinct random anchors per sequence among the positions a >= 1 whose next token is a
-    response token (mask [B, T]): (anchors [B, A], valid [B, A]); a sequence with fewer such positions repeats
+    """Up to `count` distinct random anchors per sequence among the positions a >= 1 marked in mask [B, T] (those
+    whose next token is trained on): (anchors [B, A], valid [B, A]); a sequence with fewer such positions repeats
     one, marked invalid. A = min(count, T)."""
     eligible = mask.clone()
     eligible[:, 0] = False  # a block needs at least one context position before it (decoding always has one)
@@ -216,25 +222,29 @@ def block_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
 
 
 def dflash_loss(drafter: DFlashDrafter, embed: torch.nn.Module, head_rows: torch.Tensor, records: list[FeatureRecord],
-                anchors_per_sequence: int, gamma: float,
-                generator: torch.Generator | None = None) -> tuple[torch.Tensor, list[float]]:
+                anchors_per_sequence: int, gamma: float, generator: torch.Generator | None = None,
+                prompt_weight: float = 0.0) -> tuple[torch.Tensor, list[float]]:
     """The weighted mean over blocks and rows of CE(target's restricted distribution, block row k's).
 
     Block row k at anchor a drafts the token at a + k, whose target distribution is the target's head on its
-    final state at a + k - 1; a row counts where that token is a response token inside the record, weighted by
-    `block_weights`. Returns (the loss, per block row the share of counted rows where the drafter's argmax is the
-    target's)."""
+    final state at a + k - 1; a row counts where that token is inside the record, weighted by `block_weights`
+    times 1 for a response token and prompt_weight for a prompt token (eagle3.position_weights); anchors are
+    drawn where block row 1 counts. Returns (the loss, per block row the share of counted rows where the
+    drafter's argmax is the target's)."""
     device = drafter.fc.weight.device
     ids, features, final, mask, lengths = pad_batch(records, device)  # [B, T], [B, T, KD], [B, T, D], [B, T], [B]
-    anchors, valid = sample_anchors(mask, anchors_per_sequence, generator or torch.Generator(device=device))
+    positional = position_weights(mask, lengths, prompt_weight)  # [B, T]: the weight of predicting token t + 1
+    anchors, valid = sample_anchors(positional > 0, anchors_per_sequence,
+                                    generator or torch.Generator(device=device))
     size, t = drafter.block_size, ids.shape[1]
     with torch.no_grad():
         first = embed(ids.gather(1, anchors)).float()  # [B, A, D]
     out = drafter.blocks(features, first, anchors)[:, :, 1:]  # [B, A, B-1, D]: the drafting rows
     drafted = anchors[..., None] + torch.arange(1, size, device=device)  # [B, A, B-1]: their positions
     source = (drafted - 1).clamp(max=t - 1)  # where the target's distribution of each drafted token is
-    counted = (drafted < lengths[:, None, None]) & mask.gather(1, source.flatten(1)).view_as(source) & valid[..., None]
-    weight = block_weights(size, gamma, device).expand_as(drafted)[counted]  # [N]
+    row_weight = positional.gather(1, source.flatten(1)).view_as(source)  # [B, A, B-1]
+    counted = (drafted < lengths[:, None, None]) & (row_weight > 0) & valid[..., None]
+    weight = (block_weights(size, gamma, device) * row_weight)[counted]  # [N]
     with torch.no_grad():
         states = final.gather(1, source.flatten(1)[..., None].expand(-1, -1, final.shape[-1]))  # [B, A(B-1), D]
         target_p = torch.softmax(states.view(*source.shape, -1)[counted] @ head_rows.T, dim=-1)  # [N, M]
@@ -252,7 +262,7 @@ def train_step(cfg, accelerator, target, drafter, head_rows, records, optimizer,
     generator = torch.Generator(device=module.fc.weight.device).manual_seed(anchor_seed)
     with accelerator.autocast():  # the loss calls the drafter's parts, not the prepared forward accelerate wraps
         loss, accuracy = dflash_loss(module, target.model.get_input_embeddings(), head_rows, records,
-                                     cfg.dflash.anchors, cfg.dflash.decay(), generator)
+                                     cfg.dflash.anchors, cfg.dflash.decay(), generator, cfg.dflash.prompt_weight)
     apply_gradients(accelerator, drafter, module, loss, optimizer, scheduler)
     return float(loss.detach()), accuracy
 

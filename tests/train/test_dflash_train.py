@@ -5,6 +5,7 @@ field."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,7 @@ def test_block_weights_are_the_papers_decay():
                                             (dict(layers=0), "dflash.layers"),
                                             (dict(target_layers=[0, 1]), "dflash.target_layers"),
                                             (dict(anchors=0), "dflash.anchors"),
+                                            (dict(prompt_weight=1.5), "dflash.prompt_weight"),
                                             (dict(block_size=4, depth=4), "dflash.depth"),
                                             (dict(init="identity"), "dflash.init")])
 def test_bad_configs_name_the_field(section, field):
@@ -160,8 +162,9 @@ def test_target_layers_out_of_range_name_the_field(target):
         DistillConfig(method="dflash", dflash=dict(nonsense=1))
 
 
-def synthetic_records(target, n: int = 3, length: int = 14) -> list:
-    """FeatureRecords of random features and final states (the loss only needs their shapes and masks)."""
+def synthetic_records(target, n: int = 3, length: int = 14, response_from: int = 4) -> list:
+    """FeatureRecords of random features and final states (the loss only needs their shapes and masks): the
+    tokens after position response_from - 1 are the response."""
     from specdistill.distill.feature_cache import FeatureRecord
 
     gen = torch.Generator().manual_seed(0)
@@ -170,7 +173,7 @@ def synthetic_records(target, n: int = 3, length: int = 14) -> list:
     for i in range(n):
         t = length - i
         mask = torch.zeros(t, dtype=torch.bool)
-        mask[4:t - 1] = True  # positions whose next token is a response token
+        mask[response_from:t - 1] = True  # positions whose next token is a response token
         records.append(FeatureRecord(torch.randint(4, VOCAB, (t,), generator=gen), torch.randn(t, d, generator=gen),
                                      torch.randn(t, d, generator=gen), mask))
     return records
@@ -190,6 +193,29 @@ def test_the_loss_runs_under_bf16_autocast_near_its_fp32_value(target):
     exact, mixed_value = float(exact.detach()), float(mixed.detach())
     assert torch.isfinite(mixed) and abs(mixed_value - exact) < 0.05 * exact
     assert drafter.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0 and len(accuracy) == 3
+
+
+def test_prompt_weight_trains_blocks_in_the_prompt_and_nothing_else(target):
+    from specdistill.train.dflash import dflash_loss
+
+    drafter = DFlashDrafter.for_target(target.model, None, 1, 4, [1], seed=0).train()
+    head = target.model.get_output_embeddings().weight.float()
+    embed = target.model.get_input_embeddings()
+
+    def loss(records, prompt_weight):
+        value, accuracy = dflash_loss(drafter, embed, head, records, 4, 4.0, torch.Generator().manual_seed(1),
+                                      prompt_weight)
+        return float(value.detach()), accuracy
+
+    all_response = synthetic_records(target, response_from=0)  # every next token is a response token
+    assert loss(all_response, 0.0) == loss(all_response, 0.5)  # prompt_weight changes no response row
+    all_prompt = synthetic_records(target, response_from=14)  # no response token at all
+    untrained, accuracy = loss(all_prompt, 0.0)
+    assert untrained == 0.0 and all(math.isnan(a) for a in accuracy)  # no block, no row
+    trained, accuracy = loss(all_prompt, 0.5)
+    assert trained > 0 and not any(math.isnan(a) for a in accuracy)
+    mixed = synthetic_records(target)
+    assert loss(mixed, 0.0)[0] != loss(mixed, 1.0)[0]  # prompt rows and prompt anchors enter the loss
 
 
 @pytest.mark.parametrize("dflash_job, eagle3_job, target_layer_count",
