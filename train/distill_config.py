@@ -107,6 +107,8 @@ class DistillConfig:
                                        "bf16 GEMMs, AVX512-BF16 or AMX; no elsewhere)")
     threads: int = _f(0, "torch threads per process on the CPU; 0 = the machine's cores shared among the processes "
                          "(accelerate launch would leave one per process)")
+    malloc_trim_seconds: float = _f(5.0, "hand glibc's free heap pages back to the system this often, so that the "
+                                         "job's resident set stays what it uses (train.malloc); 0 = never")
     target_dtype: str = _f("auto", "the frozen target's weights: float32, bfloat16, or auto (bf16 on CUDA, fp32 on "
                                    "CPU); float32 on a GPU makes teacher data and hidden states those of the fp32 "
                                    "target a CPU evaluates")
@@ -169,6 +171,8 @@ class DistillConfig:
     def check_ranges(self) -> None:
         if self.max_minutes < 0:
             raise ConfigError(f"max_minutes: must be >= 0, got {self.max_minutes}")
+        if self.malloc_trim_seconds < 0:
+            raise ConfigError(f"malloc_trim_seconds: must be >= 0 (0: never), got {self.malloc_trim_seconds}")
         if not 0.0 <= self.on_policy_lambda <= 1.0:
             raise ConfigError(f"on_policy_lambda: must be in [0, 1], got {self.on_policy_lambda}")
         if not 0.0 <= self.jsd_beta <= 1.0:
