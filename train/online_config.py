@@ -97,6 +97,8 @@ class OnlineConfig:
     seed: int = _f(0, "training randomness")
     device: str = _f("", "cpu or cuda; empty = cuda when available")
     threads: int = _f(0, "CPU threads for torch; 0 = torch's default (leave cores to a server on the same machine)")
+    malloc_trim_seconds: float = _f(5.0, "hand glibc's free heap pages back to the system this often, so that a "
+                                         "daemon's resident set stays what it uses (train.malloc); 0 = never")
 
     def __post_init__(self):
         for name in ("log_dir", "store", "work_dir"):
@@ -123,6 +125,8 @@ class OnlineConfig:
                               f"got {self.sample_temperature}")
         if self.prompt_weight < 0:
             raise ConfigError(f"prompt_weight: must be >= 0, got {self.prompt_weight}")
+        if self.malloc_trim_seconds < 0:
+            raise ConfigError(f"malloc_trim_seconds: must be >= 0 (0: never), got {self.malloc_trim_seconds}")
         if self.vocab_growth < 0:
             raise ConfigError(f"vocab_growth: must be >= 0, got {self.vocab_growth}")
         if self.vocab_growth_min_count < 1:

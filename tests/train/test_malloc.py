@@ -12,6 +12,7 @@ import pytest
 from specdistill.train.config import ConfigError
 from specdistill.train.distill_config import DistillConfig
 from specdistill.train.malloc import glibc, trim_periodically
+from specdistill.train.online_config import OnlineConfig
 from specdistill.train.phases import status_kib
 
 MIB = 1 << 20
@@ -44,10 +45,14 @@ def test_an_interval_that_is_not_positive_is_an_error_naming_the_field(seconds):
         trim_periodically(seconds, CountingLibc())
 
 
-def test_a_negative_interval_in_the_config_names_the_field():
+def test_a_negative_interval_in_the_config_names_the_field(tmp_path):
     with pytest.raises(ConfigError, match="malloc_trim_seconds"):
         DistillConfig(method="eagle3", malloc_trim_seconds=-5)
     assert DistillConfig(method="eagle3", malloc_trim_seconds=0).malloc_trim_seconds == 0  # 0: never
+    dirs = dict(log_dir=str(tmp_path / "logs"), store=str(tmp_path / "store"), work_dir=str(tmp_path / "work"))
+    with pytest.raises(ConfigError, match="malloc_trim_seconds"):
+        OnlineConfig(malloc_trim_seconds=-1, **dirs)
+    assert OnlineConfig(**dirs).malloc_trim_seconds == 5.0
 
 
 @pytest.mark.skipif(glibc() is None or status_kib("VmRSS") is None, reason="glibc on Linux only")
