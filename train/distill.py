@@ -22,7 +22,7 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, se
 from specdistill.train import distill_steps as steps
 from specdistill.train.config import ConfigError, load_config, to_dict
 from specdistill.train.distill_config import DistillConfig  # (imports every method, registering it)
-from specdistill.train.malloc import trim_periodically
+from specdistill.train.malloc import start_trimming
 from specdistill.train.methods import method_named
 from specdistill.train.phases import phase, write_phases
 from specdistill.train.step_budget import start_job_clock
@@ -33,8 +33,7 @@ log = logging.getLogger("specdistill.distill")
 def main(argv: list[str] | None = None) -> Path | None:
     start_job_clock()  # max_minutes counts the whole job: the teacher data and the target's states too
     cfg = load_config(DistillConfig, argv)
-    if cfg.malloc_trim_seconds and trim_periodically(cfg.malloc_trim_seconds) is None:
-        log.warning("malloc_trim_seconds: not glibc, the heap's free pages are not handed back")
+    start_trimming(cfg.malloc_trim_seconds, log)
     method = method_named(cfg.method)
     asked = cfg.mixed_precision
     # what runs, not "auto", in every record of the run (the drafter's manifest, the summary, the tracker)

@@ -1,6 +1,7 @@
 """Keep a long training job's resident set at what it uses: glibc's free pages handed back every few seconds.
 
     trim_periodically(seconds) -> the daemon thread that does it (None where the process does not run on glibc)
+    start_trimming(seconds, log) -> the same from a job's `malloc_trim_seconds` (0: never), warning where not glibc
 
 glibc serves an allocation of at least its mmap threshold (128 KiB at start) with its own mmap and returns it to
 the system when freed, but each time such a block is freed it raises the threshold to that block's size (up to
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import os
 import threading
 import time
@@ -50,4 +52,15 @@ def trim_periodically(seconds: float, libc=None) -> threading.Thread | None:
 
     thread = threading.Thread(target=trim, name="malloc-trim", daemon=True)
     thread.start()
+    return thread
+
+
+def start_trimming(seconds: float, log: logging.Logger) -> threading.Thread | None:
+    """A job's `malloc_trim_seconds` put to work: 0 trims never; where the process does not run on glibc the job
+    goes on untrimmed and says so once."""
+    if not seconds:
+        return None
+    thread = trim_periodically(seconds)
+    if thread is None:
+        log.warning("malloc_trim_seconds: not glibc, the heap's free pages are not handed back")
     return thread

@@ -46,7 +46,7 @@ from specdistill.models.drafters import load_drafter
 from specdistill.models.target import load_target
 from specdistill.train.config import ConfigError, load_config
 from specdistill.train.distill_steps import end_run
-from specdistill.train.malloc import trim_periodically
+from specdistill.train.malloc import start_trimming
 from specdistill.train.online_config import OnlineConfig
 from specdistill.train.online_learn import acceptance, attach_samples, score_requests, train_candidate
 from specdistill.train.online_state import METRICS, OnlineState
@@ -387,8 +387,7 @@ def make_accelerator(cfg: OnlineConfig):
 def main(argv: list[str] | None = None) -> None:
     cfg = load_config(OnlineConfig, argv, description=__doc__.split("\n\n")[0])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if cfg.malloc_trim_seconds and trim_periodically(cfg.malloc_trim_seconds) is None:
-        log.warning("malloc_trim_seconds: not glibc, the heap's free pages are not handed back")
+    start_trimming(cfg.malloc_trim_seconds, log)
     accelerator = make_accelerator(cfg)
     OnlineDaemon(cfg, accelerator).run()
     end_run(accelerator)

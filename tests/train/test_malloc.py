@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import threading
 import time
 
 import pytest
 
+from specdistill.train import malloc
 from specdistill.train.config import ConfigError
 from specdistill.train.distill_config import DistillConfig
-from specdistill.train.malloc import glibc, trim_periodically
+from specdistill.train.malloc import glibc, start_trimming, trim_periodically
 from specdistill.train.online_config import OnlineConfig
 from specdistill.train.phases import status_kib
 
@@ -37,6 +39,18 @@ def test_the_thread_trims_every_interval_and_does_not_hold_the_process():
     thread = trim_periodically(0.01, libc)
     assert thread.daemon and libc.called.wait(5.0)  # a daemon: the job ends without waiting for it
     assert set(libc.calls) == {0}  # pad 0: every free page goes back
+
+
+def test_a_job_that_asks_for_no_trimming_starts_no_thread(monkeypatch):
+    monkeypatch.setattr(malloc, "trim_periodically", lambda *args: pytest.fail("a thread was started"))
+    assert start_trimming(0, logging.getLogger("job")) is None
+
+
+def test_a_job_off_glibc_goes_on_untrimmed_and_says_so(monkeypatch, caplog):
+    monkeypatch.setattr(malloc, "glibc", lambda: None)
+    with caplog.at_level(logging.WARNING, logger="job"):
+        assert start_trimming(5.0, logging.getLogger("job")) is None
+    assert "malloc_trim_seconds: not glibc" in caplog.text
 
 
 @pytest.mark.parametrize("seconds", [0, -1.0])
