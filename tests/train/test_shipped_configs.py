@@ -27,7 +27,7 @@ def shipped(name: str, monkeypatch) -> DistillConfig:
 
 @pytest.mark.parametrize("name", ["qwen_coder_medusa.yaml", "qwen_coder_seqkd.yaml"])
 def test_qwen_coder_jobs_share_the_eagle3_jobs_teacher_data(name, monkeypatch):
-    """The real target's teacher data costs 37 minutes of a 2-core CPU: every qwen_coder job must ask for exactly
+    """The real target's teacher data costs half an hour of a 2-core CPU: every qwen_coder job must ask for exactly
     what qwen_coder_eagle3.yaml asked for, everything distill.teacher_data keys its cache on (the target, the
     prompts and exclusions, the generation settings, the follow-up turns), so that it reads that cache."""
     from specdistill.train.distill_steps import teacher_settings
