@@ -63,7 +63,7 @@ PRESETS = {
               "peers": [], "sets": ["mt-bench", "arena-heldout"]},
     "qwen-coder": {"drafters": ["prompt_lookup", "qwen2.5-coder-0.5b", QWEN_EAGLE3, f"{QWEN_EAGLE3}+prompt_lookup"],
                    "peers": ["llamacpp"], "sets": ["humaneval", "mt-bench"], "target": "qwen2.5-coder-1.5b",
-                   "per_category": 1, "extra": ["--llamacpp-draft", "qwen2.5-coder-0.5b"]},
+                   "per_category": 1, "llamacpp_extra": ["--llamacpp-draft", "qwen2.5-coder-0.5b"]},
     "dflash": {"drafters": ["prompt_lookup", EAGLE3, f"{EAGLE3}+prompt_lookup", DFLASH, f"{DFLASH}+prompt_lookup"],
                "peers": [], "sets": ["mt-bench", "arena-heldout"]},
     "qwen-coder-dflash": {"drafters": ["prompt_lookup", QWEN_EAGLE3, f"{QWEN_EAGLE3}+prompt_lookup", QWEN_DFLASH,
@@ -100,7 +100,8 @@ def evaluate_argv(args, question_set: str, questions: Path | str) -> list[str]:
         argv += ["--per-category", str(PRESETS[args.preset].get("per_category", 2))]
     if question_set == "humaneval":
         argv += ["--limit", "8"]
-    argv += PRESETS[args.preset].get("extra", [])
+    if "llamacpp" in args.peers:  # the preset's settings for llama.cpp's peers
+        argv += PRESETS[args.preset].get("llamacpp_extra", [])
     if args.fixed_depth:
         argv += ["--fixed-depth"]
     for spec in args.drafter:
@@ -130,8 +131,8 @@ def parse_args(argv=None):
     p.add_argument("--preset", choices=list(PRESETS), default="lookup")
     p.add_argument("--sets", nargs="+", choices=SETS, default=None, help="default: the preset's")
     p.add_argument("--drafter", action="append", default=None, help="replaces the preset's drafters (repeat)")
-    p.add_argument("--peers", action="append", choices=["hf", "vllm", "llamacpp"], default=None,
-                   help="replaces the preset's peers (repeat)")
+    p.add_argument("--peers", action="append", choices=["hf", "vllm", "llamacpp", "none"], default=None,
+                   help="replaces the preset's peers (repeat); `--peers none`: our methods only")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--mt-bench", default=str(QUESTIONS), help="MT-bench's question.jsonl")
     p.add_argument("--arena", default=str(ARENA), help="Arena-Hard v2.0's question_v2.0.jsonl")
@@ -144,6 +145,10 @@ def parse_args(argv=None):
     preset = PRESETS[args.preset]
     args.drafter = args.drafter or list(preset["drafters"])
     args.peers = args.peers if args.peers is not None else list(preset["peers"])
+    if "none" in args.peers:
+        if len(args.peers) > 1:
+            p.error(f"--peers none runs no peers; it cannot join {', '.join(x for x in args.peers if x != 'none')}")
+        args.peers = []
     args.sets = args.sets or list(preset["sets"])
     args.target = args.target or preset.get("target")
     if args.reps != 1:

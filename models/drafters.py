@@ -2,7 +2,9 @@
 
 A drafter directory:
     manifest.json          {"format_version": 1, "kind", "target": {"name", "fingerprint",
-                            "tokenizer_fingerprint"}, "vocab_map", "model", "config", "created", "extra"}
+                            "tokenizer_fingerprint"}, "vocab_map", "model", "config", "created", "extra"[,
+                            "weights": "q8_0"]}: `weights`, draft models only, has a CPU load round the model to Q8_0
+                            blocks that the int8 kernel computes (models.gguf_blocks.attach_q8_0_blocks)
     model/                 the draft LM (save_pretrained, safetensors), for kind draft_model
     vocab_map.safetensors  {"vocab_map": LongTensor [V_draft]}: draft head row -> target token id,
                            when the drafter's head covers only part of the target's vocabulary
@@ -36,6 +38,7 @@ from specdistill.models.draft_models import (
     replace_output_head,
 )
 from specdistill.models.fingerprint import tokenizer_fingerprint
+from specdistill.models.gguf_blocks import attach_q8_0_blocks
 from specdistill.models.real_targets import REAL_TARGETS, real_target_dir
 from specdistill.models.target import Target, attach_gguf_blocks, load_causal_lm
 
@@ -45,6 +48,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 MODEL_DIR = "model"
 VOCAB_MAP_FILE = "vocab_map.safetensors"
+SAVED_WEIGHTS = ("q8_0",)  # a draft model's manifest `weights`: what a CPU load rounds it to
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 ACCEPTED_SPECS = ("'truncated:N' (the target's first N layers), "
                   "'small:layers=L,hidden=H[,heads=..,kv_heads=..,intermediate=..,seed=..]' (a fresh small Llama), "
@@ -180,6 +184,12 @@ def load_draft_model_kind(path: Path, manifest: dict, target: Target, device: st
     head_rows = None if vocab_map is None else vocab_map.numel()
     model = load_draft_model(path / manifest.get("model", MODEL_DIR), target.dtype, head_rows)
     check_head_size(model, target, vocab_map, path)
+    weights = manifest.get("weights")
+    if weights not in (None, *SAVED_WEIGHTS):
+        raise ValueError(f"{path / MANIFEST}: `weights` must be one of {', '.join(SAVED_WEIGHTS)} or absent, "
+                         f"got {weights!r}")
+    if weights == "q8_0" and torch.device(device).type == "cpu" and target.dtype == torch.float32:
+        log.info("drafter %s drafts on Q8_0 blocks: %d matrices", path, attach_q8_0_blocks(model))
     return Drafter("draft_model", model.to(device).eval(), vocab_map.to(device) if vocab_map is not None else None,
                    manifest, str(path))
 
@@ -278,10 +288,15 @@ def check_head_size(model: torch.nn.Module, target: Target, vocab_map: torch.Ten
 # ---- saving ----------------------------------------------------------------------------------------
 
 def save_drafter(path: str | Path, model: torch.nn.Module | None, target: Target, kind: str, config,
-                 vocab_map: torch.Tensor | None = None, extra: dict | None = None) -> Path:
+                 vocab_map: torch.Tensor | None = None, extra: dict | None = None, weights: str | None = None) -> Path:
     """Write a drafter directory at `path`, atomically (a reader sees the old directory or the complete
     new one, never a partial write). LoRA adapters are merged into a copy first. `config` is the
-    resolved training config: a dict or a dataclass."""
+    resolved training config: a dict or a dataclass. `weights` (draft models): "q8_0" has the loader round the
+    model to Q8_0 blocks on a CPU (models.gguf_blocks.attach_q8_0_blocks), as a model trained from a K-quant
+    sibling drafts; None keeps its weights as saved."""
+    if weights not in (None, *SAVED_WEIGHTS) or (weights is not None and kind != "draft_model"):
+        raise ValueError(f"save_drafter: weights {weights!r} (kind {kind!r}): only a draft_model takes one of "
+                         f"{', '.join(SAVED_WEIGHTS)}")
     path = Path(path).expanduser().absolute()
     if kind == "draft_model" and model is None:
         raise ValueError("save_drafter: kind 'draft_model' needs a model")
@@ -291,6 +306,8 @@ def save_drafter(path: str | Path, model: torch.nn.Module | None, target: Target
     if vocab_map is not None:
         vocab_map = checked_vocab_map(vocab_map, target)
     manifest = build_manifest(target, kind, config, vocab_map is not None, model is not None, extra)
+    if weights is not None:
+        manifest["weights"] = weights
     manifest_text = json.dumps(manifest, indent=2)  # fail on unserializable config before writing anything
     tmp = make_temp_sibling(path)
     try:

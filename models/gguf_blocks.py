@@ -116,3 +116,28 @@ def attach_kquant_blocks(model: torch.nn.Module, gguf_file: str | Path) -> dict[
     log.info("K-quant blocks of %s: %d matrices attached, %d differing, %d without a linear", Path(gguf_file).name,
              counts["attached"], counts["differing"], counts["unmatched"])
     return counts
+
+
+def attach_q8_0_blocks(model: torch.nn.Module) -> int:
+    """Round each fp32 CPU nn.Linear of `model` whose rows and columns are whole blocks of 32 (the int8 kernel's
+    Q8_0 form) to Q8_0 with gguf-py's quantizer, as llama.cpp's `llama-quantize` would, and attach those blocks
+    (`linear.kquant_blocks`): the engine then computes it on the int8 kernel, at a quarter of fp32's bytes. Unlike
+    `attach_kquant_blocks` this changes the model: each weight becomes its Q8_0 value (dequantized), so every path,
+    kernel or not, computes the same model. For a draft model trained from a K-quant sibling (its own blocks stale
+    once it trained): only which tokens it proposes can change, never what the target keeps. Returns how many."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    rounded = 0
+    for linear in model.modules():
+        w = getattr(linear, "weight", None)
+        if (not isinstance(linear, torch.nn.Linear) or w.dtype != torch.float32 or w.device.type != "cpu"
+                or w.shape[0] % 32 or w.shape[1] % 32):
+            continue
+        raw = quantize(w.detach().numpy(), GGMLQuantizationType.Q8_0)  # uint8 [N, K / 32 * 34]
+        blocks = KQuantBlocks("Q8_0", torch.from_numpy(raw))
+        with torch.no_grad():
+            w.copy_(dequantize(blocks))
+        setattr(linear, ATTRIBUTE, [blocks])
+        rounded += 1
+    return rounded

@@ -68,6 +68,18 @@ def test_every_preset_is_a_command_line_the_evaluation_accepts(preset, tmp_path)
         assert config.target == preset_of.get("target")
 
 
+def test_peers_none_runs_our_methods_only(tmp_path, capsys):
+    questions = write_lines(tmp_path / "q.jsonl", MT_BENCH_LINES)
+    args = decode_methods.parse_args(["--preset", "qwen-coder", "--peers", "none", "--out", str(tmp_path / "out")])
+    assert args.peers == []
+    argv = decode_methods.evaluate_argv(args, "humaneval", questions)
+    config = config_from_args(build_parser().parse_args(argv))
+    assert config.peers == () and config.llamacpp_draft is None  # the preset's llama.cpp draft goes with its peers
+    with pytest.raises(SystemExit):
+        decode_methods.parse_args(["--peers", "none", "--peers", "hf"])
+    assert "--peers none runs no peers; it cannot join hf" in capsys.readouterr().err
+
+
 def test_a_missing_drafter_names_the_job_that_trains_it():
     missing = decode_methods.missing_drafters(["prompt_lookup", "runs/no_such_job/drafter",
                                                "runs/smollm2_eagle3/drafter+prompt_lookup"])

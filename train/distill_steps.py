@@ -44,6 +44,7 @@ from specdistill.distill.vocab import count_response_tokens, coverage, inverse_m
 from specdistill.models.draft_models import apply_lora, drop_gguf_blocks, reduce_head
 from specdistill.models.drafters import load_drafter, save_drafter
 from specdistill.models.fingerprint import weights_fingerprint
+from specdistill.models.real_targets import REAL_TARGETS
 from specdistill.models.target import load_target
 from specdistill.train.acceptance import measure_acceptance
 from specdistill.train.config import to_dict
@@ -403,7 +404,14 @@ def save_best(cfg, target, model, vocab_map, state) -> Path:
     """The best drafter so far, as a complete drafter directory under work_dir/best."""
     return save_drafter(Path(cfg.work_dir) / "best", plain_model(model), target, "draft_model", config=to_dict(cfg),
                         vocab_map=vocab_map, extra={"step": state.step, "held_out_tau": state.best_tau,
-                                                    "history": state.history})
+                                                    "history": state.history}, weights=saved_weights(cfg))
+
+
+def saved_weights(cfg) -> str | None:
+    """"q8_0" for a drafter started from a named real target (a K-quant GGUF such as `qwen2.5-coder-0.5b`): its own
+    blocks are stale once it trained, and on a CPU it drafts on Q8_0 blocks of its trained weights instead, a
+    quarter of fp32's bytes, as its untrained sibling drafts on its file's; None for any other drafter."""
+    return "q8_0" if cfg.drafter in REAL_TARGETS else None
 
 
 def publish_best(cfg, accelerator, target, vocab_map, state) -> Path:

@@ -20,7 +20,8 @@ be 3.7 GB of fp32 projections for four heads, 15 GB with gradients and AdamW's m
 `medusa.feature_layers` reads the target's final states from distill.feature_cache, the cache an EAGLE-3 job
 over the same teacher data builds with those layers (its `final` column, bf16, staged by the teacher generation
 itself), instead of a pass of the target over every record here: on a 1.5B target on 2 cores that pass is
-half an hour, the read a few seconds.
+hours (1,508 records: 24 batches of 5.6-7 minutes), the read a few seconds. A Medusa job that writes the teacher
+data itself stages the same states while it generates (`feature_staging`), as an EAGLE-3 job does.
 With `max_minutes` the step count is sized to the job's time budget (train.step_budget); with held-out prompts
 (`eval_prompts`) the calibrated drafter's tau is measured by the engine at the end (and the untrained one's with
 `medusa.untrained_dir`), in work_dir/summary.json with the run's steps and peak RSS.
@@ -49,6 +50,7 @@ from specdistill.decode.metrics import aggregate_stats
 from specdistill.decode.proposers import build_proposer
 from specdistill.decode.proposers.medusa import choose_tree, expected_accept_length
 from specdistill.distill.batching import batches_by_length, collate
+from specdistill.distill.feature_capture import FeatureStaging
 from specdistill.distill.generation import pad_token_id
 from specdistill.distill.losses import cross_entropy_loss, forward_kl
 from specdistill.distill.vocab import count_response_tokens, coverage, select_draft_vocab
@@ -437,4 +439,12 @@ def topk_accuracy(heads, examples: list[Example], k_ranks: int, vocab_map: torch
     return [(h / max(n, 1)).tolist() for h, n in zip(hits, counts)]
 
 
-register_method(Method("medusa", train_medusa, MedusaConfig, check=check_job, budgeted=True))
+def feature_staging(cfg, target) -> FeatureStaging | None:
+    """With medusa.feature_layers, where the teacher generation stages the target's states (distill.feature_capture),
+    so that the feature cache is built from them rather than by a second pass of the target; else None."""
+    layers = list(cfg.medusa.feature_layers)
+    return FeatureStaging(target.fingerprint, layers) if layers else None
+
+
+register_method(Method("medusa", train_medusa, MedusaConfig, check=check_job, budgeted=True,
+                       staging=feature_staging))

@@ -18,6 +18,7 @@ from specdistill.decode.proposers.base import (
 from specdistill.decode.runner import ModelRunner, synchronized_clock
 from specdistill.decode.sampling import SamplingConfig, logits_to_probs, sample
 from specdistill.decode.tree import TokenTree
+from specdistill.models.kernel_linear import kquant_segments, kquant_usable
 from specdistill.models.packed_linear import drafting_weights, inference_weights, set_inference_weights
 
 __all__ = ["DraftModelProposer", "build_draft_model_proposer", "check_vocab"]
@@ -60,7 +61,12 @@ class DraftModelProposer(Proposer):
         self.catch_up_s = 0.0  # of the last draft_chain
 
     def weight_format(self) -> str:
-        return stored_format(inference_weights(self.runner.model), self.runner.model)  # what its runner reads
+        """What its runner reads: the formats of the GGUF blocks it computes on where the kernels take them
+        ("Q4_K+Q5_0+Q6_K+Q8_0" for the 0.5B as it comes, "Q8_0" for a model trained from it), else the weights'
+        format ("float16", "float32")."""
+        weights = inference_weights(self.runner.model)
+        blocks = sorted({b.kind for m in self.runner.model.modules() if kquant_usable(m) for b in kquant_segments(m)})
+        return "+".join(blocks) if weights == "float32" and blocks else stored_format(weights, self.runner.model)
 
     def begin(self, prompt_ids: list[int], capacity: int) -> None:
         self.runner.start(capacity + self.gamma + 1)

@@ -350,3 +350,15 @@ def test_max_minutes_sizes_the_steps_and_writes_the_summary(target, records, tmp
     assert [h["step"] for h in summary["history"]] == [summary["step"]] and summary["best_tau"] >= 1.0
     assert summary["peak_rss_mib_per_process"][0] > 0
     assert load_drafter(str(out), target).manifest["extra"]["tree"]
+
+
+def test_a_cold_job_with_feature_layers_stages_the_states_where_an_eagle3_job_would(target, tmp_path):
+    """medusa.feature_layers: the teacher generation stages the target's states (no second pass of the target), in
+    the staging directory an EAGLE-3 job with the same layers uses; without them, none."""
+    from specdistill.train.methods import method_named
+
+    staging = method_named("medusa").staging
+    staged = staging(medusa_config(tmp_path, medusa=dict(feature_layers=[0, 1, 1])), target)
+    eagle3 = method_named("eagle3").staging(DistillConfig(method="eagle3", eagle3=dict(layers=[0, 1, 1])), target)
+    assert staged.layers == [0, 1, 1] and staged.directory == eagle3.directory
+    assert staging(medusa_config(tmp_path), target) is None
