@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from specdistill.models.cache import MARKER
-from specdistill.models.kquant import BLOCK_BYTES, KQuantBlocks, dequantize
+from specdistill.models.kquant import BLOCK_BYTES, BLOCK_WEIGHTS, KQuantBlocks, dequantize
+from specdistill.models.quant_formats import INT8_OUTPUT_BLOCK
 
 log = logging.getLogger("specdistill.kernels")
 
@@ -132,7 +133,7 @@ def attach_q8_0_blocks(model: torch.nn.Module) -> int:
     for linear in model.modules():
         w = getattr(linear, "weight", None)
         if (not isinstance(linear, torch.nn.Linear) or w.dtype != torch.float32 or w.device.type != "cpu"
-                or w.shape[0] % 32 or w.shape[1] % 32):
+                or w.shape[0] % INT8_OUTPUT_BLOCK or w.shape[1] % BLOCK_WEIGHTS["Q8_0"]):
             continue
         raw = quantize(w.detach().numpy(), GGMLQuantizationType.Q8_0)  # uint8 [N, K / 32 * 34]
         blocks = KQuantBlocks("Q8_0", torch.from_numpy(raw))
