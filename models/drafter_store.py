@@ -120,17 +120,26 @@ def next_version_number(store: str | Path) -> int:
 
 def publish_version(store: str | Path, model: torch.nn.Module, target: Target, config: dict,
                     vocab_map: torch.Tensor | None = None, extra: dict | None = None) -> str:
-    """Write the model as the next version (atomic directory) and switch `current` to it (atomic link)."""
+    """Write the model as the next version (atomic directory) and switch `current` to it (atomic link). The
+    version drafts on the weights the current one names (its manifest's `weights`, e.g. "q8_0" for a drafter
+    started from a named real target): a version the daemon trained is the same kind of model as its parent."""
     store = Path(store)
     if not is_store(store):
         raise StoreError(f"{store} is not a drafter store (no {VERSIONS}/ directory)")
     clean_partial_versions(store)
     name = version_name(next_version_number(store))
     save_drafter(store / VERSIONS / name, model, target, "draft_model", config=config, vocab_map=vocab_map,
-                 extra={"version": name, **(extra or {})})
+                 extra={"version": name, **(extra or {})}, weights=current_weights(store))
     point_current(store, name)
     log.info("published drafter version %s", name)
     return name
+
+
+def current_weights(store: Path) -> str | None:
+    """The `weights` the current version's manifest names (None: none, or no current version yet)."""
+    if not (store / CURRENT).is_symlink():
+        return None
+    return json.loads((current_path(store) / MANIFEST).read_text()).get("weights")
 
 
 def point_current(store: Path, name: str) -> None:

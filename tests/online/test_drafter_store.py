@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -97,3 +98,16 @@ def test_manifest_extra_is_merged_and_the_rest_kept(store, target):
     assert not [p for p in path.iterdir() if p.name.startswith(".")]  # no temp file left
     with pytest.raises(StoreError, match="not a drafter directory"):
         set_manifest_extra(store, prompt_vocab=True)
+
+
+def manifest_of(path) -> dict:
+    return json.loads((path / "manifest.json").read_text())
+
+
+def test_a_published_version_drafts_on_the_weights_its_parent_names(store, target):
+    publish_version(store, model(5), target, {"seed": 5})
+    assert "weights" not in manifest_of(current_path(store))  # the parent names none: saved as trained
+    parent = manifest_of(current_path(store)) | {"weights": "q8_0"}  # as a job from a named real target saves it
+    (current_path(store) / "manifest.json").write_text(json.dumps(parent))
+    publish_version(store, model(6), target, {"seed": 6})
+    assert current_version(store) == "v000002" and manifest_of(current_path(store))["weights"] == "q8_0"
