@@ -210,7 +210,8 @@ def cached_final_states(cfg, accelerator, target, records: list[dict]) -> list[E
     """(hidden [T, D] bf16, response [R]) per record, as `target_hidden_states` gives them, read from the
     distill.feature_cache of these records with medusa.feature_layers (built first if absent): its `final`
     column is the target's final normed state at each position of the record's training window."""
-    cache = steps.target_states(cfg, accelerator, target, records, list(cfg.medusa.feature_layers))
+    cache = steps.target_states(cfg, accelerator, target, records, list(cfg.medusa.feature_layers),
+                                staging=feature_staging(cfg, target))  # what the teacher generation staged
     log.info("target final states read from the feature cache %s", cache.directory)
     examples: list[Example] = []
     for index in range(cache.num_shards):

@@ -362,3 +362,32 @@ def test_a_cold_job_with_feature_layers_stages_the_states_where_an_eagle3_job_wo
     eagle3 = method_named("eagle3").staging(DistillConfig(method="eagle3", eagle3=dict(layers=[0, 1, 1])), target)
     assert staged.layers == [0, 1, 1] and staged.directory == eagle3.directory
     assert staging(medusa_config(tmp_path), target) is None
+
+
+def test_a_job_with_feature_layers_reads_the_staged_states_without_a_pass_of_the_target(target, tmp_path, monkeypatch):
+    """The states the teacher generation staged are what the heads learn from: building the feature cache runs no
+    forward of the target, and each example's states are the teacher-forced final states (bf16)."""
+    from specdistill.distill.generation import generate_batch
+    from specdistill.train.medusa import cached_final_states
+    from specdistill.train.methods import method_named
+
+    monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
+    cfg = medusa_config(tmp_path, medusa=dict(feature_layers=[0, 1, 1]))
+    prompts = [torch.randint(9, VOCAB_SIZE, (4 + i % 5,), generator=torch.Generator().manual_seed(i)).tolist()
+               for i in range(6)]
+    answers = generate_batch(target.model, prompts, max_new_tokens=10, pad_id=0, eos_token_ids=target.eos_token_ids,
+                             staging=method_named("medusa").staging(cfg, target))
+    records = [{"prompt_ids": p, "response_ids": r} for p, r in zip(prompts, answers)]
+    decoder = target.model.get_decoder()
+    with torch.no_grad():
+        exact = [decoder(input_ids=torch.tensor([r["prompt_ids"] + r["response_ids"]])).last_hidden_state[0]
+                 for r in records]  # [T, D] each
+    monkeypatch.setattr(type(decoder), "forward", lambda *a, **k: pytest.fail("the target ran a second pass"))
+    examples = cached_final_states(cfg, Accelerator(cpu=True), target, records)
+    assert len(examples) == len(records)
+    for (hidden, labels), record, states in zip(examples, records, exact):
+        start = len(record["prompt_ids"]) - 1  # the row predicting the first answer token
+        assert labels.tolist() == record["response_ids"][:len(labels)] and len(labels) > 0
+        assert hidden.shape[0] == start + len(labels)  # every row up to the last one predicting an answer token
+        want = states[:hidden.shape[0]]
+        assert torch.allclose(hidden.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max())
