@@ -505,7 +505,7 @@ def test_every_kernel_refuses_a_wrong_dtype_shape_or_layout_naming_it(lib):
 
 @needs_kernel
 def test_the_fused_layer_call_refuses_a_cache_too_short_for_its_rows(lib):
-    layer = [pack_q41(q41_matrix(n, k, seed=n), "fma") for n, k in ((128, 64), (64, 64), (64, 64))]  # Q41Matrix: FMA form
+    layer = [pack_q41(q41_matrix(n, k, seed=n), "fma") for n, k in ((128, 64), (64, 64), (64, 64))]  # Q41Matrix
     qkv, o, gate_up = (lib.Q41Matrix(w.packed, w.step, w.minimum) for w in layer)
     x, norm = torch.randn(1, 2, 64), torch.ones(64)
     keys = torch.zeros(1, 4, 32)  # 1 key/value head, room for 4 rows
