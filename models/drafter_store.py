@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from specdistill.models.drafters import MANIFEST, save_drafter
+from specdistill.models.drafters import MANIFEST, read_manifest, save_drafter
 from specdistill.models.target import Target
 
 log = logging.getLogger("specdistill.store")
@@ -139,7 +139,7 @@ def current_weights(store: Path) -> str | None:
     """The `weights` the current version's manifest names (None: none, or no current version yet)."""
     if not (store / CURRENT).is_symlink():
         return None
-    return json.loads((current_path(store) / MANIFEST).read_text()).get("weights")
+    return read_manifest(current_path(store)).get("weights")
 
 
 def point_current(store: Path, name: str) -> None:

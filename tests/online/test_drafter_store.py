@@ -17,7 +17,7 @@ from specdistill.models.drafter_store import (
     publish_version,
     set_manifest_extra,
 )
-from specdistill.models.drafters import load_drafter
+from specdistill.models.drafters import MANIFEST, load_drafter
 from tests.conftest import make_tiny_llama
 from tests.online.support import VOCAB, make_target, save_tiny_drafter
 
@@ -101,13 +101,13 @@ def test_manifest_extra_is_merged_and_the_rest_kept(store, target):
 
 
 def manifest_of(path) -> dict:
-    return json.loads((path / "manifest.json").read_text())
+    return json.loads((path / MANIFEST).read_text())
 
 
 def test_a_published_version_drafts_on_the_weights_its_parent_names(store, target):
     publish_version(store, model(5), target, {"seed": 5})
     assert "weights" not in manifest_of(current_path(store))  # the parent names none: saved as trained
     parent = manifest_of(current_path(store)) | {"weights": "q8_0"}  # as a job from a named real target saves it
-    (current_path(store) / "manifest.json").write_text(json.dumps(parent))
+    (current_path(store) / MANIFEST).write_text(json.dumps(parent))
     publish_version(store, model(6), target, {"seed": 6})
     assert current_version(store) == "v000002" and manifest_of(current_path(store))["weights"] == "q8_0"
