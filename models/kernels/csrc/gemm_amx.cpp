@@ -38,6 +38,10 @@ AMX_TARGET static void configure_tiles(int rows) {  // x parts and products: `ro
         c.colsb[tiles[t]] = 64;
         c.rows[tiles[t]] = (tiles[t] == B0 || tiles[t] == B1) ? 16 : rows;
     }
+    // GCC's _tile_loadconfig tells the compiler it reads a pointer's 8 bytes of `c` (an "m" operand of type void *),
+    // so the stores to colsb and rows may be dropped as dead and ldtilecfg faults on what the stack held: this
+    // barrier makes every store to `c` land first (seen with GCC 12 when the function is not inlined).
+    asm volatile("" : : "r"(&c) : "memory");
     _tile_loadconfig(&c);
 }
 
