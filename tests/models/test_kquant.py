@@ -77,6 +77,20 @@ def test_kernel_computes_its_integer_arithmetic_and_each_row_alike(kind):
 
 
 @needs_vnni
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_a_call_of_more_rows_than_one_pass_computes_each_row_as_alone(kind):
+    lib = kernels.library()
+    matrix = kquant_matrix(lib, random_blocks(kind, 32, 768, seed=5))
+    x = torch.randn(1403, 768)  # K = 768: passes of 680 rows (512 KiB of int8 rows), so three passes, one of 43
+    whole = torch.empty(1403, 32)
+    matrix.gemm_into(*lib.quantize_rows_q8k(x), whole, 0)
+    for start in range(0, 1403, 61):  # groups of 61 rows, across the passes' edges
+        part = torch.empty(min(61, 1403 - start), 32)
+        matrix.gemm_into(*lib.quantize_rows_q8k(x[start:start + 61].contiguous()), part, 0)
+        assert torch.equal(part, whole[start:start + 61]), start
+
+
+@needs_vnni
 def test_kernel_boundary_names_what_is_wrong():
     lib = kernels.library()
     matrix = kquant_matrix(lib, random_blocks("Q4_K", 16, 256))

@@ -56,19 +56,28 @@ static void sub_block_sum_pairs(const q8k_rows &x, int32_t *pairs) {
         }
 }
 
-// Software prefetch of the next block's codes, in the first pass over an output block (r0 == 0) of 3 or more rows:
+// Rows per pass over a matrix: a pass's int8 rows of x (512 KiB of them at most) stay in each core's L2 while every
+// output block reads them. In one pass over all R rows, a prefill or a teacher-forced batch of 32 sequences (13,000
+// rows) streamed its whole x from memory once per output block (20 MB, 1,120 times for the 1.5B's gate/up); in
+// passes, the weights are streamed once a pass instead. A row's numbers do not depend on the pass it is in.
+static inline int rows_per_pass(int K) {
+    int rows = (512 * 1024 / K) / 4 * 4;
+    return rows < 4 ? 4 : rows;
+}
+
+// Software prefetch of the next block's codes, in the first group of a pass over an output block of 3 or more rows:
 // there each 64 bytes of codes carry 6+ vpdpbusd, too much work for the out-of-order window to keep enough loads in
 // flight, and the next block comes late (forwards of 4 / 8 / 12 rows 10-16% faster on the 1.5B). A single row's
 // loop is light enough that the hardware prefetcher keeps up: there the extra instruction costs
 // (docs/design/kquant-kernels.md).
-static inline bool prefetching(int r0, int RB) { return r0 == 0 && RB >= 3; }
+static inline bool prefetching(int r0, int RB, int K) { return r0 % rows_per_pass(K) == 0 && RB >= 3; }
 
 template <int RB>
 VNNI_TARGET static void q4k_block(const q8k_rows &x, const int32_t *pairs, int r0, q4k_matrix w, int nb, float *y,
                                   int ldy) {
     const int K = x.K, KB = K / 256;
     const __m512i low4 = _mm512_set1_epi8(0x0F);
-    const bool ahead = prefetching(r0, RB);
+    const bool ahead = prefetching(r0, RB, K);
     __m512 out[RB];
     for (int r = 0; r < RB; r++) out[r] = _mm512_setzero_ps();
     for (int kb = 0; kb < KB; kb++) {
@@ -124,7 +133,7 @@ VNNI_TARGET static void q6k_block(const q8k_rows &x, const int32_t *, int r0, q6
                                   int ldy) {
     const int K = x.K, KB = K / 256;
     const __m512i low4 = _mm512_set1_epi8(0x0F);
-    const bool ahead = prefetching(r0, RB);
+    const bool ahead = prefetching(r0, RB, K);
     __m512 out[RB];
     for (int r = 0; r < RB; r++) out[r] = _mm512_setzero_ps();
     for (int kb = 0; kb < KB; kb++) {
@@ -165,22 +174,27 @@ VNNI_TARGET static void q6k_block(const q8k_rows &x, const int32_t *, int r0, q6
     for (int r = 0; r < RB; r++) _mm512_storeu_ps(y + (size_t)(r0 + r) * ldy + nb * 16, out[r]);
 }
 
-// Every row of x through `block` in groups of 4 rows (the last group 1..3), output blocks split among threads.
+// Every row of x through `block`, pass by pass (rows_per_pass), in groups of 4 rows (a pass's last group 1..3),
+// output blocks split among threads.
 // `extra`: what the matrix's blocks read beside x (Q4_K: the sub-block sum pairs), or nullptr.
 template <typename Matrix, void (*B1)(const q8k_rows &, const int32_t *, int, Matrix, int, float *, int),
           void (*B2)(const q8k_rows &, const int32_t *, int, Matrix, int, float *, int),
           void (*B3)(const q8k_rows &, const int32_t *, int, Matrix, int, float *, int),
           void (*B4)(const q8k_rows &, const int32_t *, int, Matrix, int, float *, int)>
 static void kquant_gemm(const q8k_rows &x, const int32_t *extra, Matrix w, float *y, int ldy, int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int nb = 0; nb < w.N / 16; nb++) {
-        int r0 = 0;
-        for (; r0 + 4 <= x.R; r0 += 4) B4(x, extra, r0, w, nb, y, ldy);
-        switch (x.R - r0) {
-            case 3: B3(x, extra, r0, w, nb, y, ldy); break;
-            case 2: B2(x, extra, r0, w, nb, y, ldy); break;
-            case 1: B1(x, extra, r0, w, nb, y, ldy); break;
-            default: break;
+    const int pass = rows_per_pass(x.K);
+    for (int first = 0; first < x.R; first += pass) {
+        const int end = x.R - first < pass ? x.R : first + pass;
+        #pragma omp parallel for schedule(static) num_threads(threads)
+        for (int nb = 0; nb < w.N / 16; nb++) {
+            int r0 = first;
+            for (; r0 + 4 <= end; r0 += 4) B4(x, extra, r0, w, nb, y, ldy);
+            switch (end - r0) {
+                case 3: B3(x, extra, r0, w, nb, y, ldy); break;
+                case 2: B2(x, extra, r0, w, nb, y, ldy); break;
+                case 1: B1(x, extra, r0, w, nb, y, ldy); break;
+                default: break;
+            }
         }
     }
 }
