@@ -1,7 +1,7 @@
 """The target's teacher-forced pass over teacher data: what a feature cache costs where generation staged nothing.
 
     python -m benchmarks.feature_pass [--target T] [--prompts SPEC ...] [--limit 32] [--response-tokens 128]
-        [--batch 32] [--layers 2 14 25] [--max-seq-len 288] [--reps 1] [--out DIR]
+        [--batch 32] [--layers 2 14 25] [--max-seq-len 288] [--max-prompt-tokens 288] [--reps 1] [--out DIR]
 
 A drafter over the target's hidden states (EAGLE-3, Medusa, DFlash) reads them from distill.feature_cache; records
 the teacher generation did not stage (its data was cached by a job of another kind, another layer set) are computed
@@ -30,6 +30,8 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=32, help="sequences per forward (the jobs' gen_batch_size)")
     p.add_argument("--layers", type=int, nargs="+", default=[2, 14, 25], help="the states kept (qwen_coder_eagle3's)")
     p.add_argument("--max-seq-len", type=int, default=288, help="each record's training window (the jobs')")
+    p.add_argument("--max-prompt-tokens", type=int, default=288, help="leave out longer prompts, as the teacher "
+                   "data does (max_seq_len): one long prompt pads every sequence of its batch to its length")
     args = p.parse_args(argv)
     if args.limit < 1 or args.response_tokens < 1 or args.batch < 1 or args.reps < 1:
         p.error("--limit, --response-tokens, --batch and --reps at least 1")
@@ -50,7 +52,8 @@ def main(argv=None) -> dict:
 
     target = load_target(args.target) if args.target else load_target()
     pad_id = pad_token_id(target.tokenizer, set(target.eos_token_ids))
-    prompts = [list(target.encode_chat(p.messages)) for p in load_prompt_sources(args.prompts)][:args.limit]
+    prompts = [list(target.encode_chat(p.messages)) for p in load_prompt_sources(args.prompts)]
+    prompts = [p for p in prompts if len(p) <= args.max_prompt_tokens][:args.limit]
     records = records_of(prompts, args.response_tokens)
     positions = sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in records)
 
