@@ -16,9 +16,7 @@ from __future__ import annotations
 import resource
 
 from benchmarks.harness import interleave, parser, print_table, write_report
-
-DEFAULT_PROMPTS = ["jsonl:../shared/data/arena_hard/question_v2.0.jsonl?limit=24",
-                   "jsonl:../shared/data/humaneval/HumanEval.jsonl.gz?skip=8&limit=16"]  # the qwen configs' kinds
+from benchmarks.teacher_generation import DEFAULT_PROMPTS  # the qwen configs' kinds of prompt
 
 
 def parse_args(argv=None):
