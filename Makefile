@@ -88,12 +88,17 @@ LLAMACPP_SHA256 := 832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1
 LLAMACPP_STAMP := $(LLAMACPP_DIR)/.built-$(subst ==,-,$(LLAMACPP_PIN))
 LLAMACPP_BINARIES := llama-server llama-bench llama-cli llama-speculative llama-lookup
 LLAMACPP_JOBS ?= 2
+# fixes applied to the vendored tree before the build (each one a diff against it; the build redone when one changes):
+# llamacpp-amx-tile-config: ggml's AMX matmul faults at ldtilecfg when built by GCC 12 on a CPU with AMX (the
+# header's _tile_loadconfig declares an 8-byte read, so the tile config's stores may be dropped): every
+# multi-row forward of a repacked K-quant model (prefill, llama-server's warmup) died with SIGSEGV there.
+LLAMACPP_PATCHES := $(sort $(wildcard decode/patches/llamacpp-*.patch))
 
 llamacpp: $(LLAMACPP_STAMP)
 
 # order-only on the venv: the converter's own import (sentencepiece, which convert_hf_to_gguf.py needs for the
 # llamacpp+eagle3 method) goes into it, without rebuilding llama.cpp whenever the venv is rebuilt
-$(LLAMACPP_STAMP): | $(STAMP)
+$(LLAMACPP_STAMP): $(LLAMACPP_PATCHES) | $(STAMP)
 	$(PY) -m pip install 'sentencepiece==0.2.3'
 	rm -rf $(LLAMACPP_DIR)/bin $(LLAMACPP_DIR)/src $(LLAMACPP_DIR)/.built-* \
 		$(filter-out $(LLAMACPP_DIR)/build-$(LLAMACPP_VERSION),$(wildcard $(LLAMACPP_DIR)/build-*))
@@ -104,6 +109,7 @@ $(LLAMACPP_STAMP): | $(STAMP)
 		|| { rm -f $(LLAMACPP_SDIST); echo "$(LLAMACPP_SDIST) is not the pinned sdist: removed" >&2; exit 1; }
 	tar -xzf $(LLAMACPP_SDIST) -C $(LLAMACPP_DIR)/src --strip-components=3 \
 		llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp
+	for p in $(LLAMACPP_PATCHES); do patch -p1 --forward -d $(LLAMACPP_DIR)/src < $$p || exit 1; done
 	cmake -S $(LLAMACPP_DIR)/src -B $(LLAMACPP_DIR)/build-$(LLAMACPP_VERSION) -G Ninja -DCMAKE_BUILD_TYPE=Release \
 		-DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF \
 		-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF
