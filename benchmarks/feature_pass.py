@@ -1,14 +1,21 @@
 """The target's teacher-forced pass over teacher data: what a feature cache costs where generation staged nothing.
 
-    python -m benchmarks.feature_pass [--target T] [--prompts SPEC ...] [--limit 32] [--response-tokens 128]
-        [--batch 32] [--layers 2 14 25] [--max-seq-len 288] [--max-prompt-tokens 288] [--reps 1] [--out DIR]
+    python -m benchmarks.feature_pass [--target T] [--by engine transformers] [--prompts SPEC ...] [--limit 32]
+        [--response-tokens 128] [--batch 32] [--layers 2 14 25] [--max-seq-len 288] [--max-prompt-tokens 288]
+        [--reps 1] [--out DIR]
 
 A drafter over the target's hidden states (EAGLE-3, Medusa, DFlash) reads them from distill.feature_cache; records
 the teacher generation did not stage (its data was cached by a job of another kind, another layer set) are computed
-by `compute_shard`: the target's decoder over whole conversations, `--batch` sequences side by side, every position
-a row of each matrix (32 sequences of 400 tokens: 12,800 rows a call). This times that call on `--limit` records
-built from real prompts (chat-templated by the target) with `--response-tokens` tokens of answer each (the pass's
-cost does not depend on which tokens), and prints records and positions per second; writes DIR/feature_pass.json.
+by `compute_shard`, by one of two makers (`--by`, both by default, interleaved):
+  engine        the decoding engine's forward (decode.target_states.EngineStates: each record's prompt in one
+                forward, its response in calls of up to 64 rows; on a real target the GGUF's K-quant kernels):
+                what the training jobs use on the CPU
+  transformers  the model's own fp32 decoder, `--batch` sequences side by side (32 sequences of 400 tokens:
+                12,800 rows a call): what they used before, and still do on a GPU
+This times that call on `--limit` records built from real prompts (chat-templated by the target) with
+`--response-tokens` tokens of answer each (the pass's cost does not depend on which tokens), prints records and
+positions per second, and how far the two makers' final states are apart (mean relative L2 over positions);
+writes DIR/feature_pass.json.
 """
 
 from __future__ import annotations
@@ -18,10 +25,13 @@ import resource
 from benchmarks.harness import interleave, parser, print_table, write_report
 from benchmarks.teacher_generation import DEFAULT_PROMPTS  # the qwen configs' kinds of prompt
 
+MAKERS = ("engine", "transformers")
+
 
 def parse_args(argv=None):
     p = parser(__doc__, "feature_pass", reps=1)
     p.add_argument("--target", default=None, help="the target (models.target.load_target; default: the embedded one)")
+    p.add_argument("--by", nargs="+", choices=MAKERS, default=list(MAKERS), help="what computes the states")
     p.add_argument("--prompts", nargs="+", default=DEFAULT_PROMPTS, help="prompt sources (distill.prompts specs)")
     p.add_argument("--limit", type=int, default=32, help="records, at most (the sources' first prompts)")
     p.add_argument("--response-tokens", type=int, default=128, help="answer tokens of each record")
@@ -43,6 +53,7 @@ def records_of(prompts: list[list[int]], response_tokens: int) -> list[dict]:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    from specdistill.decode.target_states import EngineStates
     from specdistill.distill.feature_cache import compute_shard
     from specdistill.distill.generation import pad_token_id
     from specdistill.distill.prompts import load_prompt_sources
@@ -55,20 +66,42 @@ def main(argv=None) -> dict:
     records = records_of(prompts, args.response_tokens)
     positions = sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in records)
 
-    def run():
-        return compute_shard(target, records, args.layers, args.max_seq_len, args.batch, pad_id)
+    made = {}
+    makers = {"engine": EngineStates(target.model, args.layers), "transformers": None}
 
-    seconds = min(interleave({"pass": run}, args.reps, warmup=args.warmup)["pass"])
+    def pass_by(by: str):
+        def run():
+            made[by] = compute_shard(target, records, args.layers, args.max_seq_len, args.batch, pad_id,
+                                     states=makers[by])
+        return run
+
+    if "engine" in args.by:  # its lean copy of the target and kernels built once, untimed (a job builds them once)
+        makers["engine"](records[0]["prompt_ids"][:8], [])
+    times = interleave({by: pass_by(by) for by in args.by}, args.reps, warmup=args.warmup)
     print(f"{len(records)} records, {positions} positions, batch {args.batch}, layers {args.layers}, "
           f"target {target.name}")
-    print_table(["records", "positions", "s", "records/s", "positions/s"],
-                [[len(records), positions, seconds, len(records) / seconds, positions / seconds]])
-    results = {"records": len(records), "positions": positions, "seconds": seconds,
-               "positions_per_s": positions / seconds,
-               "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    rows, results = [], {"records": len(records), "positions": positions, "by": {}}
+    for by in args.by:
+        seconds = min(times[by])
+        results["by"][by] = {"seconds": seconds, "positions_per_s": positions / seconds}
+        rows.append([by, len(records), positions, seconds, len(records) / seconds, positions / seconds])
+    print_table(["by", "records", "positions", "s", "records/s", "positions/s"], rows)
+    if len(made) == 2:
+        results["final_relative_l2"] = relative_l2(made["engine"], made["transformers"])
+        print(f"final states, engine against transformers: mean relative L2 {results['final_relative_l2']:.2e}")
+    results["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"peak RSS {results['peak_rss_gb']:.1f} GB")
     write_report(args.out, "feature_pass", results, args)
     return results
+
+
+def relative_l2(a: list, b: list) -> float:
+    """Mean over positions of |a - b| / |b| for the records' final states (FeatureRecord.final [T, D])."""
+    import torch
+
+    ratios = [(x.final.float() - y.final.float()).norm(dim=-1) / y.final.float().norm(dim=-1).clamp_min(1e-12)
+              for x, y in zip(a, b)]
+    return float(torch.cat(ratios).mean())
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@
 For every record the cache keeps the window training reads (prompt + response, cut to max_seq_len as training
 cuts it: distill.batching.fit_to_length) with the frozen target's states over the whole conversation, as decoding
 reads them (a window cut from a long conversation still sees its start); the states are the ones the teacher's own
-generation staged (distill.feature_capture) where it did, else the target runs here once over the records, in
-batches. Per position:
+generation staged (distill.feature_capture) where it did, else the target runs here once over the records: by the
+decoding engine's forward (`states`, decode.target_states.EngineStates, handed in by train/: the numbers decoding
+computes, on a real target its K-quant kernels), or where none is given by transformers' model, in batches.
+Per position:
     ids       [T] int64   the tokens
     features  [T, 3D]     bf16, the inputs of the drafter's three target layers (what decoding captures)
     final     [T, D]      bf16, the target's final normed state: its next-token distribution, via its head
@@ -12,7 +14,8 @@ batches. Per position:
 
 Layout: $SPECDISTILL_CACHE/features/<key>/ with shard-NNNNN.safetensors (SHARD_RECORDS records each) and
 COMPLETE.json. The key is a sha256 over the target's fingerprint, the records' tokens, the layers, the
-cut and the format, so another target or other data never meets this cache. While being built it lives in
+cut, the format and what computed the states (`states.name`: "engine", else "transformers"), so another target,
+other data or other arithmetic never meets this cache. While being built it lives in
 a `.partial` sibling: every shard file is written to a temporary name and renamed (a killed job keeps the
 shards it finished and resumes after them), and only when all are there is the marker written and the
 directory renamed into place. A directory without its marker, or with a missing shard, is never read.
@@ -24,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +43,11 @@ from specdistill.models.cache import MARKER, cache_root, publish_dir, write_mark
 FORMAT_VERSION = 2  # 2: a cut record's states see the whole conversation (1: only its window)
 SHARD_RECORDS = 64
 STORE_DTYPE = torch.bfloat16
+TRANSFORMERS_STATES = "transformers"  # the states' maker where no `states` is given: the model's own forward
+
+# a record's (prompt, response) -> (features [T, len(layers) x D], final [T, D]) over both, with a `name` for the
+# cache's key: decode.target_states.EngineStates
+States = Callable[[Sequence[int], Sequence[int]], tuple[torch.Tensor, torch.Tensor]]
 
 
 class FeatureCacheError(RuntimeError):
@@ -53,10 +62,11 @@ class FeatureRecord:
     mask: torch.Tensor  # [T] bool
 
 
-def feature_cache_key(target_fingerprint: str, records: list[dict], layers: list[int], max_seq_len: int) -> str:
+def feature_cache_key(target_fingerprint: str, records: list[dict], layers: list[int], max_seq_len: int,
+                      states_by: str = TRANSFORMERS_STATES) -> str:
     digest = hashlib.sha256()
     head = {"format_version": FORMAT_VERSION, "target": target_fingerprint, "layers": list(layers),
-            "max_seq_len": max_seq_len, "dtype": str(STORE_DTYPE), "records": len(records)}
+            "max_seq_len": max_seq_len, "dtype": str(STORE_DTYPE), "records": len(records), "states_by": states_by}
     digest.update(json.dumps(head, sort_keys=True).encode())
     for record in records:
         digest.update(repr((list(record["prompt_ids"]), list(record["response_ids"]))).encode())
@@ -77,10 +87,10 @@ def num_shards(n_records: int) -> int:
 
 def build_feature_cache(target, records: list[dict], layers: list[int], max_seq_len: int, batch_size: int,
                         pad_id: int, out_dir: Path, process_index: int = 0, num_processes: int = 1,
-                        staging: FeatureStaging | None = None) -> None:
+                        staging: FeatureStaging | None = None, states: States | None = None) -> None:
     """Compute this process's shards (index % num_processes == process_index) into the `.partial`
     directory; the caller publishes it (`publish_feature_cache`) once every process is done. Records the
-    generator staged (`staging`) are read, not computed."""
+    generator staged (`staging`) are read, not computed; the others by `states` where given (compute_shard)."""
     if (out_dir / MARKER).is_file():
         return
     partial = partial_dir(out_dir)
@@ -92,7 +102,7 @@ def build_feature_cache(target, records: list[dict], layers: list[int], max_seq_
             continue  # finished by an earlier, interrupted run of the same key
         shard = records[index * SHARD_RECORDS:(index + 1) * SHARD_RECORDS]
         write_shard(partial / shard_name(index),
-                    compute_shard(target, shard, layers, max_seq_len, batch_size, pad_id, staging))
+                    compute_shard(target, shard, layers, max_seq_len, batch_size, pad_id, staging, states))
 
 
 def publish_feature_cache(out_dir: Path, key: str, target_fingerprint: str, n_records: int) -> None:
@@ -114,9 +124,11 @@ def partial_dir(out_dir: Path) -> Path:
 
 @torch.no_grad()
 def compute_shard(target, records: list[dict], layers: list[int], max_seq_len: int, batch_size: int,
-                  pad_id: int, staging: FeatureStaging | None = None) -> list[FeatureRecord]:
+                  pad_id: int, staging: FeatureStaging | None = None,
+                  states: States | None = None) -> list[FeatureRecord]:
     """Each record's window with the target's states over its whole conversation: the staged ones where
-    `staging` has them, the rest computed here in batches of similar length."""
+    `staging` has them, the rest computed here: each by `states` where given, else by the model's decoder in
+    batches of similar length."""
     out: list[FeatureRecord | None] = [None] * len(records)
     todo = []
     for index, record in enumerate(records):
@@ -125,6 +137,11 @@ def compute_shard(target, records: list[dict], layers: list[int], max_seq_len: i
             todo.append(index)
         else:
             out[index] = window_of(record, *staged, max_seq_len)
+    if states is not None:
+        for index in todo:
+            record = records[index]
+            out[index] = window_of(record, *states(record["prompt_ids"], record["response_ids"]), max_seq_len)
+        return out
     decoder = target.model.get_decoder()
     for chunk in batches_by_length([records[i] for i in todo], batch_size):
         indices = [todo[j] for j in chunk]
@@ -198,13 +215,16 @@ class FeatureCache:
 
 def open_or_build(target, records: list[dict], layers: list[int], max_seq_len: int, batch_size: int, pad_id: int,
                   accelerator=None, root: str | Path | None = None,
-                  staging: FeatureStaging | None = None) -> FeatureCache:
+                  staging: FeatureStaging | None = None, states: States | None = None) -> FeatureCache:
     """The cache for these records, built first when absent (shards split across processes), from the states
-    the generator staged where it did (their staged copies are removed once the cache is published)."""
-    key = feature_cache_key(target.fingerprint, records, layers, max_seq_len)
+    the generator staged where it did (their staged copies are removed once the cache is published), the others
+    computed by `states` (else the model's own forward)."""
+    states_by = TRANSFORMERS_STATES if states is None else states.name
+    key = feature_cache_key(target.fingerprint, records, layers, max_seq_len, states_by)
     out_dir = feature_cache_dir(key, root)
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
-    build_feature_cache(target, records, layers, max_seq_len, batch_size, pad_id, out_dir, rank, world, staging)
+    build_feature_cache(target, records, layers, max_seq_len, batch_size, pad_id, out_dir, rank, world, staging,
+                        states)
     if accelerator is not None:
         accelerator.wait_for_everyone()
     if rank == 0:

@@ -25,6 +25,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 from torch.utils.data import DataLoader
 
 from specdistill.decode.batch_generation import batch_generation_unavailable, generate_greedy_together
+from specdistill.decode.target_states import EngineStates
 from specdistill.distill.batching import Batch, collate, with_absent_column
 from specdistill.distill.feature_cache import FeatureCache, open_or_build
 from specdistill.distill.feature_capture import FeatureStaging
@@ -212,11 +213,19 @@ def answered(target, prompts, settings: TeacherDataSettings, out_dir: Path, acce
 def target_states(cfg, accelerator, target, records: list[dict], layers: list[int],
                   staging: FeatureStaging | None = None) -> FeatureCache:
     """The feature cache of the target's states at `layers` over these records (distill.feature_cache: built first
-    where absent, from what `staging` holds where the generator staged it), timed as the job's phase "target states"."""
+    where absent, from what `staging` holds where the generator staged it, the rest computed: on the CPU by the
+    decoding engine's forward, decode.target_states), timed as the job's phase "target states"."""
     pad_id = pad_token_id(target.tokenizer, target.eos_token_ids)
     with phase("target states"):
         return open_or_build(target, records, layers, cfg.max_seq_len, cfg.gen_batch_size, pad_id, accelerator,
-                             staging=staging)
+                             staging=staging, states=states_maker(target, layers))
+
+
+def states_maker(target, layers: list[int]) -> EngineStates | None:
+    """What computes the states the generator did not stage: on the CPU the engine's forward (its kernels, one
+    sequence at a time: the numbers decoding reads); on a GPU None, transformers' batched forward, whose GEMMs
+    there are the engine's own."""
+    return EngineStates(target.model, layers) if target.device.type == "cpu" else None
 
 
 def build_drafter(cfg, target, records: list[dict]) -> tuple[torch.nn.Module, torch.Tensor | None]:
