@@ -92,6 +92,8 @@ LLAMACPP_JOBS ?= 2
 # llamacpp-amx-tile-config: ggml's AMX matmul faults at ldtilecfg when built by GCC 12 on a CPU with AMX (the
 # header's _tile_loadconfig declares an 8-byte read, so the tile config's stores may be dropped): every
 # multi-row forward of a repacked K-quant model (prefill, llama-server's warmup) died with SIGSEGV there.
+# llamacpp-qwen2-layer-inputs: the Qwen2 graph records no layer inputs, so an EAGLE-3 drafter over a Qwen2 target
+# (--spec-type draft-eagle3) failed GGML_ASSERT(t_layer_inp[il] != nullptr); llama.cpp's and qwen3.cpp's graphs do.
 LLAMACPP_PATCHES := $(sort $(wildcard decode/patches/llamacpp-*.patch))
 
 llamacpp: $(LLAMACPP_STAMP)
