@@ -10,8 +10,8 @@ and stages every record's rows on disk; the feature cache takes a staged record 
 Staged rows are the target's rows over the whole conversation, as decoding reads them (the feature cache cuts its
 window out of them). Where the engine writes the greedy answers (decode.batch_generation, which stages its own
 rows the same way) they are the engine's rows exactly; transformers' generating copy computes with the engine's
-kernels (decode rows) and oneDNN (prefill), the feature pass with the model's own fp32 GEMMs: the same weights and
-precision, the last bits may differ.
+kernels (decode rows) and oneDNN (prefill). The feature pass computes unstaged records with the engine's forward on a
+CPU (decode.target_states, the rows decoding computes) and with the model's own batched forward on a GPU.
 
 Layout: $SPECDISTILL_CACHE/features/.staging/<target fingerprint>-<layers>/<record key>.safetensors, one file per
 record (written to a temporary name and renamed: a file is whole or absent), named by a hash of the record's tokens.
