@@ -274,10 +274,16 @@ def test_speedup_model_script_reads_an_evaluation_report(tmp_path, target_dir, c
     assert main(["--target", str(target_dir), "--drafter", "truncated:1", "--drafter", "prompt_lookup",
                  "--questions", str(questions), "--limit", "2", "--max-new-tokens", "12", "--warmup", "0",
                  "--fixed-depth", "--out", str(tmp_path / "run")]) == 0
-    result = script.main([str(tmp_path / "run" / "report.json"), "--target", str(target_dir), "--rows", "1", "2", "4",
+    report_path = tmp_path / "run" / "report.json"
+    report = json.loads(report_path.read_text())  # a peer's entry as llama.cpp's report it: no acceptance by position
+    report["methods"]["llamacpp+ngram"] = dict(report["methods"]["speculative[prompt_lookup]"],
+                                               acceptance_per_position=[], draft_time_s=0.0)
+    report_path.write_text(json.dumps(report))
+    result = script.main([str(report_path), "--target", str(target_dir), "--rows", "1", "2", "4",
                           "--reps", "1", "--out", str(tmp_path / "model")])
     assert sorted(row["method"] for row in result["methods"]) == ["speculative[prompt_lookup]",
                                                                    "speculative[truncated:1]"]
+    assert result["not_modelled"] == ["llamacpp+ngram"]
     assert result["verify_cost"][1] == 1.0 and set(result["verify_cost"]) == {1, 2, 4}
     for row in result["methods"]:
         assert row["draft_cost"] >= 0 and row["modelled_speedup"] > 0

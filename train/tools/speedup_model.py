@@ -92,6 +92,12 @@ def load_report(path: str) -> tuple[dict, bool]:
     return methods, bool((report.get("config") or {}).get("fixed_depth"))
 
 
+def modellable(entry: dict) -> bool:
+    """A speculative method the cost model can read: tau, drafting time and acceptance by position measured."""
+    return entry.get("tau") is not None and entry.get("draft_time_s") is not None \
+        and bool(entry.get("acceptance_per_position"))
+
+
 def model_method(name: str, entry: dict, baseline: dict, verify: list[float], goals: list[float]) -> dict:
     costs = report_costs(entry, baseline)
     if not math.isfinite(costs["draft_cost"]):  # it never drafted: its cost per draft is unknown
@@ -132,15 +138,18 @@ def main(argv=None) -> dict:
     else:
         measured = measure_verify_costs(args)
     verify = interpolate(measured, MAX_DEPTH + 1)
-    rows = [model_method(name, entry, methods[BASELINE], verify, args.goal)
-            for name, entry in methods.items() if name != BASELINE and entry.get("tau") is not None
-            and entry.get("draft_time_s") is not None]
+    modelled = {name: entry for name, entry in methods.items() if name != BASELINE and modellable(entry)}
+    rows = [model_method(name, entry, methods[BASELINE], verify, args.goal) for name, entry in modelled.items()]
     print_table(rows, measured, args.goal)
+    left_out = [name for name in methods if name != BASELINE and name not in modelled]
+    if left_out:  # peers (llama.cpp, vLLM) report tau but not where in a step their drafts were accepted
+        print("not modelled (no acceptance by position or drafting time in the report): " + ", ".join(left_out))
     if not fixed_depth:
         print(ADAPTIVE_NOTE)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"report": args.report, "fixed_depth": fixed_depth, "verify_cost": measured, "methods": rows}
+    result = {"report": args.report, "fixed_depth": fixed_depth, "verify_cost": measured, "methods": rows,
+              "not_modelled": left_out}
     (out / "speedup_model.json").write_text(json.dumps(result, indent=1, default=str))
     print(f"wrote {out / 'speedup_model.json'}")
     return result
