@@ -59,8 +59,8 @@ static void sub_block_sum_pairs(const q8k_rows &x, int32_t *pairs) {
 // Rows per pass over a matrix: a pass's int8 rows of x (512 KiB of them at most) stay in each core's L2 while every
 // output block reads them. In one pass over all R rows, a long prefill (past 340 rows at K = 1536) read its whole x
 // once per output block (1,120 times for the 1.5B's gate/up); in passes, the weights are read once a pass instead.
-// A row's numbers do not depend on the pass it is in. Speed not measured: the teacher-forced pass it was meant for
-// (distill.feature_cache) runs the fp32 model, not these kernels (benchmarks/feature_pass: no change, 2026-12-05).
+// A row's numbers do not depend on the pass it is in. Speed not measured: the hidden-state pass it was meant for now
+// runs these kernels (decode.target_states), but a record's prompt there (at most 288 rows) fits in one pass.
 static inline int rows_per_pass(int K) {
     int rows = (512 * 1024 / K) / 4 * 4;
     return rows < 4 ? 4 : rows;
