@@ -145,6 +145,23 @@ def high_layout(codes: torch.Tensor) -> torch.Tensor:
     return packed.reshape(n // 16, k // SUPER, 8, 2, 64).contiguous()
 
 
+def q50_layout(w: KQuantBlocks) -> dict[str, torch.Tensor]:
+    """Q5_0 -> low uint8 [N/16, K/32, 4, 64] (byte 4o + i of vector p: output o's q at k = 8p + i in the low nibble,
+    8p + 4 + i in the high), high uint8 [N/16, K/32, 64] (byte 4o + i: the 5th bit of q at k = 4t + i at bit t), d
+    fp16 [N/16, K/32, 16], the file's steps; q = code + 16 in 0..31."""
+    n, k = w.shape
+    q = (int8_fields(w)["codes"].to(torch.int16) + 16).to(torch.uint8)  # [N, K]
+    nib = (q & 0x0F).reshape(n // 16, 16, k // 32, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)  # [nb, g, p, nibble, o, i]
+    low = (nib[..., 0, :, :] | (nib[..., 1, :, :] << 4)).reshape(n // 16, k // 32, 4, 64)
+    fifth = (q >> 4).reshape(n // 16, 16, k // 32, 8, 4).permute(0, 2, 3, 1, 4)  # [nb, g, t, o, i]
+    high = torch.zeros_like(fifth[:, :, 0])
+    for t in range(8):
+        high |= fifth[:, :, t] << t
+    d = w.blocks()[..., 0:2].contiguous().view(torch.float16)[..., 0]  # [N, K/32]
+    return {"low": low.contiguous(), "high": high.reshape(n // 16, k // 32, 64).contiguous(),
+            "d": sides(d, 1)[:, :, 0].contiguous()}
+
+
 def check_packable(w: KQuantBlocks, caller: str) -> None:
     n, _ = w.shape
     if n % OUTPUTS_SIDE_BY_SIDE:
@@ -152,9 +169,13 @@ def check_packable(w: KQuantBlocks, caller: str) -> None:
 
 
 def pack(w: KQuantBlocks) -> dict[str, torch.Tensor]:
-    """The kernel's tensors for one matrix: Q4_K -> codes, sc, m, d, dmin; Q6_K -> low, high, sc, d
-    (models/kernels/csrc/kquant.cpp has the layouts)."""
+    """The kernel's tensors for one matrix: Q4_K -> codes, sc, m, d, dmin; Q6_K -> low, high, sc, d; Q5_0 -> low,
+    high, d (models/kernels/csrc/kquant.cpp has the layouts)."""
     check_packable(w, "kquant.pack")
+    if w.kind == "Q8_0":
+        raise ValueError("kquant.pack: Q8_0 runs on the int8 kernel (models.kernel_linear.kquant_matrix), not here")
+    if w.kind == "Q5_0":
+        return q50_layout(w)
     if w.kind == "Q4_K":
         f = q4k_fields(w)
         return {"codes": nibble_layout(f["codes"]), "sc": sides(f["sc"], 8), "m": min_pairs(sides(f["m"], 8)),

@@ -44,13 +44,27 @@ typedef struct {  // a Q6_K matrix in kquant.cpp's layout: low [N/16][K/256][8][
     int N;
 } q6k_matrix;
 
-typedef enum { KQ_Q4K, KQ_Q6K, KQ_INT8 } kq_kind;
+typedef struct {  // rows of x rounded to int8 per group of 32 (quantize_rows_q8_0): q [R][K], d and sums [R][K/32]
+    const int8_t *q;
+    const float *d;
+    const int32_t *sums;
+    int R, K;
+} q8_0_rows;
+
+typedef struct {  // a Q5_0 matrix in kquant.cpp's layout: low [N/16][K/32][4][64], high [..][64], d fp16 [..][16]
+    const uint8_t *low, *high;
+    const uint16_t *d;
+    int N;
+} q50_matrix;
+
+typedef enum { KQ_Q4K, KQ_Q6K, KQ_Q50, KQ_INT8 } kq_kind;
 
 typedef struct {  // one part of a projection over a GGUF's own blocks: outputs [column, column + N) of the whole
     kq_kind kind;
     q4k_matrix q4k;    // kind KQ_Q4K
     q6k_matrix q6k;    // kind KQ_Q6K
-    int8_matrix int8;  // kind KQ_INT8: Q5_0 / Q8_0 codes on the int8 kernel
+    q50_matrix q50;    // kind KQ_Q50
+    int8_matrix int8;  // kind KQ_INT8: Q8_0 codes on the int8 kernel
     int column, N;
 } kq_segment;
 
@@ -95,6 +109,8 @@ int layer_rows_down(float *y, int N, int D, const float *activated, int I, const
 void quantize_rows_q8k(const float *x, int R, int K, int8_t *xq, float *dx, int32_t *xs);
 int q4k_gemm(const q8k_rows &x, q4k_matrix w, float *y, int ldy, int threads);  // 0, or -1 (no memory)
 void q6k_gemm(const q8k_rows &x, q6k_matrix w, float *y, int ldy, int threads);
+void quantize_rows_q8_0(const float *x, int R, int K, int8_t *xq, float *dx, int32_t *xs);
+void q50_gemm(const q8_0_rows &x, q50_matrix w, float *y, int ldy, int threads);
 // y [R][w.N] = x [R][w.K] W^T (+ bias): x rounded once for every K-quant part; 0, or -1 (no memory)
 int kq_linear_rows(const float *x, int R, const kq_linear &w, float *y, int threads);
 

@@ -16,6 +16,14 @@
 //   Q6_K: low [NB][KB][8][4][64] the codes' low 4 bits as Q4_K's codes; high [NB][KB][8][2][64] their top 2 bits,
 //         byte 4o + i of vector h of sub-block s holding those of chunk t = 4h + u (k = 32s + 4t + i) at bits 2u;
 //         sc [NB][KB][16 sub-blocks of 16][16] int8; d [NB][KB][16] fp32. w = d sc (q - 32).
+//
+// Q5_0 (a small model's blocks of 32: the 0.5B draft model's attention and gate/up) has its own rows: x rounded per
+// group of 32 (`quantize_rows_q8_0`, llama.cpp's Q8_0 activations, the int8 kernel's rounding), and per group g:
+//   low [NB][G][4][64] the 5-bit codes' low 4 bits, byte 4o + i of vector p holding k = 8p + i (low nibble) and
+//   8p + 4 + i (high); high [NB][G][64] their 5th bits, byte 4o + i holding that of k = 4t + i at bit t; d [NB][G][16]
+//   the file's fp16 steps. w = d (q - 16). Its integer dots are the int8 kernel's (int8.cpp) over the same codes and
+//   its fp32 operations the same in the same order, so it computes what Int8Matrix computes bit for bit, reading
+//   5.5 bits a weight instead of 10 (int8 codes, an fp32 step and an int32 offset per 32).
 // ------------------------------------------------------------------------------------------------------------------
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
 
@@ -35,6 +43,24 @@ VNNI_TARGET void quantize_rows_q8k(const float *x, int R, int K, int8_t *xq, flo
                 xs[(size_t)r * (K / 16) + kb * 16 + c] = _mm512_reduce_add_epi32(q);
             }
             dx[(size_t)r * KB + kb] = amax / 127.0f;
+        }
+}
+
+// x fp32 [R][K] -> xq int8 [R][K], step dx [R][K/32], sums of codes xs [R][K/32]. K % 32 == 0. The rounding of
+// int8.cpp's quantize_rows (the same operations) without its offset to unsigned bytes.
+VNNI_TARGET void quantize_rows_q8_0(const float *x, int R, int K, int8_t *xq, float *dx, int32_t *xs) {
+    const int G = K / 32;
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) {
+            const float *v = x + (size_t)r * K + g * 32;
+            __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+            float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+            __m512 scale = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+            __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, scale)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, scale));
+            _mm_storeu_si128((__m128i *)(xq + (size_t)r * K + g * 32), _mm512_cvtepi32_epi8(qa));
+            _mm_storeu_si128((__m128i *)(xq + (size_t)r * K + g * 32 + 16), _mm512_cvtepi32_epi8(qb));
+            xs[(size_t)r * G + g] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+            dx[(size_t)r * G + g] = top / 127.0f;
         }
 }
 
@@ -175,14 +201,68 @@ VNNI_TARGET static void q6k_block(const q8k_rows &x, const int32_t *, int r0, q6
     for (int r = 0; r < RB; r++) _mm512_storeu_ps(y + (size_t)(r0 + r) * ldy + nb * 16, out[r]);
 }
 
+// The 5th bit of chunk t's codes (bit t of each byte of h) at bit 4. 16-bit shifts: what crosses a byte lands
+// below bit 4 (left, by 4 - t <= 4) or above it (right, by t - 4 <= 3), so the mask keeps the byte's own bit.
+VNNI_TARGET static inline __m512i fifth_bit(__m512i h, int t) {
+    const __m512i mask = _mm512_set1_epi8(0x10);
+    switch (t) {
+        case 0: return _mm512_and_si512(_mm512_slli_epi16(h, 4), mask);
+        case 1: return _mm512_and_si512(_mm512_slli_epi16(h, 3), mask);
+        case 2: return _mm512_and_si512(_mm512_slli_epi16(h, 2), mask);
+        case 3: return _mm512_and_si512(_mm512_slli_epi16(h, 1), mask);
+        case 4: return _mm512_and_si512(h, mask);
+        case 5: return _mm512_and_si512(_mm512_srli_epi16(h, 1), mask);
+        case 6: return _mm512_and_si512(_mm512_srli_epi16(h, 2), mask);
+        default: return _mm512_and_si512(_mm512_srli_epi16(h, 3), mask);
+    }
+}
+
+// Each group's dot starts from -16 times x's code sum (the codes' offset) and adds q times x's codes (vpdpbusd, q
+// the unsigned operand): sum x (q - 16), the int8 kernel's integer; then out += dot * (d_w * d_x) as it does.
+template <int RB>
+VNNI_TARGET static void q50_block(const q8_0_rows &x, const int32_t *, int r0, q50_matrix w, int nb, float *y,
+                                  int ldy) {
+    const int K = x.K, G = K / 32;
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const bool ahead = prefetching(r0, RB, K);
+    __m512 out[RB];
+    for (int r = 0; r < RB; r++) out[r] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        size_t group = (size_t)nb * G + g;
+        const uint8_t *low = w.low + group * 256;
+        __m512i h = _mm512_loadu_si512(w.high + group * 64), acc[RB];
+        if (ahead) {
+            _mm_prefetch((const char *)(w.high + group * 64 + 64), _MM_HINT_T0);
+            for (int p = 0; p < 4; p++) _mm_prefetch((const char *)(low + 256 + 64 * p), _MM_HINT_T0);
+        }
+        for (int r = 0; r < RB; r++) acc[r] = _mm512_set1_epi32(-16 * x.sums[(size_t)(r0 + r) * G + g]);
+        for (int p = 0; p < 4; p++) {
+            __m512i v = _mm512_loadu_si512(low + 64 * p);
+            __m512i lo = _mm512_or_si512(_mm512_and_si512(v, low4), fifth_bit(h, 2 * p));
+            __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), fifth_bit(h, 2 * p + 1));
+            for (int r = 0; r < RB; r++) {
+                const int8_t *xr = x.q + (size_t)(r0 + r) * K + 32 * g + 8 * p;
+                acc[r] = _mm512_dpbusd_epi32(acc[r], lo, broadcast4(xr));
+                acc[r] = _mm512_dpbusd_epi32(acc[r], hi, broadcast4(xr + 4));
+            }
+        }
+        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w.d + group * 16)));
+        for (int r = 0; r < RB; r++) {
+            __m512 both = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[(size_t)(r0 + r) * G + g]));
+            out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), both, out[r]);
+        }
+    }
+    for (int r = 0; r < RB; r++) _mm512_storeu_ps(y + (size_t)(r0 + r) * ldy + nb * 16, out[r]);
+}
+
 // Every row of x through `block`, pass by pass (rows_per_pass), in groups of 4 rows (a pass's last group 1..3),
 // output blocks split among threads.
 // `extra`: what the matrix's blocks read beside x (Q4_K: the sub-block sum pairs), or nullptr.
-template <typename Matrix, void (*B1)(const q8k_rows &, const int32_t *, int, Matrix, int, float *, int),
-          void (*B2)(const q8k_rows &, const int32_t *, int, Matrix, int, float *, int),
-          void (*B3)(const q8k_rows &, const int32_t *, int, Matrix, int, float *, int),
-          void (*B4)(const q8k_rows &, const int32_t *, int, Matrix, int, float *, int)>
-static void kquant_gemm(const q8k_rows &x, const int32_t *extra, Matrix w, float *y, int ldy, int threads) {
+template <typename Rows, typename Matrix, void (*B1)(const Rows &, const int32_t *, int, Matrix, int, float *, int),
+          void (*B2)(const Rows &, const int32_t *, int, Matrix, int, float *, int),
+          void (*B3)(const Rows &, const int32_t *, int, Matrix, int, float *, int),
+          void (*B4)(const Rows &, const int32_t *, int, Matrix, int, float *, int)>
+static void kquant_gemm(const Rows &x, const int32_t *extra, Matrix w, float *y, int ldy, int threads) {
     const int pass = rows_per_pass(x.K);
     for (int first = 0; first < x.R; first += pass) {
         const int end = x.R - first < pass ? x.R : first + pass;
@@ -204,18 +284,25 @@ int q4k_gemm(const q8k_rows &x, q4k_matrix w, float *y, int ldy, int threads) {
     int32_t *pairs = (int32_t *)malloc(sizeof(int32_t) * (size_t)x.R * (x.K / 64));
     if (pairs == NULL) return -1;
     sub_block_sum_pairs(x, pairs);
-    kquant_gemm<q4k_matrix, q4k_block<1>, q4k_block<2>, q4k_block<3>, q4k_block<4>>(x, pairs, w, y, ldy, threads);
+    kquant_gemm<q8k_rows, q4k_matrix, q4k_block<1>, q4k_block<2>, q4k_block<3>, q4k_block<4>>(x, pairs, w, y, ldy,
+                                                                                            threads);
     free(pairs);
     return 0;
 }
 
 void q6k_gemm(const q8k_rows &x, q6k_matrix w, float *y, int ldy, int threads) {
-    kquant_gemm<q6k_matrix, q6k_block<1>, q6k_block<2>, q6k_block<3>, q6k_block<4>>(x, nullptr, w, y, ldy, threads);
+    kquant_gemm<q8k_rows, q6k_matrix, q6k_block<1>, q6k_block<2>, q6k_block<3>, q6k_block<4>>(x, nullptr, w, y, ldy,
+                                                                                            threads);
+}
+
+void q50_gemm(const q8_0_rows &x, q50_matrix w, float *y, int ldy, int threads) {
+    kquant_gemm<q8_0_rows, q50_matrix, q50_block<1>, q50_block<2>, q50_block<3>, q50_block<4>>(x, nullptr, w, y, ldy,
+                                                                                                 threads);
 }
 
 // ---- A projection's parts in one call (decode.lean_decoder's fused layers, models.kernel_linear.KQuantLinear) ----
 
-// An int8 part (Q5_0 / Q8_0 codes) rounds x per group of 32 itself and writes [R][N] contiguous: its columns of y
+// An int8 part (Q8_0 codes) rounds x per group of 32 itself and writes [R][N] contiguous: its columns of y
 // go through a scratch copy.
 static int int8_part_rows(const float *x, int R, int K, const kq_segment &part, float *y, int ldy, int threads) {
     float *out = (float *)malloc(sizeof(float) * (size_t)R * part.N);
@@ -227,39 +314,59 @@ static int int8_part_rows(const float *x, int R, int K, const kq_segment &part, 
     return status;
 }
 
-static bool has_kquant_part(const kq_linear &w) {
+static bool has_part(const kq_linear &w, bool (*wanted)(kq_kind)) {
     for (int i = 0; i < w.count; i++)
-        if (w.segments[i].kind != KQ_INT8) return true;
+        if (wanted(w.segments[i].kind)) return true;
     return false;
 }
 
-// x rounded per 256 once (llama.cpp's Q8_K), then every part writes its columns; the bias added last, as torch adds
-// it to the whole output (the same fp32 additions).
+static bool per_256(kq_kind kind) { return kind == KQ_Q4K || kind == KQ_Q6K; }
+static bool per_32(kq_kind kind) { return kind == KQ_Q50; }
+
+// x's int8 codes, steps and code sums for rows of K in groups of `group` (256: Q8_K, 32: Q8_0), or NULLs where the
+// projection has no part that reads them. `status` -1 when memory ran out.
+struct rounded_rows {
+    int8_t *q = NULL;
+    float *d = NULL;
+    int32_t *sums = NULL;
+
+    int round(const float *x, int R, int K, int group, int sum_group) {
+        q = (int8_t *)malloc((size_t)R * K);
+        d = (float *)malloc(sizeof(float) * (size_t)R * (K / group));
+        sums = (int32_t *)malloc(sizeof(int32_t) * (size_t)R * (K / sum_group));
+        if (q == NULL || d == NULL || sums == NULL) return -1;
+        if (group == 256) quantize_rows_q8k(x, R, K, q, d, sums);
+        else quantize_rows_q8_0(x, R, K, q, d, sums);
+        return 0;
+    }
+
+    ~rounded_rows() {
+        free(q);
+        free(d);
+        free(sums);
+    }
+};
+
+// x rounded once per kind of rows its parts read (per 256 for the K-quants, llama.cpp's Q8_K; per 32 for Q5_0), then
+// every part writes its columns; the bias added last, as torch adds it to the whole output (the same fp32
+// additions).
 int kq_linear_rows(const float *x, int R, const kq_linear &w, float *y, int threads) {
     const int K = w.K;
-    int8_t *xq = NULL;
-    float *dx = NULL;
-    int32_t *xs = NULL;
+    rounded_rows by256, by32;
     int status = 0;
-    if (has_kquant_part(w)) {
-        xq = (int8_t *)malloc((size_t)R * K);
-        dx = (float *)malloc(sizeof(float) * (size_t)R * (K / 256));
-        xs = (int32_t *)malloc(sizeof(int32_t) * (size_t)R * (K / 16));
-        if (xq == NULL || dx == NULL || xs == NULL) status = -1;
-        else quantize_rows_q8k(x, R, K, xq, dx, xs);
-    }
-    const q8k_rows rounded = {xq, dx, xs, R, K};
+    if (has_part(w, per_256)) status |= by256.round(x, R, K, 256, 16);
+    if (has_part(w, per_32)) status |= by32.round(x, R, K, 32, 32);
+    const q8k_rows rows256 = {by256.q, by256.d, by256.sums, R, K};
+    const q8_0_rows rows32 = {by32.q, by32.d, by32.sums, R, K};
     for (int i = 0; status == 0 && i < w.count; i++) {
         const kq_segment &part = w.segments[i];
         switch (part.kind) {
-            case KQ_Q4K: status = q4k_gemm(rounded, part.q4k, y + part.column, w.N, threads); break;
-            case KQ_Q6K: q6k_gemm(rounded, part.q6k, y + part.column, w.N, threads); break;
+            case KQ_Q4K: status = q4k_gemm(rows256, part.q4k, y + part.column, w.N, threads); break;
+            case KQ_Q6K: q6k_gemm(rows256, part.q6k, y + part.column, w.N, threads); break;
+            case KQ_Q50: q50_gemm(rows32, part.q50, y + part.column, w.N, threads); break;
             default: status = int8_part_rows(x, R, K, part, y, w.N, threads);
         }
     }
-    free(xq);
-    free(dx);
-    free(xs);
     if (status == 0 && w.bias != NULL)
         for (int r = 0; r < R; r++)
             for (int n = 0; n < w.N; n++) y[(size_t)r * w.N + n] += w.bias[n];
