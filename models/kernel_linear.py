@@ -25,7 +25,7 @@ from specdistill.models import kernels
 from specdistill.models.gguf_blocks import ATTRIBUTE as KQUANT_ATTRIBUTE
 from specdistill.models.huge_pages import huge_pages_unavailable, in_huge_pages
 from specdistill.models.kernels import MAX_ROWS, amx_unavailable, vnni_unavailable
-from specdistill.models.kquant import KQuantBlocks, int8_fields
+from specdistill.models.kquant import OUTPUTS_SIDE_BY_SIDE, KQuantBlocks
 from specdistill.models.kquant import pack as kquant_pack
 from specdistill.models.packed_linear import (
     PackedLinear,
@@ -180,15 +180,11 @@ def fields_in_huge_pages(weight):
 
 
 def kquant_matrix(lib, blocks: KQuantBlocks):
-    """The library's matrix over a GGUF's `blocks`: Q4KMatrix, Q6KMatrix or Q50Matrix (models.kquant.pack), or for
-    Q8_0 (int8 codes times a step per 32) the int8 kernel's Int8Matrix over exactly those codes and steps."""
-    if blocks.kind == "Q8_0":
-        fields = int8_fields(blocks)
-        n, k = blocks.shape
-        w = int8_layout(fields["codes"].reshape(n, k // GROUP, GROUP), fields["d"])
-        return lib.Int8Matrix(in_huge_pages(w.codes), in_huge_pages(w.step), in_huge_pages(w.bias))
+    """The library's matrix over a GGUF's `blocks` (models.kquant.pack): Q4KMatrix, Q6KMatrix, Q50Matrix or
+    Q80Matrix."""
     packed = {name: in_huge_pages(t) for name, t in kquant_pack(blocks).items()}  # streamed every token
-    return {"Q4_K": lib.Q4KMatrix, "Q6_K": lib.Q6KMatrix, "Q5_0": lib.Q50Matrix}[blocks.kind](**packed)
+    return {"Q4_K": lib.Q4KMatrix, "Q6_K": lib.Q6KMatrix, "Q5_0": lib.Q50Matrix, "Q8_0": lib.Q80Matrix}[blocks.kind](
+        **packed)
 
 
 def kquant_segments(linear: torch.nn.Module) -> list[KQuantBlocks] | None:
@@ -201,7 +197,7 @@ def kquant_usable(linear: torch.nn.Module) -> bool:
     segments = kquant_segments(linear)
     return (segments is not None and vnni_unavailable() is None and linear.weight.dtype == torch.float32
             and linear.weight.device.type == "cpu"
-            and all(s.shape[0] % (INT8_OUTPUT_BLOCK if s.kind == "Q8_0" else 16) == 0 for s in segments))
+            and all(s.shape[0] % OUTPUTS_SIDE_BY_SIDE == 0 for s in segments))
 
 
 def kquant_linear(linear: torch.nn.Module) -> KQuantLinear:

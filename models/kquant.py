@@ -145,6 +145,11 @@ def high_layout(codes: torch.Tensor) -> torch.Tensor:
     return packed.reshape(n // 16, k // SUPER, 8, 2, 64).contiguous()
 
 
+def q8_0_steps(w: KQuantBlocks) -> torch.Tensor:
+    """A Q5_0 / Q8_0 matrix's fp16 steps as the kernel reads them: [N/16, K/32, 16]."""
+    return sides(w.blocks()[..., 0:2].contiguous().view(torch.float16)[..., 0], 1)[:, :, 0].contiguous()
+
+
 def q50_layout(w: KQuantBlocks) -> dict[str, torch.Tensor]:
     """Q5_0 -> low uint8 [N/16, K/32, 4, 64] (byte 4o + i of vector p: output o's q at k = 8p + i in the low nibble,
     8p + 4 + i in the high), high uint8 [N/16, K/32, 64] (byte 4o + i: the 5th bit of q at k = 4t + i at bit t), d
@@ -157,9 +162,16 @@ def q50_layout(w: KQuantBlocks) -> dict[str, torch.Tensor]:
     high = torch.zeros_like(fifth[:, :, 0])
     for t in range(8):
         high |= fifth[:, :, t] << t
-    d = w.blocks()[..., 0:2].contiguous().view(torch.float16)[..., 0]  # [N, K/32]
-    return {"low": low.contiguous(), "high": high.reshape(n // 16, k // 32, 64).contiguous(),
-            "d": sides(d, 1)[:, :, 0].contiguous()}
+    return {"low": low.contiguous(), "high": high.reshape(n // 16, k // 32, 64).contiguous(), "d": q8_0_steps(w)}
+
+
+def q80_layout(w: KQuantBlocks) -> dict[str, torch.Tensor]:
+    """Q8_0 -> codes uint8 [N/16, K/32, 8, 64] (byte 4o + i of vector t: output o's q = code + 128 at k = 4t + i), d
+    fp16 [N/16, K/32, 16], the file's steps."""
+    n, k = w.shape
+    q = (int8_fields(w)["codes"].to(torch.int16) + 128).to(torch.uint8)  # [N, K]
+    codes = q.reshape(n // 16, 16, k // 32, 8, 4).permute(0, 2, 3, 1, 4)  # [nb, g, t, o, i]
+    return {"codes": codes.reshape(n // 16, k // 32, 8, 64).contiguous(), "d": q8_0_steps(w)}
 
 
 def check_packable(w: KQuantBlocks, caller: str) -> None:
@@ -170,12 +182,10 @@ def check_packable(w: KQuantBlocks, caller: str) -> None:
 
 def pack(w: KQuantBlocks) -> dict[str, torch.Tensor]:
     """The kernel's tensors for one matrix: Q4_K -> codes, sc, m, d, dmin; Q6_K -> low, high, sc, d; Q5_0 -> low,
-    high, d (models/kernels/csrc/kquant.cpp has the layouts)."""
+    high, d; Q8_0 -> codes, d (models/kernels/csrc/kquant.cpp has the layouts)."""
     check_packable(w, "kquant.pack")
-    if w.kind == "Q8_0":
-        raise ValueError("kquant.pack: Q8_0 runs on the int8 kernel (models.kernel_linear.kquant_matrix), not here")
-    if w.kind == "Q5_0":
-        return q50_layout(w)
+    if w.kind in INT8_KINDS:
+        return q50_layout(w) if w.kind == "Q5_0" else q80_layout(w)
     if w.kind == "Q4_K":
         f = q4k_fields(w)
         return {"codes": nibble_layout(f["codes"]), "sc": sides(f["sc"], 8), "m": min_pairs(sides(f["m"], 8)),

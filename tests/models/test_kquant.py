@@ -142,30 +142,53 @@ def test_the_q5_0_layout_holds_every_code_and_step_where_the_kernel_reads_it():
         assert float(packed["d"][nb, g, o]) == float(int8_fields(blocks)["d"][n, g])
 
 
+def test_the_q8_0_layout_holds_every_code_offset_to_unsigned_where_the_kernel_reads_it():
+    from specdistill.models.kquant import int8_fields, q80_layout
+
+    blocks = random_blocks("Q8_0", 32, 96, seed=14)
+    packed = q80_layout(blocks)
+    codes = int8_fields(blocks)["codes"]
+    assert list(packed["codes"].shape) == [2, 3, 8, 64] and list(packed["d"].shape) == [2, 3, 16]
+    for n, k in [(0, 0), (5, 7), (17, 40), (31, 95)]:
+        nb, o, g, j = n // 16, n % 16, k // 32, k % 32
+        assert int(packed["codes"][nb, g, j // 4, 4 * o + j % 4]) == int(codes[n, k]) + 128, (n, k)
+
+
 @needs_vnni
-def test_the_q5_0_kernel_computes_what_the_int8_kernel_computes_bit_for_bit_each_row_alike():
-    """Q50Matrix reads the file's 5-bit codes (5.5 bits a weight) where Int8Matrix reads them widened to int8 with an
-    fp32 step and an int32 offset per 32 (10 bits): the same integer dots, the same fp32 operations in the same
-    order, so the same numbers; any row count, each row as alone."""
+@pytest.mark.parametrize("kind", ["Q5_0", "Q8_0"])
+def test_blocks_of_32_compute_what_the_int8_kernel_computes_bit_for_bit_each_row_alike(kind):
+    """Q50Matrix / Q80Matrix read the file's codes (5.5 / 8.5 bits a weight) where Int8Matrix reads them as int8
+    with an fp32 step and an int32 offset per 32 (10 bits): the same integer dots, the same fp32 operations in the
+    same order, so the same numbers; any row count, each row as alone."""
     from specdistill.models.kquant import INT8_KINDS, int8_fields
     from specdistill.models.quant_formats import int8_layout
 
     lib = kernels.library()
-    blocks = random_blocks("Q5_0", 64, 768, seed=13)
+    blocks = random_blocks(kind, 64, 768, seed=13)
     native = kquant_matrix(lib, blocks)
     f = int8_fields(blocks)
     w = int8_layout(f["codes"].reshape(64, 24, 32), f["d"])
-    assert "Q5_0" in INT8_KINDS and type(native).__name__ == "Q50Matrix"
+    assert kind in INT8_KINDS and type(native).__name__ == {"Q5_0": "Q50Matrix", "Q8_0": "Q80Matrix"}[kind]
     x = torch.randn(11, 768, generator=torch.Generator().manual_seed(3)) * 2
     x[4, 64:96] = 0  # a group of zeros: step 0
     y = native.gemm(x)
     assert torch.equal(y, lib.Int8Matrix(w.codes, w.step, w.bias).gemm(x))
     for rows in (range(0, 1), range(2, 5), range(3, 11)):
         assert torch.equal(native.gemm(x[rows.start:rows.stop].contiguous()), y[rows.start:rows.stop])
-    forty_eight = kquant_matrix(lib, KQuantBlocks("Q5_0", blocks.raw[:48].contiguous()))  # N a multiple of 16 only
+    forty_eight = kquant_matrix(lib, KQuantBlocks(kind, blocks.raw[:48].contiguous()))  # N a multiple of 16 only
     assert torch.equal(forty_eight.gemm(x), y[:, :48])
     dense = x @ dequantize(blocks).T
     assert float((y - dense).abs().max() / dense.abs().max()) < 0.03
+
+
+@needs_vnni
+def test_blocks_of_32_refuse_a_layout_of_another_shape():
+    lib = kernels.library()
+    packed = pack(random_blocks("Q5_0", 16, 64))
+    with pytest.raises(ValueError, match=r"Q50Matrix: high must have shape"):
+        lib.Q50Matrix(packed["low"], packed["high"][:, :1].contiguous(), packed["d"])
+    with pytest.raises(TypeError, match="Q80Matrix: d must be Half"):
+        lib.Q80Matrix(pack(random_blocks("Q8_0", 16, 64))["codes"], packed["d"].float())
 
 
 @needs_vnni
@@ -202,7 +225,7 @@ def test_q5_0_and_q8_0_segments_run_over_exactly_their_codes():
 def test_a_projection_refuses_what_is_not_a_matrix_of_its_k_or_a_bias_of_its_width():
     lib = kernels.library()
     q4k = kquant_matrix(lib, random_blocks("Q4_K", 16, 512, seed=1))
-    with pytest.raises(TypeError, match="a part must be a Q4KMatrix, Q6KMatrix, Q50Matrix or Int8Matrix"):
+    with pytest.raises(TypeError, match="a part must be a Q4KMatrix, Q6KMatrix, Q50Matrix or Q80Matrix"):
         lib.KQuantProjection([q4k, object()], None)
     with pytest.raises(ValueError, match="KQuantProjection: parts over different K: 512 and 256"):
         lib.KQuantProjection([q4k, kquant_matrix(lib, random_blocks("Q6_K", 16, 256, seed=2))], None)

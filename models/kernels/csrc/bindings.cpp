@@ -232,34 +232,26 @@ struct Q6KMatrix : KQuantShape {
     }
 };
 
-// Q5_0 in kquant.cpp's layout: low uint8 [N/16, K/32, 4, 64], high uint8 [N/16, K/32, 64], d fp16 [N/16, K/32, 16].
-// `gemm` rounds x per group of 32 (as Int8Matrix does) and computes what Int8Matrix computes over the same codes.
-struct Q50Matrix {
-    at::Tensor low, high, d;
+// A GGUF's blocks of 32 in kquant.cpp's layouts, each with fp16 steps d [N/16, K/32, 16]: Q5_0 low uint8
+// [N/16, K/32, 4, 64] and high uint8 [N/16, K/32, 64]; Q8_0 codes uint8 [N/16, K/32, 8, 64]. `gemm` rounds x per group
+// of 32 (as Int8Matrix does) and computes what Int8Matrix computes over the same codes.
+struct Q8_0Shape {
+    at::Tensor d;
     int64_t N = 0, K = 0;
 
-    Q50Matrix(at::Tensor low_, at::Tensor high_, at::Tensor d_)
-        : low(std::move(low_)), high(std::move(high_)), d(std::move(d_)) {
-        const char *fn = "Q50Matrix";
-        check_vnni(fn);
-        check_tensor(low, at::kByte, fn, "low");
-        TORCH_CHECK_VALUE(low.dim() == 4 && low.size(0) > 0 && low.size(1) > 0 && low.size(2) == 4 &&
-                              low.size(3) == 64,
-                          fn, ": low must be [N/16, K/32, 4, 64], got ", low.sizes());
-        N = low.size(0) * 16, K = low.size(1) * kGroup;
-        check_tensor(high, at::kByte, fn, "high");
-        check_shape(high, {N / 16, K / kGroup, 64}, fn, "high");
+    void read(const at::Tensor &codes, at::IntArrayRef inner, const char *fn, const char *name) {
+        TORCH_CHECK_VALUE(codes.dim() == 2 + static_cast<int64_t>(inner.size()) && codes.size(0) > 0 &&
+                              codes.size(1) > 0 && codes.sizes().slice(2) == inner,
+                          fn, ": ", name, " must be [N/16, K/32, ", inner, "], got ", codes.sizes());
+        N = codes.size(0) * 16, K = codes.size(1) * kGroup;
         check_tensor(d, at::kHalf, fn, "d");
         check_shape(d, {N / 16, K / kGroup, 16}, fn, "d");
     }
 
-    q50_matrix raw() const {
-        return {low.data_ptr<uint8_t>(), high.data_ptr<uint8_t>(),
-                reinterpret_cast<const uint16_t *>(d.data_ptr<at::Half>()), static_cast<int>(N)};
-    }
+    const uint16_t *steps() const { return reinterpret_cast<const uint16_t *>(d.data_ptr<at::Half>()); }
 
-    at::Tensor gemm(const at::Tensor &x) const {  // x [R, K] -> [R, N]
-        const char *fn = "Q50Matrix.gemm";
+    template <typename Matrix, void (*Gemm)(const q8_0_rows &, Matrix, float *, int, int)>
+    at::Tensor rows_times(const at::Tensor &x, Matrix w, const char *fn) const {  // x [R, K] -> [R, N]
         check_rows(x, K, fn);
         const int64_t R = x.size(0);
         auto q = at::empty({R, K}, x.options().dtype(at::kChar));
@@ -270,14 +262,52 @@ struct Q50Matrix {
                            sums.data_ptr<int32_t>());
         const q8_0_rows rows = {q.data_ptr<int8_t>(), dx.data_ptr<float>(), sums.data_ptr<int32_t>(),
                                 static_cast<int>(R), static_cast<int>(K)};
-        q50_gemm(rows, raw(), y.data_ptr<float>(), static_cast<int>(N), threads());
+        Gemm(rows, w, y.data_ptr<float>(), static_cast<int>(N), threads());
         return y;
     }
 };
 
-// A projection over a K-quant GGUF's blocks (kq_linear): its parts (Q4KMatrix, Q6KMatrix, Q50Matrix, or Int8Matrix
-// for Q8_0 codes) side by side in output order, all over the same K, and a bias or None. `gemm` takes any number of
-// rows (prefill too); the fused layers (layer_rows_attention / layer_rows_down) take it as they take a Q41Matrix.
+struct Q50Matrix : Q8_0Shape {
+    at::Tensor low, high;
+
+    Q50Matrix(at::Tensor low_, at::Tensor high_, at::Tensor d_) : low(std::move(low_)), high(std::move(high_)) {
+        const char *fn = "Q50Matrix";
+        check_vnni(fn);
+        d = std::move(d_);
+        check_tensor(low, at::kByte, fn, "low");
+        read(low, {4, 64}, fn, "low");
+        check_tensor(high, at::kByte, fn, "high");
+        check_shape(high, {N / 16, K / kGroup, 64}, fn, "high");
+    }
+
+    q50_matrix raw() const {
+        return {low.data_ptr<uint8_t>(), high.data_ptr<uint8_t>(), steps(), static_cast<int>(N)};
+    }
+
+    at::Tensor gemm(const at::Tensor &x) const { return rows_times<q50_matrix, q50_gemm>(x, raw(), "Q50Matrix.gemm"); }
+};
+
+struct Q80Matrix : Q8_0Shape {
+    at::Tensor codes;
+
+    Q80Matrix(at::Tensor codes_, at::Tensor d_) : codes(std::move(codes_)) {
+        const char *fn = "Q80Matrix";
+        check_vnni(fn);
+        d = std::move(d_);
+        check_tensor(codes, at::kByte, fn, "codes");
+        read(codes, {8, 64}, fn, "codes");
+    }
+
+    q80_matrix raw() const { return {codes.data_ptr<uint8_t>(), steps(), static_cast<int>(N)}; }
+
+    at::Tensor gemm(const at::Tensor &x) const {
+        return rows_times<q80_matrix, gguf_q80_gemm>(x, raw(), "Q80Matrix.gemm");
+    }
+};
+
+// A projection over a K-quant GGUF's blocks (kq_linear): its parts (Q4KMatrix, Q6KMatrix, Q50Matrix, Q80Matrix)
+// side by side in output order, all over the same K, and a bias or None. `gemm` takes any number of rows (prefill
+// too); the fused layers (layer_rows_attention / layer_rows_down) take it as they take a Q41Matrix.
 struct KQuantProjection {
     std::vector<py::object> parts;  // keeps the matrices, and so their tensors, alive
     std::vector<kq_segment> segments;
@@ -307,11 +337,11 @@ struct KQuantProjection {
         } else if (py::isinstance<Q50Matrix>(part)) {
             auto &w = part.cast<const Q50Matrix &>();
             s.kind = KQ_Q50, s.q50 = w.raw(), s.N = static_cast<int>(w.N), k = w.K;
-        } else if (py::isinstance<Int8Matrix>(part)) {
-            auto &w = part.cast<const Int8Matrix &>();
-            s.kind = KQ_INT8, s.int8 = w.raw(), s.N = static_cast<int>(w.N), k = w.K;
+        } else if (py::isinstance<Q80Matrix>(part)) {
+            auto &w = part.cast<const Q80Matrix &>();
+            s.kind = KQ_Q80, s.q80 = w.raw(), s.N = static_cast<int>(w.N), k = w.K;
         } else {
-            TORCH_CHECK_TYPE(false, fn, ": a part must be a Q4KMatrix, Q6KMatrix, Q50Matrix or Int8Matrix, got ",
+            TORCH_CHECK_TYPE(false, fn, ": a part must be a Q4KMatrix, Q6KMatrix, Q50Matrix or Q80Matrix, got ",
                              py::str(part.get_type()).cast<std::string>());
         }
         TORCH_CHECK_VALUE(first || k == K, fn, ": parts over different K: ", K, " and ", k);
@@ -708,6 +738,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readonly("N", &Q50Matrix::N)
         .def_readonly("K", &Q50Matrix::K)
         .def("gemm", &Q50Matrix::gemm, py::arg("x"));
+    py::class_<Q80Matrix>(m, "Q80Matrix")
+        .def(py::init<at::Tensor, at::Tensor>(), py::arg("codes"), py::arg("d"))
+        .def_readonly("N", &Q80Matrix::N)
+        .def_readonly("K", &Q80Matrix::K)
+        .def("gemm", &Q80Matrix::gemm, py::arg("x"));
     m.def("quantize_rows_q8k", &quantize_rows_q8k_op, py::arg("x"));
     m.def("q80_gemm", &q80_gemm_op, py::arg("x"), py::arg("codes"), py::arg("d"));
     m.def("q41_amx", &q41_amx_op, py::arg("x"), py::arg("packed"), py::arg("d"), py::arg("m"));

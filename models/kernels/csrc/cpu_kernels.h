@@ -57,14 +57,20 @@ typedef struct {  // a Q5_0 matrix in kquant.cpp's layout: low [N/16][K/32][4][6
     int N;
 } q50_matrix;
 
-typedef enum { KQ_Q4K, KQ_Q6K, KQ_Q50, KQ_INT8 } kq_kind;
+typedef struct {  // a GGUF's Q8_0 matrix in kquant.cpp's layout: codes [N/16][K/32][8][64] (code + 128), d fp16 [..][16]
+    const uint8_t *codes;
+    const uint16_t *d;
+    int N;
+} q80_matrix;
+
+typedef enum { KQ_Q4K, KQ_Q6K, KQ_Q50, KQ_Q80 } kq_kind;
 
 typedef struct {  // one part of a projection over a GGUF's own blocks: outputs [column, column + N) of the whole
     kq_kind kind;
     q4k_matrix q4k;    // kind KQ_Q4K
     q6k_matrix q6k;    // kind KQ_Q6K
     q50_matrix q50;    // kind KQ_Q50
-    int8_matrix int8;  // kind KQ_INT8: Q8_0 codes on the int8 kernel
+    q80_matrix q80;    // kind KQ_Q80
     int column, N;
 } kq_segment;
 
@@ -111,6 +117,7 @@ int q4k_gemm(const q8k_rows &x, q4k_matrix w, float *y, int ldy, int threads);  
 void q6k_gemm(const q8k_rows &x, q6k_matrix w, float *y, int ldy, int threads);
 void quantize_rows_q8_0(const float *x, int R, int K, int8_t *xq, float *dx, int32_t *xs);
 void q50_gemm(const q8_0_rows &x, q50_matrix w, float *y, int ldy, int threads);
+void gguf_q80_gemm(const q8_0_rows &x, q80_matrix w, float *y, int ldy, int threads);
 // y [R][w.N] = x [R][w.K] W^T (+ bias): x rounded once for every K-quant part; 0, or -1 (no memory)
 int kq_linear_rows(const float *x, int R, const kq_linear &w, float *y, int threads);
 

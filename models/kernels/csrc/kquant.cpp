@@ -17,13 +17,17 @@
 //         byte 4o + i of vector h of sub-block s holding those of chunk t = 4h + u (k = 32s + 4t + i) at bits 2u;
 //         sc [NB][KB][16 sub-blocks of 16][16] int8; d [NB][KB][16] fp32. w = d sc (q - 32).
 //
-// Q5_0 (a small model's blocks of 32: the 0.5B draft model's attention and gate/up) has its own rows: x rounded per
-// group of 32 (`quantize_rows_q8_0`, llama.cpp's Q8_0 activations, the int8 kernel's rounding), and per group g:
-//   low [NB][G][4][64] the 5-bit codes' low 4 bits, byte 4o + i of vector p holding k = 8p + i (low nibble) and
-//   8p + 4 + i (high); high [NB][G][64] their 5th bits, byte 4o + i holding that of k = 4t + i at bit t; d [NB][G][16]
-//   the file's fp16 steps. w = d (q - 16). Its integer dots are the int8 kernel's (int8.cpp) over the same codes and
-//   its fp32 operations the same in the same order, so it computes what Int8Matrix computes bit for bit, reading
-//   5.5 bits a weight instead of 10 (int8 codes, an fp32 step and an int32 offset per 32).
+// Q5_0 and Q8_0 (a small model's blocks of 32: the 0.5B draft model's attention, gate/up and head) have their own
+// rows: x rounded per group of 32 (`quantize_rows_q8_0`, llama.cpp's Q8_0 activations, the int8 kernel's rounding),
+// and per group g of 16 outputs:
+//   Q5_0: low [NB][G][4][64] the 5-bit codes' low 4 bits, byte 4o + i of vector p holding k = 8p + i (low nibble)
+//         and 8p + 4 + i (high); high [NB][G][64] their 5th bits, byte 4o + i holding that of k = 4t + i at bit t.
+//         q = code + 16.
+//   Q8_0: codes [NB][G][8][64], byte 4o + i of vector t holding q = code + 128 at k = 4t + i.
+//   d [NB][G][16]: the file's fp16 steps. w = d (q - offset).
+// Their integer dots are the int8 kernel's (int8.cpp) over the same codes and their fp32 operations the same in the
+// same order, so they compute what Int8Matrix computes bit for bit, reading 5.5 / 8.5 bits a weight instead of 10
+// (int8 codes, an fp32 step and an int32 offset per 32).
 // ------------------------------------------------------------------------------------------------------------------
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
 
@@ -217,33 +221,63 @@ VNNI_TARGET static inline __m512i fifth_bit(__m512i h, int t) {
     }
 }
 
-// Each group's dot starts from -16 times x's code sum (the codes' offset) and adds q times x's codes (vpdpbusd, q
-// the unsigned operand): sum x (q - 16), the int8 kernel's integer; then out += dot * (d_w * d_x) as it does.
-template <int RB>
-VNNI_TARGET static void q50_block(const q8_0_rows &x, const int32_t *, int r0, q50_matrix w, int nb, float *y,
-                                  int ldy) {
+// A group's codes of 16 outputs as the unsigned bytes vpdpbusd reads, chunk pair by chunk pair (chunk t: k = 4t + i
+// at byte 4o + i). Q5_0: q = code + 16 from a low-nibble vector and the group's fifth bits; Q8_0: q = code + 128
+// stored as is.
+struct q50_codes {
+    static constexpr int offset = 16;
+    const uint8_t *low, *next_high;
+    __m512i high;
+    VNNI_TARGET q50_codes(q50_matrix w, size_t group)
+        : low(w.low + group * 256), next_high(w.high + group * 64 + 64),
+          high(_mm512_loadu_si512(w.high + group * 64)) {}
+    VNNI_TARGET void pair(int p, __m512i &first, __m512i &second) const {  // chunks 2p and 2p + 1
+        const __m512i low4 = _mm512_set1_epi8(0x0F);
+        __m512i v = _mm512_loadu_si512(low + 64 * p);
+        first = _mm512_or_si512(_mm512_and_si512(v, low4), fifth_bit(high, 2 * p));
+        second = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), fifth_bit(high, 2 * p + 1));
+    }
+    void prefetch_next() const {  // the next group's 320 bytes
+        for (int p = 0; p < 4; p++) _mm_prefetch((const char *)(low + 256 + 64 * p), _MM_HINT_T0);
+        _mm_prefetch((const char *)next_high, _MM_HINT_T0);
+    }
+};
+
+struct q80_codes {
+    static constexpr int offset = 128;
+    const uint8_t *codes;
+    q80_codes(q80_matrix w, size_t group) : codes(w.codes + group * 512) {}
+    VNNI_TARGET void pair(int p, __m512i &first, __m512i &second) const {
+        first = _mm512_loadu_si512(codes + 128 * p);
+        second = _mm512_loadu_si512(codes + 128 * p + 64);
+    }
+    void prefetch_next() const {  // the next group's 512 bytes
+        for (int v = 0; v < 8; v++) _mm_prefetch((const char *)(codes + 512 + 64 * v), _MM_HINT_T0);
+    }
+};
+
+// Each group's dot starts from -offset times x's code sum and adds q times x's codes (vpdpbusd, q the unsigned
+// operand): sum x (q - offset), the int8 kernel's integer; then out += dot * (d_w * d_x) as it does.
+template <int RB, typename Matrix, typename Codes>
+VNNI_TARGET static void q8_0_block(const q8_0_rows &x, const int32_t *, int r0, Matrix w, int nb, float *y,
+                                   int ldy) {
     const int K = x.K, G = K / 32;
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
     const bool ahead = prefetching(r0, RB, K);
     __m512 out[RB];
     for (int r = 0; r < RB; r++) out[r] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++) {
         size_t group = (size_t)nb * G + g;
-        const uint8_t *low = w.low + group * 256;
-        __m512i h = _mm512_loadu_si512(w.high + group * 64), acc[RB];
-        if (ahead) {
-            _mm_prefetch((const char *)(w.high + group * 64 + 64), _MM_HINT_T0);
-            for (int p = 0; p < 4; p++) _mm_prefetch((const char *)(low + 256 + 64 * p), _MM_HINT_T0);
-        }
-        for (int r = 0; r < RB; r++) acc[r] = _mm512_set1_epi32(-16 * x.sums[(size_t)(r0 + r) * G + g]);
+        const Codes codes(w, group);
+        if (ahead) codes.prefetch_next();
+        __m512i acc[RB];
+        for (int r = 0; r < RB; r++) acc[r] = _mm512_set1_epi32(-Codes::offset * x.sums[(size_t)(r0 + r) * G + g]);
         for (int p = 0; p < 4; p++) {
-            __m512i v = _mm512_loadu_si512(low + 64 * p);
-            __m512i lo = _mm512_or_si512(_mm512_and_si512(v, low4), fifth_bit(h, 2 * p));
-            __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), fifth_bit(h, 2 * p + 1));
+            __m512i first, second;
+            codes.pair(p, first, second);
             for (int r = 0; r < RB; r++) {
                 const int8_t *xr = x.q + (size_t)(r0 + r) * K + 32 * g + 8 * p;
-                acc[r] = _mm512_dpbusd_epi32(acc[r], lo, broadcast4(xr));
-                acc[r] = _mm512_dpbusd_epi32(acc[r], hi, broadcast4(xr + 4));
+                acc[r] = _mm512_dpbusd_epi32(acc[r], first, broadcast4(xr));
+                acc[r] = _mm512_dpbusd_epi32(acc[r], second, broadcast4(xr + 4));
             }
         }
         __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w.d + group * 16)));
@@ -295,24 +329,21 @@ void q6k_gemm(const q8k_rows &x, q6k_matrix w, float *y, int ldy, int threads) {
                                                                                             threads);
 }
 
+template <typename Matrix, typename Codes>
+static void q8_0_gemm(const q8_0_rows &x, Matrix w, float *y, int ldy, int threads) {
+    kquant_gemm<q8_0_rows, Matrix, q8_0_block<1, Matrix, Codes>, q8_0_block<2, Matrix, Codes>,
+                q8_0_block<3, Matrix, Codes>, q8_0_block<4, Matrix, Codes>>(x, nullptr, w, y, ldy, threads);
+}
+
 void q50_gemm(const q8_0_rows &x, q50_matrix w, float *y, int ldy, int threads) {
-    kquant_gemm<q8_0_rows, q50_matrix, q50_block<1>, q50_block<2>, q50_block<3>, q50_block<4>>(x, nullptr, w, y, ldy,
-                                                                                                 threads);
+    q8_0_gemm<q50_matrix, q50_codes>(x, w, y, ldy, threads);
+}
+
+void gguf_q80_gemm(const q8_0_rows &x, q80_matrix w, float *y, int ldy, int threads) {
+    q8_0_gemm<q80_matrix, q80_codes>(x, w, y, ldy, threads);
 }
 
 // ---- A projection's parts in one call (decode.lean_decoder's fused layers, models.kernel_linear.KQuantLinear) ----
-
-// An int8 part (Q8_0 codes) rounds x per group of 32 itself and writes [R][N] contiguous: its columns of y
-// go through a scratch copy.
-static int int8_part_rows(const float *x, int R, int K, const kq_segment &part, float *y, int ldy, int threads) {
-    float *out = (float *)malloc(sizeof(float) * (size_t)R * part.N);
-    if (out == NULL) return -1;
-    int status = q8_int8_gemm(x, R, K, part.int8.codes, part.int8.d, part.int8.bias, part.N, out, threads);
-    for (int r = 0; status == 0 && r < R; r++)
-        memcpy(y + (size_t)r * ldy + part.column, out + (size_t)r * part.N, sizeof(float) * part.N);
-    free(out);
-    return status;
-}
 
 static bool has_part(const kq_linear &w, bool (*wanted)(kq_kind)) {
     for (int i = 0; i < w.count; i++)
@@ -321,7 +352,7 @@ static bool has_part(const kq_linear &w, bool (*wanted)(kq_kind)) {
 }
 
 static bool per_256(kq_kind kind) { return kind == KQ_Q4K || kind == KQ_Q6K; }
-static bool per_32(kq_kind kind) { return kind == KQ_Q50; }
+static bool per_32(kq_kind kind) { return kind == KQ_Q50 || kind == KQ_Q80; }
 
 // x's int8 codes, steps and code sums for rows of K in groups of `group` (256: Q8_K, 32: Q8_0), or NULLs where the
 // projection has no part that reads them. `status` -1 when memory ran out.
@@ -347,9 +378,9 @@ struct rounded_rows {
     }
 };
 
-// x rounded once per kind of rows its parts read (per 256 for the K-quants, llama.cpp's Q8_K; per 32 for Q5_0), then
-// every part writes its columns; the bias added last, as torch adds it to the whole output (the same fp32
-// additions).
+// x rounded once per kind of rows its parts read (per 256 for the K-quants, llama.cpp's Q8_K; per 32 for Q5_0 and
+// Q8_0, llama.cpp's Q8_0), then every part writes its columns; the bias added last, as torch adds it to the whole
+// output (the same fp32 additions).
 int kq_linear_rows(const float *x, int R, const kq_linear &w, float *y, int threads) {
     const int K = w.K;
     rounded_rows by256, by32;
@@ -364,7 +395,7 @@ int kq_linear_rows(const float *x, int R, const kq_linear &w, float *y, int thre
             case KQ_Q4K: status = q4k_gemm(rows256, part.q4k, y + part.column, w.N, threads); break;
             case KQ_Q6K: q6k_gemm(rows256, part.q6k, y + part.column, w.N, threads); break;
             case KQ_Q50: q50_gemm(rows32, part.q50, y + part.column, w.N, threads); break;
-            default: status = int8_part_rows(x, R, K, part, y, w.N, threads);
+            case KQ_Q80: gguf_q80_gemm(rows32, part.q80, y + part.column, w.N, threads); break;
         }
     }
     if (status == 0 && w.bias != NULL)
