@@ -14,8 +14,8 @@ methods and question sets the results page quotes, so its figures come from one 
   (train them first: `specdistill train configs/distill/<job>.yaml`; `--drafter` replaces the list, and a
   missing drafter is an error that names the job to run).
 - `--preset qwen-coder`: the real-size target (`--target qwen2.5-coder-1.5b`, docs/design/kquant-kernels.md) on
-  HumanEval's first 8 problems and MT-bench `--per-category 1`: prompt lookup, the 0.5B sibling as a draft model,
-  the EAGLE-3 drafter of configs/distill/qwen_coder_eagle3.yaml alone and with prompt lookup, and llama.cpp's plain
+  HumanEval's first 8 problems and MT-bench `--per-category 1`: prompt lookup, the 0.5B sibling as a draft model
+  alone and with prompt lookup, the EAGLE-3 drafter of configs/distill/qwen_coder_eagle3.yaml alone and with prompt lookup, and llama.cpp's plain
   decoding, n-gram and draft-model speculation on the same GGUF (`--peers llamacpp`; `make llamacpp` first).
 - `--preset dflash`: the DFlash block drafter of configs/distill/smollm2_dflash.yaml beside EAGLE-3
   (smollm2_eagle3.yaml, the same data) and prompt lookup, each alone and with prompt lookup; `--fixed-depth` for the
@@ -61,7 +61,8 @@ PRESETS = {
     "table": {"drafters": ["prompt_lookup", EAGLE3, f"{EAGLE3}+prompt_lookup", "runs/quickstart/drafter",
                            "runs/smollm2_lookahead/drafter", "runs/quickstart_seqkd/drafter"],
               "peers": [], "sets": ["mt-bench", "arena-heldout"]},
-    "qwen-coder": {"drafters": ["prompt_lookup", "qwen2.5-coder-0.5b", QWEN_EAGLE3, f"{QWEN_EAGLE3}+prompt_lookup"],
+    "qwen-coder": {"drafters": ["prompt_lookup", "qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b+prompt_lookup", QWEN_EAGLE3,
+                                f"{QWEN_EAGLE3}+prompt_lookup"],
                    "peers": ["llamacpp"], "sets": ["humaneval", "mt-bench"], "target": "qwen2.5-coder-1.5b",
                    "per_category": 1, "llamacpp_extra": ["--llamacpp-draft", "qwen2.5-coder-0.5b"]},
     "dflash": {"drafters": ["prompt_lookup", EAGLE3, f"{EAGLE3}+prompt_lookup", DFLASH, f"{DFLASH}+prompt_lookup"],
