@@ -137,8 +137,9 @@ class Q8Int8Linear(KernelLinear):
 
 
 class KQuantLinear(torch.nn.Module):
-    """y = x W^T (+ b) over a GGUF's own K-quant blocks (models.kquant: Q4_K and Q6_K) on the library's VNNI GEMMs,
-    llama.cpp's arithmetic: each row of x rounded to int8 per block of 256 once, then every segment of the matrix
+    """y = x W^T (+ b) over a GGUF's own blocks (models.kquant: Q4_K and Q6_K, and a small model's Q5_0 and Q8_0) on
+    the library's VNNI GEMMs, llama.cpp's arithmetic: each row of x rounded to int8 once per kind of rounding its
+    parts read (per block of 256 for the K-quants, per 32 for Q5_0 and Q8_0), then every segment of the matrix
     (a fused projection's parts, each in its own format) writes its columns of one output, in one call into the
     library (its KQuantProjection, which decode.lean_decoder's fused layers also take). Every row count, prefill
     included, runs here, each row computed alike whatever the rows beside it. Inference only."""

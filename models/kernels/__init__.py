@@ -7,7 +7,9 @@ What it holds (AVX-512; the design note docs/design/exact-kernels.md says why ea
 - the lean forwards' row operations (`rms_norm_rows`, `rope_qk`) and decode-time attention (`attention_rows`);
 - a decoder layer's decode-time rows in two calls (`layer_rows_attention`, `layer_rows_down`);
 - on AVX512-VNNI, int8 drafting GEMMs (`Int8Matrix.gemm`), an EAGLE-3 drafting depth in two calls (`eagle3_rows`,
-  `eagle3_top`) and the greedy head's exact argmax (`q8_argmax`).
+  `eagle3_top`), the greedy head's exact argmax (`q8_argmax`), and a GGUF's own blocks with int8 activations as
+  llama.cpp computes them (`Q4KMatrix`, `Q6KMatrix`, `Q50Matrix`, `Q80Matrix`, fused as `KQuantProjection`:
+  docs/design/kquant-kernels.md).
 
 `library()` is the loaded module, or None where it cannot run (`unavailable()` says why). Every fallback from a
 fast path is a WARNING once per process naming the reason and its cost (`warn_fallback`), and `fallbacks()` lists
