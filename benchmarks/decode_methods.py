@@ -15,8 +15,9 @@ methods and question sets the results page quotes, so its figures come from one 
   missing drafter is an error that names the job to run).
 - `--preset qwen-coder`: the real-size target (`--target qwen2.5-coder-1.5b`, docs/design/kquant-kernels.md) on
   HumanEval's first 8 problems and MT-bench `--per-category 1`: prompt lookup, the 0.5B sibling as a draft model
-  alone and with prompt lookup, the EAGLE-3 drafter of configs/distill/qwen_coder_eagle3.yaml alone and with prompt lookup, and llama.cpp's plain
-  decoding, n-gram and draft-model speculation on the same GGUF (`--peers llamacpp`; `make llamacpp` first).
+  alone and with prompt lookup, the EAGLE-3 drafter of configs/distill/qwen_coder_eagle3.yaml alone and with prompt
+  lookup, and llama.cpp's plain decoding, n-gram and draft-model speculation on the same GGUF (`--peers llamacpp`;
+  `make llamacpp` first).
 - `--preset dflash`: the DFlash block drafter of configs/distill/smollm2_dflash.yaml beside EAGLE-3
   (smollm2_eagle3.yaml, the same data) and prompt lookup, each alone and with prompt lookup; `--fixed-depth` for the
   tau of each drafter's full depth.
