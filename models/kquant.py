@@ -120,13 +120,14 @@ def sides(t: torch.Tensor, per_block: int) -> torch.Tensor:
     return t.reshape(n // 16, 16, -1, per_block).permute(0, 2, 3, 1).contiguous()
 
 
-def nibble_layout(codes: torch.Tensor) -> torch.Tensor:
-    """codes uint8 [N, K] (4 bits) -> [N/16, K/256, 8, 4, 64]: byte 4o + i of pair p of sub-block s holds output
-    o's codes at k = 32s + 8p + i (low nibble) and 32s + 8p + 4 + i (high)."""
+def nibble_layout(codes: torch.Tensor, block: int = SUPER) -> torch.Tensor:
+    """codes uint8 [N, K] (4 bits) -> [N/16, K/block, block/32, 4, 64]: byte 4o + i of pair p of sub-block s holds
+    output o's codes at k = 32s + 8p + i (low nibble) and 32s + 8p + 4 + i (high). block: 256 for the K-quants, 32
+    for Q5_0's groups."""
     n, k = codes.shape
-    c = codes.reshape(n // 16, 16, k // SUPER, 8, 4, 2, 4)  # [nb, o, kb, s, p, nibble, i]
-    c = c.permute(0, 2, 3, 4, 5, 1, 6)  # [nb, kb, s, p, nibble, o, i]
-    return (c[..., 0, :, :] | (c[..., 1, :, :] << 4)).reshape(n // 16, k // SUPER, 8, 4, 64).contiguous()
+    c = codes.reshape(n // 16, 16, k // 32, 4, 2, 4)  # [nb, o, sub-block, p, nibble, i]
+    c = c.permute(0, 2, 3, 4, 1, 5)  # [nb, sub-block, p, nibble, o, i]
+    return (c[..., 0, :, :] | (c[..., 1, :, :] << 4)).reshape(n // 16, k // block, block // 32, 4, 64).contiguous()
 
 
 def min_pairs(m: torch.Tensor) -> torch.Tensor:
@@ -156,13 +157,12 @@ def q50_layout(w: KQuantBlocks) -> dict[str, torch.Tensor]:
     fp16 [N/16, K/32, 16], the file's steps; q = code + 16 in 0..31."""
     n, k = w.shape
     q = (int8_fields(w)["codes"].to(torch.int16) + 16).to(torch.uint8)  # [N, K]
-    nib = (q & 0x0F).reshape(n // 16, 16, k // 32, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)  # [nb, g, p, nibble, o, i]
-    low = (nib[..., 0, :, :] | (nib[..., 1, :, :] << 4)).reshape(n // 16, k // 32, 4, 64)
+    low = nibble_layout(q & 0x0F, block=32)[:, :, 0]  # [N/16, K/32, 4, 64]
     fifth = (q >> 4).reshape(n // 16, 16, k // 32, 8, 4).permute(0, 2, 3, 1, 4)  # [nb, g, t, o, i]
     high = torch.zeros_like(fifth[:, :, 0])
     for t in range(8):
         high |= fifth[:, :, t] << t
-    return {"low": low.contiguous(), "high": high.reshape(n // 16, k // 32, 64).contiguous(), "d": q8_0_steps(w)}
+    return {"low": low, "high": high.reshape(n // 16, k // 32, 64).contiguous(), "d": q8_0_steps(w)}
 
 
 def q80_layout(w: KQuantBlocks) -> dict[str, torch.Tensor]:
