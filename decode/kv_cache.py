@@ -17,20 +17,32 @@ length, which keeps attention cost proportional to the context.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 
 class PreallocatedLayer(CacheLayerMixin):
-    """One decoder layer's keys and values, [B, H, max_len, D], written in place."""
+    """One decoder layer's keys and values, [B, H, max_len, D], written in place. It reaches its cache through a
+    weak reference: the cache holds its layers, and a layer holding its cache back would make every cache a
+    reference cycle, whose buffers only Python's full garbage collection frees (a teacher-data job making a cache a
+    sequence kept gigabytes of dead KV buffers between collections)."""
 
     is_compileable = True
     is_sliding = False
 
     def __init__(self, owner: "SpecCache", index: int):
         super().__init__()
-        self.owner = owner
+        self._owner = weakref.ref(owner)
         self.index = index
+
+    @property
+    def owner(self) -> "SpecCache":
+        owner = self._owner()
+        if owner is None:
+            raise RuntimeError(f"cache layer {self.index}: its SpecCache no longer exists")
+        return owner
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         # [B, H, L, D] each: views of the owner's stacked buffers where the shapes agree

@@ -1,7 +1,12 @@
 """Tree verification equals sequential decoding of each branch; KV rollback equals a fresh prefill."""
 
+import gc
+import weakref
+
+import pytest
 import torch
 
+from specdistill.decode.kv_cache import SpecCache
 from specdistill.decode.runner import ModelRunner
 from specdistill.decode.tree import TokenTree
 
@@ -77,3 +82,22 @@ def test_rollback_then_continue_equals_fresh(tiny_target):
     _, logits = runner.forward([7])
     ref = full_logits(tiny_target, PREFIX + [7])[-1]
     torch.testing.assert_close(logits[0], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_a_dropped_cache_frees_its_buffers_without_the_cycle_collector():
+    """Its layers reach it weakly: no reference cycle keeps dead KV buffers until a full collection (a teacher-data
+    job builds one cache a batch of sequences)."""
+    cache = SpecCache(num_layers=3, max_len=16)
+    states = torch.randn(1, 2, 4, 8)  # [B, H, L, D]
+    [layer.update(states, states) for layer in cache.layers]  # the buffers allocated (no name left holding one)
+    assert cache.length == 0 and cache.layers[2].get_max_length() == 16
+    buffer, gone = weakref.ref(cache.stacked[0]), weakref.ref(cache)
+    gc.disable()
+    try:
+        del cache
+        assert gone() is None and buffer() is None  # freed by reference counting alone
+    finally:
+        gc.enable()
+    orphan = SpecCache(num_layers=1, max_len=4).layers[0]  # a layer kept past its cache says so
+    with pytest.raises(RuntimeError, match="no longer exists"):
+        orphan.get_seq_length()
