@@ -26,8 +26,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 class PreallocatedLayer(CacheLayerMixin):
     """One decoder layer's keys and values, [B, H, max_len, D], written in place. It reaches its cache through a
     weak reference: the cache holds its layers, and a layer holding its cache back would make every cache a
-    reference cycle, whose buffers only Python's full garbage collection frees (a teacher-data job making a cache a
-    sequence kept gigabytes of dead KV buffers between collections)."""
+    reference cycle, whose buffers only Python's full garbage collection frees (the batched teacher generation,
+    dropping caches as it goes, kept gigabytes of dead KV buffers between collections)."""
 
     is_compileable = True
     is_sliding = False
