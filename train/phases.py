@@ -40,13 +40,20 @@ _highest: int | None = None  # KiB: the largest VmHWM or sample any phase has se
 
 def status_kib(field: str) -> int | None:
     """A `VmRSS`/`VmHWM`-style line of /proc/self/status in KiB; None where the file or field is missing."""
+    return statuses_kib(field)[0]
+
+
+def statuses_kib(*fields: str) -> list[int | None]:
+    """Several such lines from one read of /proc/self/status, in the order asked."""
+    found: dict[str, int] = {}
     try:
         for line in _STATUS.read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
+            name, _, value = line.partition(":")
+            if name in fields:
+                found[name] = int(value.split()[0])
     except OSError:
-        return None
-    return None
+        pass
+    return [found.get(field) for field in fields]
 
 
 def gib(kib: int | None) -> float | None:  # KiB -> GiB (2**30 bytes), as /usr/bin/time reports KiB
@@ -57,7 +64,8 @@ class PeakSampler:
     """The largest VmRSS and the largest RssAnon seen between start() and stop(), sampled by a daemon thread."""
 
     def __init__(self, interval: float = SAMPLE_SECONDS):
-        self.interval, self.peak, self.peak_anon = interval, status_kib("VmRSS"), status_kib("RssAnon")
+        self.interval = interval
+        self.peak, self.peak_anon = statuses_kib("VmRSS", "RssAnon")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
 
@@ -66,7 +74,7 @@ class PeakSampler:
             self.observe()
 
     def observe(self) -> None:
-        rss, anon = status_kib("VmRSS"), status_kib("RssAnon")
+        rss, anon = statuses_kib("VmRSS", "RssAnon")  # one read of the file a sample
         if rss is not None and (self.peak is None or rss > self.peak):
             self.peak = rss
         if anon is not None and (self.peak_anon is None or anon > self.peak_anon):
