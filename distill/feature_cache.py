@@ -19,6 +19,9 @@ other data or other arithmetic never meets this cache. While being built it live
 a `.partial` sibling: every shard file is written to a temporary name and renamed (a killed job keeps the
 shards it finished and resumes after them), and only when all are there is the marker written and the
 directory renamed into place. A directory without its marker, or with a missing shard, is never read.
+The marker names each shard by a key over its own records and the cache's settings (`shard_keys`), and a shard a
+complete cache beside this one holds under the same key is linked, not computed: records appended to the teacher
+data leave the states of the shards before them as they were.
 Reading is one shard at a time (`FeatureCache.shard`): memory holds a shard, not the cache.
 """
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,9 +68,21 @@ class FeatureRecord:
 
 def feature_cache_key(target_fingerprint: str, records: list[dict], layers: list[int], max_seq_len: int,
                       states_by: str = TRANSFORMERS_STATES) -> str:
-    digest = hashlib.sha256()
     head = {"format_version": FORMAT_VERSION, "target": target_fingerprint, "layers": list(layers),
             "max_seq_len": max_seq_len, "dtype": str(STORE_DTYPE), "records": len(records), "states_by": states_by}
+    return records_digest(head, records)
+
+
+def feature_shard_keys(target_fingerprint: str, records: list[dict], layers: list[int], max_seq_len: int,
+                       states_by: str = TRANSFORMERS_STATES) -> list[str]:
+    """Per shard of these records, feature_cache_key over its own records: equal keys, equal shard files,
+    whichever cache the shard belongs to."""
+    return [feature_cache_key(target_fingerprint, records[start:start + SHARD_RECORDS], layers, max_seq_len,
+                              states_by) for start in range(0, len(records), SHARD_RECORDS)]
+
+
+def records_digest(head: dict, records: list[dict]) -> str:
+    digest = hashlib.sha256()
     digest.update(json.dumps(head, sort_keys=True).encode())
     for record in records:
         digest.update(repr((list(record["prompt_ids"]), list(record["response_ids"]))).encode())
@@ -87,9 +103,11 @@ def num_shards(n_records: int) -> int:
 
 def build_feature_cache(target, records: list[dict], layers: list[int], max_seq_len: int, batch_size: int,
                         pad_id: int, out_dir: Path, process_index: int = 0, num_processes: int = 1,
-                        staging: FeatureStaging | None = None, states: States | None = None) -> None:
+                        staging: FeatureStaging | None = None, states: States | None = None,
+                        shard_keys: Sequence[str] = ()) -> None:
     """Compute this process's shards (index % num_processes == process_index) into the `.partial`
-    directory; the caller publishes it (`publish_feature_cache`) once every process is done. Records the
+    directory; the caller publishes it (`publish_feature_cache`) once every process is done. A shard whose key
+    (`shard_keys`, feature_shard_keys) a complete cache beside out_dir holds is linked from there; records the
     generator staged (`staging`) are read, not computed; the others by `states` where given (compute_shard)."""
     if (out_dir / MARKER).is_file():
         return
@@ -97,15 +115,20 @@ def build_feature_cache(target, records: list[dict], layers: list[int], max_seq_
     partial.mkdir(parents=True, exist_ok=True)
     check_layers(target.model, layers)
     mine = [i for i in range(num_shards(len(records))) if i % num_processes == process_index]
+    donors = shards_beside(out_dir)
     for index in tqdm(mine, desc="target hidden states", disable=process_index != 0):
         if (partial / shard_name(index)).is_file():
             continue  # finished by an earlier, interrupted run of the same key
+        if index < len(shard_keys) and shard_keys[index] in donors:
+            link_shard(donors[shard_keys[index]], partial / shard_name(index))
+            continue
         shard = records[index * SHARD_RECORDS:(index + 1) * SHARD_RECORDS]
         write_shard(partial / shard_name(index),
                     compute_shard(target, shard, layers, max_seq_len, batch_size, pad_id, staging, states))
 
 
-def publish_feature_cache(out_dir: Path, key: str, target_fingerprint: str, n_records: int) -> None:
+def publish_feature_cache(out_dir: Path, key: str, target_fingerprint: str, n_records: int,
+                          shard_keys: Sequence[str] = ()) -> None:
     """Mark the finished `.partial` directory complete and rename it into place (main process)."""
     if (out_dir / MARKER).is_file():
         return
@@ -114,8 +137,33 @@ def publish_feature_cache(out_dir: Path, key: str, target_fingerprint: str, n_re
     if missing:
         raise FeatureCacheError(f"{partial}: shards {missing[:3]}... were not written; not publishing")
     write_marker(partial, {"key": key, "target_fingerprint": target_fingerprint, "records": n_records,
-                           "shards": num_shards(n_records), "format_version": FORMAT_VERSION})
+                           "shards": num_shards(n_records), "format_version": FORMAT_VERSION,
+                           "shard_keys": list(shard_keys)})
     publish_dir(partial, out_dir)
+
+
+def shards_beside(out_dir: Path) -> dict[str, Path]:
+    """{shard key: its file} over the complete caches beside out_dir whose markers list their shards' keys."""
+    found: dict[str, Path] = {}
+    for sibling in sorted(out_dir.parent.iterdir()) if out_dir.parent.is_dir() else []:
+        if sibling == out_dir or not (sibling / MARKER).is_file():
+            continue
+        keys = json.loads((sibling / MARKER).read_text()).get("shard_keys") or []
+        found.update((key, sibling / shard_name(i)) for i, key in enumerate(keys)
+                     if (sibling / shard_name(i)).is_file())
+    return found
+
+
+def link_shard(source: Path, path: Path) -> None:
+    """`source`'s shard file at `path`: a hard link where the file system makes one, else a copy; under a temporary
+    name first, as a computed shard is written."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(source, tmp)
+    except OSError:
+        shutil.copyfile(source, tmp)
+    os.replace(tmp, path)
 
 
 def partial_dir(out_dir: Path) -> Path:
@@ -221,14 +269,15 @@ def open_or_build(target, records: list[dict], layers: list[int], max_seq_len: i
     computed by `states` (else the model's own forward)."""
     states_by = TRANSFORMERS_STATES if states is None else states.name
     key = feature_cache_key(target.fingerprint, records, layers, max_seq_len, states_by)
+    shard_keys = feature_shard_keys(target.fingerprint, records, layers, max_seq_len, states_by)
     out_dir = feature_cache_dir(key, root)
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     build_feature_cache(target, records, layers, max_seq_len, batch_size, pad_id, out_dir, rank, world, staging,
-                        states)
+                        states, shard_keys)
     if accelerator is not None:
         accelerator.wait_for_everyone()
     if rank == 0:
-        publish_feature_cache(out_dir, key, target.fingerprint, len(records))
+        publish_feature_cache(out_dir, key, target.fingerprint, len(records), shard_keys)
         if staging is not None:
             staging.discard(records)
     if accelerator is not None:

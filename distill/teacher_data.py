@@ -14,6 +14,12 @@ temperature 1, for the distribution that produced response_ids[j] (teacher-force
 Work splits across processes by shard: process i makes shards i, i+P, i+2P, ... Finished shards are never
 redone, so an interrupted run resumes. Each shard's sampling is seeded from (seed, shard index), so the
 result does not depend on the number of processes or on resuming.
+
+Data grows without regenerating: settings.json names each shard by a key over what decides its rows (the target,
+the settings, the shard's index and its prompts: `shard_keys`), and a shard another directory of the cache
+(`teacher_data_dir`) already holds under the same key is copied, not generated. Prompts appended to a job's list
+change its directory's key but not its earlier shards' keys: only the new prompts (and the last shard, if it was
+short) are answered.
 """
 
 from __future__ import annotations
@@ -118,11 +124,18 @@ def generate_teacher_data(target, prompts: Sequence[Prompt], settings: TeacherDa
     key = teacher_data_key(target, prompts, settings)
     out = Path(out_dir) if out_dir is not None else teacher_data_dir(key, cache_root)
     num_shards = math.ceil(len(prompts) / settings.shard_size)
-    write_settings_file(out, key, target, settings, len(prompts), num_shards)
+    write_settings_file(out, key, target, settings, prompts)
     mine = list(range(process_index, num_shards, num_processes))
     todo = [k for k in mine if not shard_path(out, k).exists()]
     if len(todo) < len(mine):
         log.info("teacher data %s: %d of %d shards already done", out, len(mine) - len(todo), len(mine))
+    keys = shard_keys(target, prompts, settings)
+    in_cache = out.parent == teacher_data_dir("key", cache_root).parent  # a directory of its own shares nothing
+    copied = [k for k in todo if in_cache and copy_shard_from_siblings(out, k, keys[k])]
+    if copied:
+        log.info("teacher data %s: %d shards copied from earlier data with the same prompts and settings", out,
+                 len(copied))
+        todo = [k for k in todo if k not in copied]
     teacher = VllmTeacher(target) if settings.backend == "vllm" and todo else None
     if teacher is not None and staging is not None:
         log.info("teacher data %s: the vLLM backend gives no hidden states; the feature pass computes them", out)
@@ -153,12 +166,28 @@ def teacher_data_key(target, prompts: Sequence[Prompt], settings: TeacherDataSet
     """sha256 over everything that decides the rows: the target (weights+vocab fingerprint, chat template,
     EOS ids), the prompts (ids and messages, in order) and the settings (the backend only when it is not the
     built-in one, so the built-in backend's caches keep their keys)."""
+    return sha256_of(key_payload(target, prompts, settings))
+
+
+def shard_keys(target, prompts: Sequence[Prompt], settings: TeacherDataSettings) -> list[str]:
+    """Per shard, the sha256 of what decides its rows: teacher_data_key's payload with the shard's prompts for all of
+    them, and the shard's index (its sampling seed). Equal keys, equal rows, whichever list the shard came from."""
+    size = settings.shard_size
+    return [sha256_of({**key_payload(target, prompts[start:start + size], settings), "shard": start // size})
+            for start in range(0, len(prompts), size)]
+
+
+def sha256_of(payload: dict) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+def key_payload(target, prompts: Sequence[Prompt], settings: TeacherDataSettings) -> dict:
     recorded = asdict(settings)
     if settings.backend == "builtin":
         del recorded["backend"]
     if recorded["greedy_generator"] == "generate" or not settings.greedy:
         del recorded["greedy_generator"]  # caches of transformers' greedy answers keep their keys
-    payload = {
+    return {
         "format_version": FORMAT_VERSION,
         "fingerprint": target.fingerprint,
         "chat_template": getattr(target.tokenizer, "chat_template", None),
@@ -166,7 +195,6 @@ def teacher_data_key(target, prompts: Sequence[Prompt], settings: TeacherDataSet
         "prompts": [[p.id, p.messages] for p in prompts],
         "settings": recorded,
     }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
 
 
 def default_cache_root() -> Path:
@@ -334,6 +362,23 @@ def quiet_datasets():
             datasets.enable_progress_bars()
 
 
+def copy_shard_from_siblings(out: Path, shard: int, key: str) -> bool:
+    """Copy into `out` the finished shard with this key that a directory beside it holds (its settings.json lists
+    the key); False when none does. The copy lands under a temporary name and is renamed, as a written shard is."""
+    for sibling in sorted(out.parent.iterdir()) if out.parent.is_dir() else []:
+        meta = read_settings_file(sibling) if sibling != out and sibling.is_dir() else None
+        keys = (meta or {}).get("shard_keys") or []
+        found = [k for k, other in enumerate(keys) if other == key and shard_path(sibling, k).is_dir()]
+        if found:
+            final = shard_path(out, shard)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+            shutil.copytree(shard_path(sibling, found[0]), tmp)
+            os.rename(tmp, final)
+            return True
+    return False
+
+
 def concatenate_shards(out: Path, shards) -> datasets.Dataset:
     with quiet_datasets():
         parts = [datasets.load_from_disk(str(shard_path(out, k))) for k in shards]
@@ -347,20 +392,23 @@ def read_settings_file(out: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def write_settings_file(out: Path, key: str, target, settings: TeacherDataSettings, num_prompts: int,
-                        num_shards: int) -> None:
-    """Record what the directory holds; refuse a directory made for other prompts, settings or target."""
+def write_settings_file(out: Path, key: str, target, settings: TeacherDataSettings,
+                        prompts: Sequence[Prompt]) -> None:
+    """Record what the directory holds, each shard's key with it (`shard_keys`: what lets later data copy them);
+    refuse a directory made for other prompts, settings or target."""
     existing = read_settings_file(out)
+    keys = shard_keys(target, prompts, settings)
     if existing is not None:
         if existing.get("key") != key:
             raise ValueError(f"teacher data directory {out} was made with key {existing.get('key')} "
                              f"(other target, prompts or settings) but this run's key is {key}; "
                              "choose another out_dir or delete it")
-        return
+        if existing.get("shard_keys") == keys:
+            return
     out.mkdir(parents=True, exist_ok=True)
     meta = {"format_version": FORMAT_VERSION, "key": key, "target": {"name": getattr(target, "name", None),
-            "fingerprint": target.fingerprint}, "settings": asdict(settings), "num_prompts": num_prompts,
-            "num_shards": num_shards}
+            "fingerprint": target.fingerprint}, "settings": asdict(settings), "num_prompts": len(prompts),
+            "num_shards": len(keys), "shard_keys": keys}
     tmp = out / f".settings-{uuid.uuid4().hex[:8]}.json"
     tmp.write_text(json.dumps(meta, indent=2, sort_keys=True))
     os.replace(tmp, out / "settings.json")     # several processes may race here; they write the same

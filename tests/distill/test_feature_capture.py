@@ -144,3 +144,30 @@ def test_staged_copies_are_removed_once_the_cache_is_published(target, tmp_path)
 def test_a_layer_out_of_range_names_the_field(target):
     with pytest.raises(ValueError, match="eagle3_layers"):
         LayerCapture(target.model, [0, 5])
+
+
+def test_records_appended_to_the_data_leave_the_earlier_shards_linked_not_computed(target, tmp_path, monkeypatch):
+    import shutil
+
+    import specdistill.distill.feature_cache as feature_cache
+    monkeypatch.setattr(feature_cache, "SHARD_RECORDS", 2)
+    prompts = prompts_of_lengths([4, 6, 5, 8, 3, 7, 5, 6, 4])
+    _, records = staged_records(target, prompts, tmp_path / "staged")
+    open_or_build(target, records[:6], LAYERS, 64, 4, PAD, root=tmp_path / "cache")
+    computed = []
+    decoder = target.model.get_decoder()
+    real_forward = decoder.forward
+
+    def counting(*args, **kwargs):
+        computed.append(kwargs["input_ids"].shape[0])
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(decoder, "forward", counting)
+    grown = open_or_build(target, records, LAYERS, 64, 4, PAD, root=tmp_path / "cache")
+    assert sum(computed) == 3  # the three appended records; the six before them are the first cache's shards
+    shutil.rmtree(feature_cache_dir(feature_cache_key(target.fingerprint, records[:6], LAYERS, 64), tmp_path / "cache"))
+    fresh = open_or_build(target, records, LAYERS, 64, 4, PAD, root=tmp_path / "fresh")
+    for index in range(fresh.num_shards):
+        for a, b in zip(grown.shard(index), fresh.shard(index), strict=True):
+            assert torch.equal(a.ids, b.ids) and torch.equal(a.mask, b.mask)
+            assert torch.equal(a.features, b.features) and torch.equal(a.final, b.final)

@@ -283,3 +283,24 @@ def test_vllm_backend_without_its_environment_is_a_clear_error(target, tmp_path,
     assert not list((tmp_path / "t").glob("shards/*"))
     with pytest.raises(ValueError, match="builtin, vllm"):
         TeacherDataSettings(backend="sglang")
+
+
+def test_appended_prompts_are_answered_and_the_earlier_shards_copied_from_the_data_before_them(target, tmp_path,
+                                                                                              monkeypatch):
+    prompts = make_prompts(9)
+    first = prompts[:6]
+    first[2] = Prompt("p2", [{"role": "user", "content": "w7 w8"}])  # shard 1 differs from the grown list's
+    generate_teacher_data(target, first, SETTINGS, cache_root=tmp_path / "cache")
+    made = []
+    real = teacher_data.generate_shard
+
+    def counting(target_, chunk, settings, shard, *args):
+        made.append(shard)
+        return real(target_, chunk, settings, shard, *args)
+
+    monkeypatch.setattr(teacher_data, "generate_shard", counting)
+    grown = rows(generate_teacher_data(target, prompts, SETTINGS, cache_root=tmp_path / "cache"))
+    assert made == [1, 3, 4]  # shard 1's prompts changed, 3 and 4 are new; 0 and 2 were copied
+    monkeypatch.undo()
+    assert grown == rows(generate_teacher_data(target, prompts, SETTINGS, cache_root=tmp_path / "fresh"))
+    assert len(list((tmp_path / "cache" / "teacher").iterdir())) == 2
