@@ -19,9 +19,10 @@ other data or other arithmetic never meets this cache. While being built it live
 a `.partial` sibling: every shard file is written to a temporary name and renamed (a killed job keeps the
 shards it finished and resumes after them), and only when all are there is the marker written and the
 directory renamed into place. A directory without its marker, or with a missing shard, is never read.
-The marker names each shard by a key over its own records and the cache's settings (`shard_keys`), and a shard a
-complete cache beside this one holds under the same key is linked, not computed: records appended to the teacher
-data leave the states of the shards before them as they were.
+The marker lists a key per record (`record_keys`) and one for what else decides the states (`head`: target,
+layers, cut, format, arithmetic); a record that a complete cache beside this one with the same head holds is read
+from there, not computed, and a shard whose records are all one such file's, in order, is that file hard-linked:
+records appended to the teacher data, or reordered, leave the states made before as they were.
 Reading is one shard at a time (`FeatureCache.shard`): memory holds a shard, not the cache.
 """
 
@@ -73,12 +74,14 @@ def feature_cache_key(target_fingerprint: str, records: list[dict], layers: list
     return records_digest(head, records)
 
 
-def feature_shard_keys(target_fingerprint: str, records: list[dict], layers: list[int], max_seq_len: int,
-                       states_by: str = TRANSFORMERS_STATES) -> list[str]:
-    """Per shard of these records, feature_cache_key over its own records: equal keys, equal shard files,
-    whichever cache the shard belongs to."""
-    return [feature_cache_key(target_fingerprint, records[start:start + SHARD_RECORDS], layers, max_seq_len,
-                              states_by) for start in range(0, len(records), SHARD_RECORDS)]
+def head_key(target_fingerprint: str, layers: list[int], max_seq_len: int,
+             states_by: str = TRANSFORMERS_STATES) -> str:
+    """What decides a record's stored states besides the record: caches with equal heads can share records."""
+    return feature_cache_key(target_fingerprint, [], layers, max_seq_len, states_by)
+
+
+def record_key(record: dict) -> str:
+    return records_digest({}, [record])
 
 
 def records_digest(head: dict, records: list[dict]) -> str:
@@ -104,54 +107,90 @@ def num_shards(n_records: int) -> int:
 def build_feature_cache(target, records: list[dict], layers: list[int], max_seq_len: int, batch_size: int,
                         pad_id: int, out_dir: Path, process_index: int = 0, num_processes: int = 1,
                         staging: FeatureStaging | None = None, states: States | None = None,
-                        shard_keys: Sequence[str] = ()) -> None:
+                        head: str | None = None) -> None:
     """Compute this process's shards (index % num_processes == process_index) into the `.partial`
-    directory; the caller publishes it (`publish_feature_cache`) once every process is done. A shard whose key
-    (`shard_keys`, feature_shard_keys) a complete cache beside out_dir holds is linked from there; records the
-    generator staged (`staging`) are read, not computed; the others by `states` where given (compute_shard)."""
+    directory; the caller publishes it (`publish_feature_cache`) once every process is done. With `head`
+    (head_key), records a complete cache beside out_dir with that head holds are taken from it (a whole file
+    hard-linked); records the generator staged (`staging`) are read, not computed; the others by `states` where
+    given (compute_shard)."""
     if (out_dir / MARKER).is_file():
         return
     partial = partial_dir(out_dir)
     partial.mkdir(parents=True, exist_ok=True)
     check_layers(target.model, layers)
     mine = [i for i in range(num_shards(len(records))) if i % num_processes == process_index]
-    donors = shards_beside(out_dir)
+    donors = records_beside(out_dir, head) if head is not None else RecordsBeside({}, {})
     for index in tqdm(mine, desc="target hidden states", disable=process_index != 0):
         if (partial / shard_name(index)).is_file():
             continue  # finished by an earlier, interrupted run of the same key
-        if index < len(shard_keys) and shard_keys[index] in donors:
-            link_shard(donors[shard_keys[index]], partial / shard_name(index))
-            continue
         shard = records[index * SHARD_RECORDS:(index + 1) * SHARD_RECORDS]
-        write_shard(partial / shard_name(index),
-                    compute_shard(target, shard, layers, max_seq_len, batch_size, pad_id, staging, states))
+        whole = donors.whole_file(shard)
+        if whole is not None:
+            link_shard(whole, partial / shard_name(index))
+            continue
+        write_shard(partial / shard_name(index), compute_shard(target, shard, layers, max_seq_len, batch_size,
+                                                               pad_id, staging, states, donors.read))
 
 
-def publish_feature_cache(out_dir: Path, key: str, target_fingerprint: str, n_records: int,
-                          shard_keys: Sequence[str] = ()) -> None:
+def publish_feature_cache(out_dir: Path, key: str, target_fingerprint: str, records: list[dict],
+                          head: str | None = None) -> None:
     """Mark the finished `.partial` directory complete and rename it into place (main process)."""
     if (out_dir / MARKER).is_file():
         return
     partial = partial_dir(out_dir)
+    n_records = len(records)
     missing = [shard_name(i) for i in range(num_shards(n_records)) if not (partial / shard_name(i)).is_file()]
     if missing:
         raise FeatureCacheError(f"{partial}: shards {missing[:3]}... were not written; not publishing")
     write_marker(partial, {"key": key, "target_fingerprint": target_fingerprint, "records": n_records,
-                           "shards": num_shards(n_records), "format_version": FORMAT_VERSION,
-                           "shard_keys": list(shard_keys)})
+                           "shards": num_shards(n_records), "format_version": FORMAT_VERSION, "head": head,
+                           "record_keys": [record_key(r) for r in records]})
     publish_dir(partial, out_dir)
 
 
-def shards_beside(out_dir: Path) -> dict[str, Path]:
-    """{shard key: its file} over the complete caches beside out_dir whose markers list their shards' keys."""
-    found: dict[str, Path] = {}
+@dataclass
+class RecordsBeside:
+    """Where the complete caches beside a new one hold each record's states: {record key: (shard file, index in it)},
+    and each file's record count."""
+    where: dict[str, tuple[Path, int]]
+    sizes: dict[Path, int]
+
+    def whole_file(self, records: list[dict]) -> Path | None:
+        """The file that holds exactly these records in this order, if one does."""
+        places = [self.where.get(record_key(r)) for r in records]
+        if not places or places[0] is None:
+            return None
+        file = places[0][0]
+        return file if places == [(file, i) for i in range(len(records))] and self.sizes[file] == len(records) \
+            else None
+
+    def read(self, record: dict) -> FeatureRecord | None:
+        place = self.where.get(record_key(record))
+        if place is None:
+            return None
+        file, i = place
+        with safe_open(str(file), framework="pt") as f:
+            return FeatureRecord(*(f.get_tensor(f"{i}.{name}") for name in ("ids", "features", "final", "mask")))
+
+
+def records_beside(out_dir: Path, head: str) -> RecordsBeside:
+    """The records of the complete caches beside out_dir whose markers name the same head and list their records."""
+    where: dict[str, tuple[Path, int]] = {}
+    sizes: dict[Path, int] = {}
     for sibling in sorted(out_dir.parent.iterdir()) if out_dir.parent.is_dir() else []:
         if sibling == out_dir or not (sibling / MARKER).is_file():
             continue
-        keys = json.loads((sibling / MARKER).read_text()).get("shard_keys") or []
-        found.update((key, sibling / shard_name(i)) for i, key in enumerate(keys)
-                     if (sibling / shard_name(i)).is_file())
-    return found
+        info = json.loads((sibling / MARKER).read_text())
+        keys = info.get("record_keys") or []
+        if info.get("head") != head or len(keys) != int(info.get("records", -1)):
+            continue
+        for start in range(0, len(keys), SHARD_RECORDS):
+            file = sibling / shard_name(start // SHARD_RECORDS)
+            if file.is_file():
+                chunk = keys[start:start + SHARD_RECORDS]
+                sizes[file] = len(chunk)
+                where.update((key, (file, i)) for i, key in enumerate(chunk))
+    return RecordsBeside(where, sizes)
 
 
 def link_shard(source: Path, path: Path) -> None:
@@ -172,14 +211,17 @@ def partial_dir(out_dir: Path) -> Path:
 
 @torch.no_grad()
 def compute_shard(target, records: list[dict], layers: list[int], max_seq_len: int, batch_size: int,
-                  pad_id: int, staging: FeatureStaging | None = None,
-                  states: States | None = None) -> list[FeatureRecord]:
-    """Each record's window with the target's states over its whole conversation: the staged ones where
-    `staging` has them, the rest computed here: each by `states` where given, else by the model's decoder in
-    batches of similar length."""
+                  pad_id: int, staging: FeatureStaging | None = None, states: States | None = None,
+                  stored: Callable[[dict], FeatureRecord | None] | None = None) -> list[FeatureRecord]:
+    """Each record's window with the target's states over its whole conversation: what `stored` (an earlier cache's
+    window of the same record) or else `staging` has, the rest computed here: each by `states` where given, else by
+    the model's decoder in batches of similar length."""
     out: list[FeatureRecord | None] = [None] * len(records)
     todo = []
     for index, record in enumerate(records):
+        out[index] = stored(record) if stored is not None else None
+        if out[index] is not None:
+            continue
         staged = staging.get(record["prompt_ids"], record["response_ids"]) if staging is not None else None
         if staged is None:
             todo.append(index)
@@ -269,15 +311,15 @@ def open_or_build(target, records: list[dict], layers: list[int], max_seq_len: i
     computed by `states` (else the model's own forward)."""
     states_by = TRANSFORMERS_STATES if states is None else states.name
     key = feature_cache_key(target.fingerprint, records, layers, max_seq_len, states_by)
-    shard_keys = feature_shard_keys(target.fingerprint, records, layers, max_seq_len, states_by)
+    head = head_key(target.fingerprint, layers, max_seq_len, states_by)
     out_dir = feature_cache_dir(key, root)
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     build_feature_cache(target, records, layers, max_seq_len, batch_size, pad_id, out_dir, rank, world, staging,
-                        states, shard_keys)
+                        states, head)
     if accelerator is not None:
         accelerator.wait_for_everyone()
     if rank == 0:
-        publish_feature_cache(out_dir, key, target.fingerprint, len(records), shard_keys)
+        publish_feature_cache(out_dir, key, target.fingerprint, records, head)
         if staging is not None:
             staging.discard(records)
     if accelerator is not None:

@@ -4,6 +4,8 @@ a cut record's window sees its whole conversation, a file that does not fit is n
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -146,14 +148,14 @@ def test_a_layer_out_of_range_names_the_field(target):
         LayerCapture(target.model, [0, 5])
 
 
-def test_records_appended_to_the_data_leave_the_earlier_shards_linked_not_computed(target, tmp_path, monkeypatch):
+def test_records_appended_or_reordered_take_the_states_an_earlier_cache_holds(target, tmp_path, monkeypatch):
     import shutil
 
     import specdistill.distill.feature_cache as feature_cache
     monkeypatch.setattr(feature_cache, "SHARD_RECORDS", 2)
     prompts = prompts_of_lengths([4, 6, 5, 8, 3, 7, 5, 6, 4])
     _, records = staged_records(target, prompts, tmp_path / "staged")
-    open_or_build(target, records[:6], LAYERS, 64, 4, PAD, root=tmp_path / "cache")
+    first = open_or_build(target, records[:6], LAYERS, 64, 4, PAD, root=tmp_path / "cache")
     computed = []
     decoder = target.model.get_decoder()
     real_forward = decoder.forward
@@ -163,11 +165,36 @@ def test_records_appended_to_the_data_leave_the_earlier_shards_linked_not_comput
         return real_forward(*args, **kwargs)
 
     monkeypatch.setattr(decoder, "forward", counting)
-    grown = open_or_build(target, records, LAYERS, 64, 4, PAD, root=tmp_path / "cache")
-    assert sum(computed) == 3  # the three appended records; the six before them are the first cache's shards
-    shutil.rmtree(feature_cache_dir(feature_cache_key(target.fingerprint, records[:6], LAYERS, 64), tmp_path / "cache"))
-    fresh = open_or_build(target, records, LAYERS, 64, 4, PAD, root=tmp_path / "fresh")
+    appended = open_or_build(target, records, LAYERS, 64, 4, PAD, root=tmp_path / "cache")
+    assert sum(computed) == 3  # the three appended records; the six before them are the first cache's files
+    assert all(os.path.samefile(appended.directory / feature_cache.shard_name(i), first.directory /
+                                feature_cache.shard_name(i)) for i in range(3))
+    computed.clear()
+    reordered = records[6:] + records[:6]  # no shard as before: each record's states read from the first cache
+    grown = open_or_build(target, reordered, LAYERS, 64, 4, PAD, root=tmp_path / "cache")
+    assert sum(computed) == 0
+    shutil.rmtree(first.directory)
+    shutil.rmtree(appended.directory)
+    fresh = open_or_build(target, reordered, LAYERS, 64, 4, PAD, root=tmp_path / "fresh")
+    assert sum(computed) == 9
     for index in range(fresh.num_shards):
         for a, b in zip(grown.shard(index), fresh.shard(index), strict=True):
             assert torch.equal(a.ids, b.ids) and torch.equal(a.mask, b.mask)
             assert torch.equal(a.features, b.features) and torch.equal(a.final, b.final)
+
+
+def test_states_of_another_head_are_not_taken(target, tmp_path, monkeypatch):
+    prompts = prompts_of_lengths([4, 6, 5])
+    _, records = staged_records(target, prompts, tmp_path / "staged")
+    open_or_build(target, records, LAYERS, 64, 4, PAD, root=tmp_path / "cache")
+    computed = []
+    decoder = target.model.get_decoder()
+    real_forward = decoder.forward
+
+    def counting(*args, **kwargs):
+        computed.append(kwargs["input_ids"].shape[0])
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(decoder, "forward", counting)
+    open_or_build(target, records, LAYERS, 48, 4, PAD, root=tmp_path / "cache")  # another cut: another head
+    assert sum(computed) == 3
