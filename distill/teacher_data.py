@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import shutil
 import uuid
@@ -123,18 +122,20 @@ def generate_teacher_data(target, prompts: Sequence[Prompt], settings: TeacherDa
         raise ValueError(f"process_index {process_index} is not in [0, {num_processes})")
     key = teacher_data_key(target, prompts, settings)
     out = Path(out_dir) if out_dir is not None else teacher_data_dir(key, cache_root)
-    num_shards = math.ceil(len(prompts) / settings.shard_size)
-    write_settings_file(out, key, target, settings, prompts)
-    mine = list(range(process_index, num_shards, num_processes))
+    keys = shard_keys(target, prompts, settings)
+    write_settings_file(out, key, target, settings, len(prompts), keys)
+    mine = list(range(process_index, len(keys), num_processes))
     todo = [k for k in mine if not shard_path(out, k).exists()]
     if len(todo) < len(mine):
         log.info("teacher data %s: %d of %d shards already done", out, len(mine) - len(todo), len(mine))
-    keys = shard_keys(target, prompts, settings)
-    in_cache = out.parent == teacher_data_dir("key", cache_root).parent  # a directory of its own shares nothing
-    copied = [k for k in todo if in_cache and copy_shard_from_siblings(out, k, keys[k])]
-    if copied:
-        log.info("teacher data %s: %d shards copied from earlier data with the same prompts and settings", out,
-                 len(copied))
+    if todo and out.parent == teacher_data_dir(key, cache_root).parent:  # a directory of its own shares nothing
+        earlier = shards_beside(out)
+        copied = [k for k in todo if keys[k] in earlier]
+        for k in copied:
+            copy_shard(earlier[keys[k]], out, k)
+        if copied:
+            log.info("teacher data %s: %d shards copied from earlier data with the same prompts and settings", out,
+                     len(copied))
         todo = [k for k in todo if k not in copied]
     teacher = VllmTeacher(target) if settings.backend == "vllm" and todo else None
     if teacher is not None and staging is not None:
@@ -362,21 +363,26 @@ def quiet_datasets():
             datasets.enable_progress_bars()
 
 
-def copy_shard_from_siblings(out: Path, shard: int, key: str) -> bool:
-    """Copy into `out` the finished shard with this key that a directory beside it holds (its settings.json lists
-    the key); False when none does. The copy lands under a temporary name and is renamed, as a written shard is."""
+def shards_beside(out: Path) -> dict[str, Path]:
+    """{shard key: its directory} over the finished shards of the directories beside `out` (their settings.json list
+    their shards' keys)."""
+    found: dict[str, Path] = {}
     for sibling in sorted(out.parent.iterdir()) if out.parent.is_dir() else []:
         meta = read_settings_file(sibling) if sibling != out and sibling.is_dir() else None
-        keys = (meta or {}).get("shard_keys") or []
-        found = [k for k, other in enumerate(keys) if other == key and shard_path(sibling, k).is_dir()]
-        if found:
-            final = shard_path(out, shard)
-            final.parent.mkdir(parents=True, exist_ok=True)
-            tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
-            shutil.copytree(shard_path(sibling, found[0]), tmp)
-            os.rename(tmp, final)
-            return True
-    return False
+        for k, key in enumerate((meta or {}).get("shard_keys") or []):
+            if shard_path(sibling, k).is_dir():
+                found.setdefault(key, shard_path(sibling, k))
+    return found
+
+
+def copy_shard(source: Path, out: Path, shard: int) -> None:
+    """`source` (a finished shard directory) as shard `shard` of `out`: copied under a temporary name and renamed, as
+    a written shard is."""
+    final = shard_path(out, shard)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    shutil.copytree(source, tmp)
+    os.rename(tmp, final)
 
 
 def concatenate_shards(out: Path, shards) -> datasets.Dataset:
@@ -392,12 +398,11 @@ def read_settings_file(out: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def write_settings_file(out: Path, key: str, target, settings: TeacherDataSettings,
-                        prompts: Sequence[Prompt]) -> None:
-    """Record what the directory holds, each shard's key with it (`shard_keys`: what lets later data copy them);
-    refuse a directory made for other prompts, settings or target."""
+def write_settings_file(out: Path, key: str, target, settings: TeacherDataSettings, num_prompts: int,
+                        keys: list[str]) -> None:
+    """Record what the directory holds, each shard's key with it (`keys`, shard_keys: what lets later data copy
+    them); refuse a directory made for other prompts, settings or target."""
     existing = read_settings_file(out)
-    keys = shard_keys(target, prompts, settings)
     if existing is not None:
         if existing.get("key") != key:
             raise ValueError(f"teacher data directory {out} was made with key {existing.get('key')} "
@@ -407,7 +412,7 @@ def write_settings_file(out: Path, key: str, target, settings: TeacherDataSettin
             return
     out.mkdir(parents=True, exist_ok=True)
     meta = {"format_version": FORMAT_VERSION, "key": key, "target": {"name": getattr(target, "name", None),
-            "fingerprint": target.fingerprint}, "settings": asdict(settings), "num_prompts": len(prompts),
+            "fingerprint": target.fingerprint}, "settings": asdict(settings), "num_prompts": num_prompts,
             "num_shards": len(keys), "shard_keys": keys}
     tmp = out / f".settings-{uuid.uuid4().hex[:8]}.json"
     tmp.write_text(json.dumps(meta, indent=2, sort_keys=True))

@@ -49,6 +49,20 @@ def staged_records(target, prompts, tmp_path, max_new_tokens=12):
     return staging, [{"prompt_ids": p, "response_ids": r} for p, r in zip(prompts, responses)]
 
 
+def count_decoder_rows(target, monkeypatch) -> list[int]:
+    """The rows of each forward of the target's decoder from now on (the records whose states are computed)."""
+    computed: list[int] = []
+    decoder = target.model.get_decoder()
+    real_forward = decoder.forward
+
+    def counting(*args, **kwargs):
+        computed.append(kwargs["input_ids"].shape[0])
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(decoder, "forward", counting)
+    return computed
+
+
 def test_staged_states_are_the_teacher_forced_ones_at_every_position_and_the_tokens_do_not_change(target, tmp_path):
     prompts = prompts_of_lengths([3, 7, 5, 9])  # left padding of 6, 2, 4 and 0 columns
     plain = generate_batch(target.model, prompts, max_new_tokens=12, pad_id=PAD, eos_token_ids=target.eos_token_ids)
@@ -85,15 +99,7 @@ def test_the_cache_reads_staged_records_and_computes_only_the_rest(target, tmp_p
     prompts = prompts_of_lengths([4, 6, 5, 8, 3, 7])
     staging, records = staged_records(target, prompts, tmp_path)
     staging.discard(records[:3])  # the first three were never staged
-    computed = []
-    decoder = target.model.get_decoder()
-    real_forward = decoder.forward
-
-    def counting(*args, **kwargs):
-        computed.append(kwargs["input_ids"].shape[0])
-        return real_forward(*args, **kwargs)
-
-    monkeypatch.setattr(decoder, "forward", counting)
+    computed = count_decoder_rows(target, monkeypatch)
     mixed = compute_shard(target, records, LAYERS, 64, 4, PAD, staging)
     assert sum(computed) == 3
     monkeypatch.undo()
@@ -156,15 +162,7 @@ def test_records_appended_or_reordered_take_the_states_an_earlier_cache_holds(ta
     prompts = prompts_of_lengths([4, 6, 5, 8, 3, 7, 5, 6, 4])
     _, records = staged_records(target, prompts, tmp_path / "staged")
     first = open_or_build(target, records[:6], LAYERS, 64, 4, PAD, root=tmp_path / "cache")
-    computed = []
-    decoder = target.model.get_decoder()
-    real_forward = decoder.forward
-
-    def counting(*args, **kwargs):
-        computed.append(kwargs["input_ids"].shape[0])
-        return real_forward(*args, **kwargs)
-
-    monkeypatch.setattr(decoder, "forward", counting)
+    computed = count_decoder_rows(target, monkeypatch)
     appended = open_or_build(target, records, LAYERS, 64, 4, PAD, root=tmp_path / "cache")
     assert sum(computed) == 3  # the three appended records; the six before them are the first cache's files
     assert all(os.path.samefile(appended.directory / feature_cache.shard_name(i), first.directory /
@@ -187,14 +185,6 @@ def test_states_of_another_head_are_not_taken(target, tmp_path, monkeypatch):
     prompts = prompts_of_lengths([4, 6, 5])
     _, records = staged_records(target, prompts, tmp_path / "staged")
     open_or_build(target, records, LAYERS, 64, 4, PAD, root=tmp_path / "cache")
-    computed = []
-    decoder = target.model.get_decoder()
-    real_forward = decoder.forward
-
-    def counting(*args, **kwargs):
-        computed.append(kwargs["input_ids"].shape[0])
-        return real_forward(*args, **kwargs)
-
-    monkeypatch.setattr(decoder, "forward", counting)
+    computed = count_decoder_rows(target, monkeypatch)
     open_or_build(target, records, LAYERS, 48, 4, PAD, root=tmp_path / "cache")  # another cut: another head
     assert sum(computed) == 3
