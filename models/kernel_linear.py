@@ -24,7 +24,13 @@ import torch
 from specdistill.models import kernels
 from specdistill.models.gguf_blocks import ATTRIBUTE as KQUANT_ATTRIBUTE
 from specdistill.models.huge_pages import huge_pages_unavailable, in_huge_pages
-from specdistill.models.kernels import MAX_ROWS, amx_unavailable, vnni_unavailable
+from specdistill.models.kernels import (
+    KQUANT_TILE_ROWS,
+    MAX_ROWS,
+    amx_int8_unavailable,
+    amx_unavailable,
+    vnni_unavailable,
+)
 from specdistill.models.kquant import OUTPUTS_SIDE_BY_SIDE, KQuantBlocks
 from specdistill.models.kquant import pack as kquant_pack
 from specdistill.models.packed_linear import (
@@ -142,7 +148,9 @@ class KQuantLinear(torch.nn.Module):
     parts read (per block of 256 for the K-quants, per 32 for Q5_0 and Q8_0), then every segment of the matrix
     (a fused projection's parts, each in its own format) writes its columns of one output, in one call into the
     library (its KQuantProjection, which decode.lean_decoder's fused layers also take). Every row count, prefill
-    included, runs here, each row computed alike whatever the rows beside it. Inference only."""
+    included, runs here, each row computed alike whatever the rows beside it; calls of KQUANT_TILE_ROWS rows or more
+    run their Q4_K/Q6_K parts on AMX-INT8 tiles where this process may (`amx_int8_unavailable`), the same numbers.
+    Inference only."""
 
     def __init__(self, segments: list[KQuantBlocks], bias: torch.Tensor | None, lib):
         super().__init__()
@@ -152,7 +160,8 @@ class KQuantLinear(torch.nn.Module):
         self.out_features = sum(s.shape[0] for s in segments)
         self.kinds = [s.kind for s in segments]
         self.bias = None if bias is None else bias.detach().float().contiguous().clone()
-        self.matrix = lib.KQuantProjection([kquant_matrix(lib, s) for s in segments], self.bias)
+        tile_rows = KQUANT_TILE_ROWS if amx_int8_unavailable() is None else 0
+        self.matrix = lib.KQuantProjection([kquant_matrix(lib, s) for s in segments], self.bias, tile_rows=tile_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if x.requires_grad and torch.is_grad_enabled():
@@ -217,7 +226,8 @@ def head_for_inference(head: torch.nn.Module) -> torch.nn.Module:
     target's tied embedding) and the library runs, else models.packed_linear's packed copy. Logged once per head;
     the grid check (a pass over every weight) and the copy are cached until the weights change."""
     if kquant_usable(head):  # a K-quant GGUF's own head (a real-size target's untied Q6_K output)
-        return cached_copy(_copies, head, ("kquant", huge_pages_unavailable(), weights_signature(head)),
+        return cached_copy(_copies, head, ("kquant", amx_int8_unavailable(), huge_pages_unavailable(),
+                                           weights_signature(head)),
                            lambda: kquant_linear(head))
     usable = cached_copy(_head_checks, head, weights_signature(head), lambda: q80_usable(head))
     if not usable or kernels.unavailable() is not None:

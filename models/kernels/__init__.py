@@ -9,7 +9,7 @@ What it holds (AVX-512; the design note docs/design/exact-kernels.md says why ea
 - on AVX512-VNNI, int8 drafting GEMMs (`Int8Matrix.gemm`), an EAGLE-3 drafting depth in two calls (`eagle3_rows`,
   `eagle3_top`), the greedy head's exact argmax (`q8_argmax`), and a GGUF's own blocks with int8 activations as
   llama.cpp computes them (`Q4KMatrix`, `Q6KMatrix`, `Q50Matrix`, `Q80Matrix`, fused as `KQuantProjection`:
-  docs/design/kquant-kernels.md).
+  docs/design/kquant-kernels.md), calls of many rows on AMX-INT8 tiles where the CPU has them (`tile_rows`).
 
 `library()` is the loaded module, or None where it cannot run (`unavailable()` says why). Every fallback from a
 fast path is a WARNING once per process naming the reason and its cost (`warn_fallback`), and `fallbacks()` lists
@@ -33,6 +33,10 @@ log = logging.getLogger("specdistill.kernels")
 DISABLE_ENV = "SPECDISTILL_NO_Q41"  # the whole library off (comparisons)
 NO_AMX_ENV = "SPECDISTILL_NO_AMX"  # the FMA forms everywhere (comparisons)
 AMX_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16", "avx512bw")
+AMX_INT8_FLAGS = ("amx_tile", "amx_int8", "avx512_vnni", "avx512bw")
+# The fewest rows a K-quant call runs on AMX-INT8 tiles: at 16 rows the 1.5B's Q4_K gate/up is level with the VNNI
+# loop and its Q6_K down 1.4x faster, at 32 rows 1.5x / 2.2x (docs/design/kquant-kernels.md, "Tiles for many rows").
+KQUANT_TILE_ROWS = 16
 MAX_ROWS = 64  # decode-time calls (trees, chains, single rows); longer calls are prefill, left to oneDNN
 LIBRARY_COST = ("the engine falls back to oneDNN's packed fp32 GEMMs and torch's attention: plain decoding "
                 "about 1.5x slower")
@@ -97,27 +101,39 @@ def library() -> ModuleType | None:
     return _load()[0] if unavailable() is None else None
 
 
-@functools.lru_cache(maxsize=1)
-def _amx_granted() -> str | None:
-    """Asks Linux once for this process's tile state; None when granted, else why not."""
-    missing = [f for f in AMX_FLAGS if f not in cpu_flags()]
+@functools.lru_cache(maxsize=None)
+def _tiles_granted(flags: tuple[str, ...], what: str, cost: str) -> str | None:
+    """Asks Linux once for this process's tile state, where the CPU has `flags`; None when granted, else why not
+    (a refusal is a WARNING naming `what` falls back and its `cost`)."""
+    missing = [f for f in flags if f not in cpu_flags()]
     if missing:
         return f"this CPU has no {', '.join(missing)}"
     if _load()[0].amx_request() != 0:
         reason = "Linux refused the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
-        warn_fallback("the AMX kernel forms", reason, "a 14-row verification's GEMMs run on the FMA form, about 2x "
-                      "costlier")
+        warn_fallback(what, reason, cost)
         return reason
     return None
 
 
-def amx_unavailable() -> str | None:
-    """None when the AMX forms may run in this process, else why not ($SPECDISTILL_NO_AMX keeps the FMA forms)."""
+def _amx_unavailable(flags: tuple[str, ...], what: str, cost: str) -> str | None:
     if (why := unavailable()) is not None:
         return why
     if os.environ.get(NO_AMX_ENV, "") not in ("", "0"):
         return f"${NO_AMX_ENV} is set"
-    return _amx_granted()
+    return _tiles_granted(flags, what, cost)
+
+
+def amx_unavailable() -> str | None:
+    """None when the AMX forms may run in this process, else why not ($SPECDISTILL_NO_AMX keeps the FMA forms)."""
+    return _amx_unavailable(AMX_FLAGS, "the AMX kernel forms",
+                            "a 14-row verification's GEMMs run on the FMA form, about 2x costlier")
+
+
+def amx_int8_unavailable() -> str | None:
+    """None when the K-quant GEMMs may run calls of many rows on AMX-INT8 tiles (kquant_amx.cpp), else why not
+    ($SPECDISTILL_NO_AMX keeps them on the VNNI loop)."""
+    return _amx_unavailable(AMX_INT8_FLAGS, "the K-quant GEMMs' AMX-INT8 tiles",
+                            "a prefill's GEMMs run on the VNNI loop, about 2x slower at 64 rows and more")
 
 
 def vnni_unavailable() -> str | None:

@@ -30,7 +30,8 @@ from pathlib import Path
 from types import ModuleType
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("bindings.cpp", "gemm_fma.cpp", "row_ops.cpp", "gemm_amx.cpp", "int8.cpp", "kquant.cpp")
+SOURCES = ("bindings.cpp", "gemm_fma.cpp", "row_ops.cpp", "gemm_amx.cpp", "int8.cpp", "kquant.cpp",
+           "kquant_amx.cpp")
 HEADERS = ("cpu_kernels.h",)
 MODULE_NAME = "specdistill_cpu_kernels"
 # -ffp-contract=off: the weights are rebuilt as q * d, rounded, + m, rounded, as they were dequantized; a fused

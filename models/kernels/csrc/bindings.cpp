@@ -156,6 +156,14 @@ void check_output(const at::Tensor &y, int64_t R, int64_t N, int64_t column, con
                       column);
 }
 
+// tile_rows (0: never; else the fewest rows a call runs on AMX-INT8 tiles, at least 16): only where the caller found
+// AMX-INT8 on the CPU and was given the tile state by Linux (models.kernels.amx_int8_unavailable).
+int checked_tile_rows(int64_t tile_rows, const char *fn) {
+    TORCH_CHECK_VALUE(tile_rows == 0 || (tile_rows >= 16 && tile_rows <= (1 << 20)), fn,
+                      ": tile_rows must be 0 or at least 16, got ", tile_rows);
+    return static_cast<int>(tile_rows);
+}
+
 // The shared part of both K-quant matrices: the blocked shape [N/16, K/256, ...] read off a tensor, N and K.
 struct KQuantShape {
     int64_t N = 0, K = 0;
@@ -188,11 +196,13 @@ struct Q4KMatrix : KQuantShape {
     }
 
     void gemm_into(const at::Tensor &q, const at::Tensor &dx, const at::Tensor &sums, at::Tensor &y,
-                   int64_t column) const {
+                   int64_t column, int64_t tile_rows) const {
         const char *fn = "Q4KMatrix.gemm_into";
         q8k_rows x = checked_rows(q, dx, sums, K, fn);
         check_output(y, x.R, N, column, fn);
-        check_memory(q4k_gemm(x, raw(), y.data_ptr<float>() + column, static_cast<int>(y.size(1)), threads()), fn);
+        check_memory(q4k_gemm(x, raw(), y.data_ptr<float>() + column, static_cast<int>(y.size(1)), threads(),
+                              checked_tile_rows(tile_rows, fn)),
+                     fn);
     }
 
     q4k_matrix raw() const {
@@ -219,11 +229,12 @@ struct Q6KMatrix : KQuantShape {
     }
 
     void gemm_into(const at::Tensor &q, const at::Tensor &dx, const at::Tensor &sums, at::Tensor &y,
-                   int64_t column) const {
+                   int64_t column, int64_t tile_rows) const {
         const char *fn = "Q6KMatrix.gemm_into";
         q8k_rows x = checked_rows(q, dx, sums, K, fn);
         check_output(y, x.R, N, column, fn);
-        q6k_gemm(x, raw(), y.data_ptr<float>() + column, static_cast<int>(y.size(1)), threads());
+        q6k_gemm(x, raw(), y.data_ptr<float>() + column, static_cast<int>(y.size(1)), threads(),
+                 checked_tile_rows(tile_rows, fn));
     }
 
     q6k_matrix raw() const {
@@ -313,9 +324,12 @@ struct KQuantProjection {
     std::vector<kq_segment> segments;
     at::Tensor bias;  // [N] fp32, or undefined
     int64_t N = 0, K = 0;
+    int tile_rows = 0;
 
-    KQuantProjection(std::vector<py::object> parts_, c10::optional<at::Tensor> bias_) : parts(std::move(parts_)) {
+    KQuantProjection(std::vector<py::object> parts_, c10::optional<at::Tensor> bias_, int64_t tile_rows_)
+        : parts(std::move(parts_)) {
         const char *fn = "KQuantProjection";
+        tile_rows = checked_tile_rows(tile_rows_, fn);
         TORCH_CHECK_VALUE(!parts.empty(), fn, ": parts must hold at least one matrix");
         for (size_t i = 0; i < parts.size(); i++) add(parts[i], i == 0, fn);
         if (bias_.has_value() && bias_->defined()) {
@@ -351,7 +365,7 @@ struct KQuantProjection {
 
     kq_linear raw() const {
         return {segments.data(), static_cast<int>(segments.size()), static_cast<int>(N), static_cast<int>(K),
-                bias.defined() ? bias.data_ptr<float>() : nullptr};
+                bias.defined() ? bias.data_ptr<float>() : nullptr, tile_rows};
     }
 
     at::Tensor gemm(const at::Tensor &x) const {  // x [R >= 1, K] -> [R, N]
@@ -725,14 +739,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readonly("N", &Q4KMatrix::N)
         .def_readonly("K", &Q4KMatrix::K)
         .def("gemm_into", &Q4KMatrix::gemm_into, py::arg("q"), py::arg("d"), py::arg("sums"), py::arg("y"),
-             py::arg("column"));
+             py::arg("column"), py::arg("tile_rows") = 0);
     py::class_<Q6KMatrix>(m, "Q6KMatrix")
         .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(), py::arg("low"), py::arg("high"),
              py::arg("sc"), py::arg("d"))
         .def_readonly("N", &Q6KMatrix::N)
         .def_readonly("K", &Q6KMatrix::K)
         .def("gemm_into", &Q6KMatrix::gemm_into, py::arg("q"), py::arg("d"), py::arg("sums"), py::arg("y"),
-             py::arg("column"));
+             py::arg("column"), py::arg("tile_rows") = 0);
     py::class_<Q50Matrix>(m, "Q50Matrix")
         .def(py::init<at::Tensor, at::Tensor, at::Tensor>(), py::arg("low"), py::arg("high"), py::arg("d"))
         .def_readonly("N", &Q50Matrix::N)
@@ -756,7 +770,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("attention_spans", &attention_spans_op, py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("spans"),
           py::arg("scale"));
     py::class_<KQuantProjection>(m, "KQuantProjection")
-        .def(py::init<std::vector<py::object>, c10::optional<at::Tensor>>(), py::arg("parts"), py::arg("bias"))
+        .def(py::init<std::vector<py::object>, c10::optional<at::Tensor>, int64_t>(), py::arg("parts"),
+             py::arg("bias"), py::arg("tile_rows") = 0)
+        .def_readonly("tile_rows", &KQuantProjection::tile_rows)
         .def_readonly("N", &KQuantProjection::N)
         .def_readonly("K", &KQuantProjection::K)
         .def("gemm", &KQuantProjection::gemm, py::arg("x"));

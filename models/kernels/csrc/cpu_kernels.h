@@ -78,7 +78,10 @@ typedef struct {  // a projection over a K-quant GGUF's blocks: its parts side b
     const kq_segment *segments;
     int count, N, K;
     const float *bias;  // [N], or NULL
+    int tile_rows;      // calls of at least this many rows run their Q4_K/Q6_K parts on AMX-INT8 tiles (0: never)
 } kq_linear;
+
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tile_config;
 
 // gemm_fma.cpp
 void q41_gemm(const float *x, int R, int K, const uint8_t *packed, const float *d, const float *m, int N, float *y,
@@ -111,15 +114,20 @@ int layer_rows_attention(const float *x, int N, int D, const float *norm_in, flo
 int layer_rows_down(float *y, int N, int D, const float *activated, int I, const kq_linear &down, float *work,
                     int threads);
 
-// kquant.cpp (AVX512-VNNI): y[r][0..N) at row stride ldy
+// kquant.cpp (AVX512-VNNI): y[r][0..N) at row stride ldy; with R >= tile_rows > 0 its rows in sixteens on AMX-INT8
+// tiles (kquant_amx.cpp; the caller checked the CPU and the process's tile permission), the same numbers
 void quantize_rows_q8k(const float *x, int R, int K, int8_t *xq, float *dx, int32_t *xs);
-int q4k_gemm(const q8k_rows &x, q4k_matrix w, float *y, int ldy, int threads);  // 0, or -1 (no memory)
-void q6k_gemm(const q8k_rows &x, q6k_matrix w, float *y, int ldy, int threads);
+int q4k_gemm(const q8k_rows &x, q4k_matrix w, float *y, int ldy, int threads, int tile_rows);  // 0, or -1 (memory)
+void q6k_gemm(const q8k_rows &x, q6k_matrix w, float *y, int ldy, int threads, int tile_rows);
 void quantize_rows_q8_0(const float *x, int R, int K, int8_t *xq, float *dx, int32_t *xs);
 void q50_gemm(const q8_0_rows &x, q50_matrix w, float *y, int ldy, int threads);
 void gguf_q80_gemm(const q8_0_rows &x, q80_matrix w, float *y, int ldy, int threads);
 // y [R][w.N] = x [R][w.K] W^T (+ bias): x rounded once for every K-quant part; 0, or -1 (no memory)
 int kq_linear_rows(const float *x, int R, const kq_linear &w, float *y, int threads);
+
+// kquant_amx.cpp: the first `rows` (a multiple of 16) rows of x; pairs as q4k_gemm makes them
+void q4k_tiles(const q8k_rows &x, const int32_t *pairs, int rows, q4k_matrix w, float *y, int ldy, int threads);
+void q6k_tiles(const q8k_rows &x, int rows, q6k_matrix w, float *y, int ldy, int threads);
 
 // gemm_amx.cpp
 int amx_request(void);

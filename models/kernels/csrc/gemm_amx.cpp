@@ -20,7 +20,6 @@ int amx_request(void) {  // the process asks Linux for the tile data state: arch
     return (int)syscall(SYS_arch_prctl, 0x1023, 18);
 }
 
-typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tile_config;
 #define X1 0  // tiles (the intrinsics take literal numbers): x's three parts, the weights of two blocks, products
 #define X2 1
 #define X3 2

@@ -314,19 +314,34 @@ static void kquant_gemm(const Rows &x, const int32_t *extra, Matrix w, float *y,
     }
 }
 
-int q4k_gemm(const q8k_rows &x, q4k_matrix w, float *y, int ldy, int threads) {
+// Rows from `first` on of x, as a call of their own (a row's numbers do not depend on the rows beside it).
+static q8k_rows rows_from(const q8k_rows &x, int first) {
+    return {x.q + (size_t)first * x.K, x.d + (size_t)first * (x.K / 256), x.sums + (size_t)first * (x.K / 16),
+            x.R - first, x.K};
+}
+
+// How many of a call's rows go to the tiles: all its sixteens where there are at least tile_rows rows.
+static int tiled_rows(int R, int tile_rows) { return tile_rows > 0 && R >= tile_rows ? R / 16 * 16 : 0; }
+
+int q4k_gemm(const q8k_rows &x, q4k_matrix w, float *y, int ldy, int threads, int tile_rows) {
     int32_t *pairs = (int32_t *)malloc(sizeof(int32_t) * (size_t)x.R * (x.K / 64));
     if (pairs == NULL) return -1;
     sub_block_sum_pairs(x, pairs);
-    kquant_gemm<q8k_rows, q4k_matrix, q4k_block<1>, q4k_block<2>, q4k_block<3>, q4k_block<4>>(x, pairs, w, y, ldy,
-                                                                                            threads);
+    const int tiled = tiled_rows(x.R, tile_rows);
+    if (tiled > 0) q4k_tiles(x, pairs, tiled, w, y, ldy, threads);
+    if (tiled < x.R)
+        kquant_gemm<q8k_rows, q4k_matrix, q4k_block<1>, q4k_block<2>, q4k_block<3>, q4k_block<4>>(
+            rows_from(x, tiled), pairs + (size_t)tiled * (x.K / 64), w, y + (size_t)tiled * ldy, ldy, threads);
     free(pairs);
     return 0;
 }
 
-void q6k_gemm(const q8k_rows &x, q6k_matrix w, float *y, int ldy, int threads) {
-    kquant_gemm<q8k_rows, q6k_matrix, q6k_block<1>, q6k_block<2>, q6k_block<3>, q6k_block<4>>(x, nullptr, w, y, ldy,
-                                                                                            threads);
+void q6k_gemm(const q8k_rows &x, q6k_matrix w, float *y, int ldy, int threads, int tile_rows) {
+    const int tiled = tiled_rows(x.R, tile_rows);
+    if (tiled > 0) q6k_tiles(x, tiled, w, y, ldy, threads);
+    if (tiled < x.R)
+        kquant_gemm<q8k_rows, q6k_matrix, q6k_block<1>, q6k_block<2>, q6k_block<3>, q6k_block<4>>(
+            rows_from(x, tiled), nullptr, w, y + (size_t)tiled * ldy, ldy, threads);
 }
 
 template <typename Matrix, typename Codes>
@@ -392,8 +407,8 @@ int kq_linear_rows(const float *x, int R, const kq_linear &w, float *y, int thre
     for (int i = 0; status == 0 && i < w.count; i++) {
         const kq_segment &part = w.segments[i];
         switch (part.kind) {
-            case KQ_Q4K: status = q4k_gemm(rows256, part.q4k, y + part.column, w.N, threads); break;
-            case KQ_Q6K: q6k_gemm(rows256, part.q6k, y + part.column, w.N, threads); break;
+            case KQ_Q4K: status = q4k_gemm(rows256, part.q4k, y + part.column, w.N, threads, w.tile_rows); break;
+            case KQ_Q6K: q6k_gemm(rows256, part.q6k, y + part.column, w.N, threads, w.tile_rows); break;
             case KQ_Q50: q50_gemm(rows32, part.q50, y + part.column, w.N, threads); break;
             case KQ_Q80: gguf_q80_gemm(rows32, part.q80, y + part.column, w.N, threads); break;
         }
