@@ -1,16 +1,17 @@
-"""What a target forward of N rows costs against one row: the price of verifying an N-node tree.
+"""What a target forward of N rows costs against one row: the price of verifying an N-node tree (and, at hundreds of
+rows, of a prefill).
 
     python -m benchmarks.forward_rows [--target T] [--rows 1 2 4 8 12 16 24] [--context 300] [--reps 30] [--pages]
         [--out DIR]
 
 The cost model (decode/cost_model.py, docs/design/cost-model.md) prices every draft by this ratio. One process
-builds a ModelRunner per form of the kernel library this CPU runs (models/kernels: "fma", and "amx" where the
-CPU has AMX-BF16; $SPECDISTILL_NO_AMX selects the FMA form; with `--pages` also "fma 4k", the FMA form's weights in
-ordinary pages instead of 2 MiB ones, models.huge_pages), fills each cache with the same `--context` tokens,
-then times forwards of N rows after that prefix (logits for every row, as verification needs; the rows are not
-committed, so each forward writes over the last), every (form, N) interleaved rep by rep. Checks that the forms
-give the same greedy token at every row. Prints ms per forward and each as a multiple of its own one-row forward;
-writes DIR/forward_rows.json.
+builds a ModelRunner per form of the kernel library this CPU runs (models/kernels: "fma", and "amx" where the CPU
+has AMX: the default target's Q4_1 form on AMX-BF16, a K-quant GGUF's calls of 16+ rows on AMX-INT8 tiles;
+$SPECDISTILL_NO_AMX selects the FMA form; with `--pages` also "fma 4k", the FMA form's weights in ordinary pages
+instead of 2 MiB ones, models.huge_pages), fills each cache with the same `--context` tokens, then times forwards of
+N rows after that prefix (logits for every row, as verification needs; the rows are not committed, so each forward
+writes over the last), every (form, N) interleaved rep by rep. Checks that the forms give the same greedy token at
+every row. Prints ms per forward and each as a multiple of its own one-row forward; writes DIR/forward_rows.json.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import os
 
 from benchmarks.harness import interleave, median_ms, parser, print_table, switched_off, write_report
 
+MOST_ROWS = 512  # a long prompt's prefill
 
-def runner_for(model, form: str, context: list[int]):
+
+def runner_for(model, form: str, context: list[int], most_rows: int):
     """A ModelRunner whose kernel matrices are in `form` ("fma", "amx", "fma 4k": the FMA form's weights in
     ordinary pages, models.huge_pages), its cache holding `context` (committed)."""
     from specdistill.decode.runner import ModelRunner
@@ -29,7 +32,7 @@ def runner_for(model, form: str, context: list[int]):
 
     with switched_off(NO_AMX_ENV, form != "amx"), switched_off(NO_HUGE_PAGES_ENV, form.endswith("4k")):
         runner = ModelRunner(model)
-    runner.start(len(context) + 64)
+    runner.start(len(context) + most_rows)
     runner.forward(context)
     runner.cache.advance(len(context))  # each timed forward writes its rows after it, uncommitted
     return runner
@@ -49,8 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--pages", action="store_true", help="also the FMA form with its weights in ordinary 4 KiB pages "
                    "(\"fma 4k\"; by default they are in 2 MiB pages where the OS gives them, models.huge_pages)")
     args = p.parse_args(argv)
-    if any(not 1 <= r <= 64 for r in args.rows) or args.context < 1 or args.reps < 1:
-        p.error("--rows between 1 and 64, --context and --reps at least 1")
+    if any(not 1 <= r <= MOST_ROWS for r in args.rows) or args.context < 1 or args.reps < 1:
+        p.error(f"--rows between 1 and {MOST_ROWS}, --context and --reps at least 1")
     return args
 
 
@@ -58,14 +61,15 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     import torch
 
-    from specdistill.models.kernels import amx_unavailable
+    from specdistill.models.kernels import amx_int8_unavailable, amx_unavailable
     from specdistill.models.target import load_target
 
     torch.set_num_threads(min(torch.get_num_threads(), os.cpu_count() or 1))
     model = load_target(args.target).model
     context = [(37 * i) % 30000 + 100 for i in range(args.context)]
-    forms = ["fma"] + (["fma 4k"] if args.pages else []) + (["amx"] if amx_unavailable() is None else [])
-    runners = {form: runner_for(model, form, context) for form in forms}
+    amx = None in (amx_unavailable(), amx_int8_unavailable())
+    forms = ["fma"] + (["fma 4k"] if args.pages else []) + (["amx"] if amx else [])
+    runners = {form: runner_for(model, form, context, max(args.rows)) for form in forms}
     with torch.inference_mode():
         same = len(forms) == 1 or all(torch.equal(*[forward_rows(runners[f], r) for f in forms]) for r in args.rows)
         times = interleave({(f, r): (lambda f=f, r=r: forward_rows(runners[f], r)) for f in forms for r in args.rows},
