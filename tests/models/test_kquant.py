@@ -61,13 +61,14 @@ def test_kernel_computes_its_integer_arithmetic_and_each_row_alike(kind):
     lib = kernels.library()
     blocks = random_blocks(kind, 48, 768, seed=2)
     matrix = kquant_matrix(lib, blocks)
-    x = torch.randn(9, 768)  # 9 rows: two groups of 4 and one of 1
-    y = torch.full((9, 48 + 32), float("nan"))
+    x = torch.randn(19, 768)  # 19 rows: two groups of 8 and one of 3
+    y = torch.full((19, 48 + 32), float("nan"))
     matrix.gemm_into(*lib.quantize_rows_q8k(x), y, 16)
     assert torch.isnan(y[:, :16]).all() and torch.isnan(y[:, 64:]).all()  # only its columns written
     reference = gemm_reference(x, blocks)
     assert float((y[:, 16:64].double() - reference).abs().max() / reference.abs().max()) < 1e-5
-    for rows in (range(0, 1), range(3, 6), range(5, 9)):  # alone, and in groups of other sizes and offsets
+    for count in range(1, 19):  # alone, and in calls of every group size and of several groups, at other offsets
+        rows = range(count % 3, count % 3 + count)
         part = x[rows.start:rows.stop].contiguous()
         out = torch.empty(len(rows), 48)
         matrix.gemm_into(*lib.quantize_rows_q8k(part), out, 0)

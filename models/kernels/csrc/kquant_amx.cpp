@@ -149,7 +149,8 @@ TILE_TARGET static void tile_products(const int8_t *x, int K, const byte_planes 
 
 // Row i of a product pair: the block's integer sum per output, lo + 256 hi.
 TILE_TARGET static inline __m512i block_sum(const int32_t (*c)[16][16], int pair, int i) {
-    return _mm512_add_epi32(_mm512_load_si512(c[2 * pair][i]), _mm512_slli_epi32(_mm512_load_si512(c[2 * pair + 1][i]), 8));
+    return _mm512_add_epi32(_mm512_load_si512(c[2 * pair][i]),
+                            _mm512_slli_epi32(_mm512_load_si512(c[2 * pair + 1][i]), 8));
 }
 
 // Rows r0 .. r0 + rows - 1 (a multiple of 16) of output block nb of a Q4_K matrix, as q4k_block computes them.
@@ -164,7 +165,8 @@ TILE_TARGET static void q4k_tile_block(const q8k_rows &x, const int32_t *pairs, 
         rebuild_q4k(w.codes + block * 2048, w.sc + block * 128, pl);
         const uint8_t *mn = w.m + block * 128;
         __m512i minimum[4];
-        for (int j = 0; j < 4; j++) minimum[j] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(mn + 32 * j)));
+        for (int j = 0; j < 4; j++)
+            minimum[j] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(mn + 32 * j)));
         __m512 d = _mm512_loadu_ps(w.d + block * 16), dmin = _mm512_loadu_ps(w.dmin + block * 16);
         for (int r = r0; r < r0 + rows; r += 32) {
             const bool two = r + 32 <= r0 + rows;
@@ -175,7 +177,8 @@ TILE_TARGET static void q4k_tile_block(const q8k_rows &x, const int32_t *pairs, 
                 const int row = r + i;
                 __m512i total = block_sum(c, i / 16, i % 16), mins = _mm512_setzero_si512();
                 for (int j = 0; j < 4; j++)
-                    mins = _mm512_dpwssd_epi32(mins, minimum[j], _mm512_set1_epi32(pairs[(size_t)row * (K / 64) + kb * 4 + j]));
+                    mins = _mm512_dpwssd_epi32(mins, minimum[j],
+                                               _mm512_set1_epi32(pairs[(size_t)row * (K / 64) + kb * 4 + j]));
                 __m512 step = _mm512_set1_ps(x.d[(size_t)row * KB + kb]);
                 float *out = y + (size_t)row * ldy + nb * 16;
                 __m512 acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, step), _mm512_loadu_ps(out));
