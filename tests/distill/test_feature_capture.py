@@ -178,7 +178,10 @@ def test_records_appended_or_reordered_take_the_states_an_earlier_cache_holds(ta
     for index in range(fresh.num_shards):
         for a, b in zip(grown.shard(index), fresh.shard(index), strict=True):
             assert torch.equal(a.ids, b.ids) and torch.equal(a.mask, b.mask)
-            assert torch.equal(a.features, b.features) and torch.equal(a.final, b.final)
+            # the same record's states, computed in another batch: torch's fp32 GEMMs may round a batch of other
+            # shapes differently (on a Zen 4, 1 of 608 final values one bf16 step apart), another record's never
+            torch.testing.assert_close(a.features, b.features)  # bf16 tolerances: about one bf16 step
+            torch.testing.assert_close(a.final, b.final)
 
 
 def test_states_of_another_head_are_not_taken(target, tmp_path, monkeypatch):
