@@ -149,6 +149,18 @@ int eagle3_top(const float *out, int N, int D, const float *norm_out, float eps_
 int q8_argmax(const float *x, int R, int K, const int8_t *codes, const float *d, const int32_t *bias,
               const float *slack, int N, int64_t *tokens, int32_t *candidates, int threads);
 
+// A Q6_K high vector h's top 2 bits of chunk t = 4h + u's codes at bits 4..5: ((h >> 2u) & 3) << 4 (kquant.cpp's
+// loop and kquant_amx.cpp's rebuilt weights).
+__attribute__((target("avx512f,avx512bw"))) static inline __m512i q6k_high_bits(__m512i h, int u) {
+    const __m512i mask = _mm512_set1_epi8(0x30);
+    switch (u) {
+        case 0: return _mm512_and_si512(_mm512_slli_epi16(h, 4), mask);
+        case 1: return _mm512_and_si512(_mm512_slli_epi16(h, 2), mask);
+        case 2: return _mm512_and_si512(h, mask);
+        default: return _mm512_and_si512(_mm512_srli_epi16(h, 2), mask);
+    }
+}
+
 static inline __m512 exp_nonpositive(__m512 x) {  // x <= 0
     const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), ln2_hi = _mm512_set1_ps(0.693359375f),
                  ln2_lo = _mm512_set1_ps(-2.12194440e-4f);

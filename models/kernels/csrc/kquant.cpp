@@ -148,17 +148,6 @@ VNNI_TARGET static void q4k_block(const q8k_rows &x, const int32_t *pairs, int r
     for (int r = 0; r < RB; r++) _mm512_storeu_ps(y + (size_t)(r0 + r) * ldy + nb * 16, out[r]);
 }
 
-// The top 2 bits of chunk t's codes (t = 4h + u of high vector h) at bits 4..5: ((h >> 2u) & 3) << 4.
-VNNI_TARGET static inline __m512i high_bits(__m512i h, int u) {
-    const __m512i mask = _mm512_set1_epi8(0x30);
-    switch (u) {
-        case 0: return _mm512_and_si512(_mm512_slli_epi16(h, 4), mask);
-        case 1: return _mm512_and_si512(_mm512_slli_epi16(h, 2), mask);
-        case 2: return _mm512_and_si512(h, mask);
-        default: return _mm512_and_si512(_mm512_srli_epi16(h, 2), mask);
-    }
-}
-
 template <int RB>
 VNNI_TARGET static void q6k_block(const q8k_rows &x, const int32_t *, int r0, q6k_matrix w, int nb, float *y,
                                   int ldy) {
@@ -183,9 +172,9 @@ VNNI_TARGET static void q6k_block(const q8k_rows &x, const int32_t *, int r0, q6
                     int p = 2 * half + pp;
                     __m512i v = _mm512_loadu_si512(low + (s * 4 + p) * 64);
                     if (ahead) _mm_prefetch((const char *)(low + 2048 + (s * 4 + p) * 64), _MM_HINT_T0);
-                    __m512i lo = _mm512_or_si512(_mm512_and_si512(v, low4), high_bits(h, 2 * pp));
+                    __m512i lo = _mm512_or_si512(_mm512_and_si512(v, low4), q6k_high_bits(h, 2 * pp));
                     __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4),
-                                                 high_bits(h, 2 * pp + 1));
+                                                 q6k_high_bits(h, 2 * pp + 1));
                     for (int r = 0; r < RB; r++) {
                         const int8_t *xr = x.q + (size_t)(r0 + r) * K + kb * 256 + 32 * s + 8 * p;
                         acc[r] = _mm512_dpbusd_epi32(acc[r], lo, broadcast4(xr));

@@ -84,17 +84,6 @@ TILE_TARGET static void rebuild_q4k(const uint8_t *codes, const uint8_t *sc, byt
     }
 }
 
-// The top 2 bits of chunk t's codes (t = 4h + u of high vector h) at bits 4..5 (kquant.cpp's high_bits).
-TILE_TARGET static inline __m512i top_bits(__m512i h, int u) {
-    const __m512i mask = _mm512_set1_epi8(0x30);
-    switch (u) {
-        case 0: return _mm512_and_si512(_mm512_slli_epi16(h, 4), mask);
-        case 1: return _mm512_and_si512(_mm512_slli_epi16(h, 2), mask);
-        case 2: return _mm512_and_si512(h, mask);
-        default: return _mm512_and_si512(_mm512_srli_epi16(h, 2), mask);
-    }
-}
-
 TILE_TARGET static void rebuild_q6k(const uint8_t *low, const uint8_t *high, const int8_t *sc, byte_planes &pl) {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     for (int s = 0; s < 8; s++)
@@ -106,9 +95,9 @@ TILE_TARGET static void rebuild_q6k(const uint8_t *low, const uint8_t *high, con
             for (int pp = 0; pp < 2; pp++) {
                 int p = 2 * half + pp, g = 8 * s + 2 * p;
                 __m512i v = _mm512_loadu_si512(low + (s * 4 + p) * 64);
-                __m512i first = _mm512_or_si512(_mm512_and_si512(v, low4), top_bits(h, 2 * pp));
+                __m512i first = _mm512_or_si512(_mm512_and_si512(v, low4), q6k_high_bits(h, 2 * pp));
                 __m512i second = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4),
-                                                 top_bits(h, 2 * pp + 1));
+                                                 q6k_high_bits(h, 2 * pp + 1));
                 rebuild_row<true>(first, 32, scale0, scale1, plane_row(pl.lo, g), plane_row(pl.hi, g));
                 rebuild_row<true>(second, 32, scale0, scale1, plane_row(pl.lo, g + 1), plane_row(pl.hi, g + 1));
             }
