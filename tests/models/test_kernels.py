@@ -340,6 +340,33 @@ def test_the_attention_kernel_computes_each_row_alike_and_never_reads_what_a_row
 
 
 @needs_kernel
+@pytest.mark.parametrize("hd", [32, 48, 64, 128])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 6, 7])
+def test_query_heads_taken_together_give_each_head_its_numbers_alone(lib, group, hd):
+    """The kernel takes up to 3 query heads of a key/value head a pass (each key read once for them): every head's
+    output is the bits it gets as the only query head over its key/value head, for every group size, the tail runs
+    (4 -> 3 + 1, 7 -> 3 + 3 + 1) and head sizes with and without an unrolled loop (48)."""
+    g = torch.Generator().manual_seed(group * hd)
+    rows, prefix, kv_heads = 5, 70, 2
+    heads = group * kv_heads
+    q = torch.randn(heads, rows, hd, generator=g)
+    keys, values = torch.randn(kv_heads, prefix + rows, hd, generator=g), torch.randn(kv_heads, prefix + rows, hd,
+                                                                                       generator=g)
+    visible = tree_visibility(rows, prefix, seed=group)
+    together = lib.attention_rows(q, keys, values, visible, hd ** -0.5)
+    for most in (1, 2):
+        assert torch.equal(lib.attention_rows(q, keys, values, visible, hd ** -0.5, heads_together=most), together)
+    spans = torch.tensor([[3 * n, prefix + n + 1] for n in range(rows)])  # each row its own span of the cache
+    together_spans = lib.attention_spans(q, keys, values, spans, hd ** -0.5)
+    for h in range(heads):
+        j = h // group
+        alone = lib.attention_rows(q[h:h + 1].contiguous(), keys[j:j + 1], values[j:j + 1], visible, hd ** -0.5)
+        assert torch.equal(together[:, h * hd:(h + 1) * hd], alone), h
+        alone = lib.attention_spans(q[h:h + 1].contiguous(), keys[j:j + 1], values[j:j + 1], spans, hd ** -0.5)
+        assert torch.equal(together_spans[:, h * hd:(h + 1) * hd], alone), h
+
+
+@needs_kernel
 def test_the_attention_kernel_refuses_tensors_it_does_not_read(lib):
     q, kv, visible = torch.randn(9, 2, 64), torch.randn(3, 10, 64), torch.ones(2, 10, dtype=torch.bool)
     lib.attention_rows(q, kv, kv, visible, 0.125)
@@ -349,6 +376,9 @@ def test_the_attention_kernel_refuses_tensors_it_does_not_read(lib):
         args = dict(q=q, keys=kv, values=kv, visible=visible) | bad
         with pytest.raises(ValueError, match="attention_rows"):
             lib.attention_rows(args["q"], args["keys"], args["values"], args["visible"], 0.125)
+    for most in (0, 4):
+        with pytest.raises(ValueError, match="attention_rows: heads_together must be 1 to 3, got"):
+            lib.attention_rows(q, kv, kv, visible, 0.125, heads_together=most)
 
 
 def test_a_drafters_weights_round_to_q8_0_with_fp16_steps_and_a_largest_code_of_127():

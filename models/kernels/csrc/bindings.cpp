@@ -508,15 +508,18 @@ AttentionShape check_attention(const at::Tensor &q, const at::Tensor &keys, cons
 }
 
 at::Tensor attention_rows_op(const at::Tensor &q, const at::Tensor &keys, const at::Tensor &values,
-                             const at::Tensor &visible, double scale) {
-    // q [H, N, hd], keys and values [Hkv, T, hd], visible bool [N, T] -> [N, H hd]
+                             const at::Tensor &visible, double scale, int64_t heads_together) {
+    // q [H, N, hd], keys and values [Hkv, T, hd], visible bool [N, T] -> [N, H hd]; heads_together: how many query
+    // heads of a key/value head one pass over its keys takes (1..MOST_HEADS; the same bits for each)
     const char *fn = "attention_rows";
     auto [H, N, hd, Hkv, T] = check_attention(q, keys, values, fn);
     check_visible(visible, N, T, fn);
+    TORCH_CHECK_VALUE(1 <= heads_together && heads_together <= MOST_HEADS, fn, ": heads_together must be 1 to ",
+                      MOST_HEADS, ", got ", heads_together);
     auto out = at::empty({N, H * hd}, q.options());
     check_memory(attention_rows(q.data_ptr<float>(), H, Hkv, N, hd, keys.data_ptr<float>(), values.data_ptr<float>(),
                                 keys.stride(0), T, reinterpret_cast<const uint8_t *>(visible.data_ptr<bool>()),
-                                static_cast<float>(scale), out.data_ptr<float>(), threads()),
+                                static_cast<float>(scale), out.data_ptr<float>(), threads(), (int)heads_together),
                  fn);
     return out;
 }
@@ -766,7 +769,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("rope_qk", &rope_qk_op, py::arg("qkv"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
           py::arg("cos"), py::arg("sin"));
     m.def("attention_rows", &attention_rows_op, py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("visible"),
-          py::arg("scale"));
+          py::arg("scale"), py::arg("heads_together") = MOST_HEADS);
     m.def("attention_spans", &attention_spans_op, py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("spans"),
           py::arg("scale"));
     py::class_<KQuantProjection>(m, "KQuantProjection")

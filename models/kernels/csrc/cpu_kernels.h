@@ -92,8 +92,12 @@ void q80_gemm(const float *x, int R, int K, const int8_t *codes, const float *d,
 void rms_norm_rows(const float *x, int R, int D, const float *w, float eps, float *y);
 void rope_qk(const float *qkv, int N, int H, int Hkv, int hd, const float *cos, const float *sin, float *q,
              float *k);
+// query heads of a key/value head that one pass over its keys takes together: 3 x 8 fp32 vectors of a 128-wide head
+// in registers
+constexpr int MOST_HEADS = 3;
 int attention_rows(const float *q, int H, int Hkv, int N, int hd, const float *k, const float *v, long head_stride,
-                   int T, const uint8_t *visible, float scale, float *out, int threads);
+                   int T, const uint8_t *visible, float scale, float *out, int threads,
+                   int most_heads = MOST_HEADS);
 int attention_spans(const float *q, int H, int Hkv, int N, int hd, const float *k, const float *v, long head_stride,
                     const int64_t *spans, float scale, float *out, int threads);
 void append_keys_values(const float *k, const float *qkv, int N, int H, int Hkv, int hd, float *keys,

@@ -50,18 +50,29 @@ void rope_qk(const float *qkv, int N, int H, int Hkv, int hd, const float *cos, 
 
 // ---- Decode-time attention (decode.lean_decoder, decode.lean_eagle3): a few query rows over the cache. ----
 // torch's CPU flash attention costs about 75 us a layer for one row over 300 keys on 2 cores (SDPA's setup and
-// blocking, made for long queries), about 2 ms of a 16 ms forward; this is a few microseconds. Each (head, row)
-// alone, keys in order: a row's numbers depend only on its query and what it sees, whatever the number of rows.
+// blocking, made for long queries), about 2 ms of a 16 ms forward; this is a few microseconds. Each (head, row)'s
+// numbers alone, keys in order: a row's numbers depend only on its query and what it sees, whatever the number of
+// rows. A call takes G query heads of one row that share a key/value head together (attend_heads), so each key and
+// value is read once for the G of them, each head's operations in the order one head alone takes.
 // exp as Cephes' expf (range reduction by ln 2, degree-6 polynomial, about 1 ulp); arguments below -87.3 (the
 // scores far under their maximum) and keys the mask hides contribute exactly 0.
-static inline __attribute__((always_inline)) void attend_row(const float *q, const float *k, const float *v, int T,
-                                                              int hd, const uint8_t *visible, float scale,
-                                                              float *scores, float *out) {
-    // scores [T rounded up to 16]: scratch. out [hd] = sum_t p_t v_t / sum_t p_t over the visible t. Keys in blocks
-    // of 16: their dot products summed lane-wise, then the 16 sums at once (sums_of_16); a block the row cannot see
-    // at all is skipped (a static-shape cache's unused tail).
+
+template <int G, int HD>  // HD: the head size, or 0 for hd at run time (then G == 1)
+static inline __attribute__((always_inline)) void attend_heads(const float *q, long q_stride, const float *k,
+                                                                const float *v, int T, int hd,
+                                                                const uint8_t *visible, float scale, float *scores,
+                                                                int padded, float *out) {
+    // q: head g's query at q + g * q_stride [hd]; scores [G][padded]: scratch; out + g * hd [hd] = sum_t p_t v_t /
+    // sum_t p_t over the visible t, for head g. Keys in blocks of 16: each key's 16-lane products summed over the
+    // head's chunks of 16 in order, then the block's 16 sums at once (sums_of_16); a block the row cannot see at all
+    // is skipped (a static-shape cache's unused tail).
+    const int chunks = HD ? HD / 16 : hd / 16;
     const __m512 hidden = _mm512_set1_ps(-INFINITY), scaling = _mm512_set1_ps(scale);
-    __m512 top = hidden;
+    __m512 query[G][HD ? HD / 16 : 16], top[G];
+    for (int g = 0; g < G; g++) {
+        top[g] = hidden;
+        for (int c = 0; c < chunks; c++) query[g][c] = _mm512_loadu_ps(q + g * q_stride + 16 * c);
+    }
     for (int t0 = 0; t0 < T; t0 += 16) {
         int count = T - t0 < 16 ? T - t0 : 16;
         __mmask16 lanes = count == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1);
@@ -70,68 +81,129 @@ static inline __attribute__((always_inline)) void attend_row(const float *q, con
         __mmask16 seen = _mm512_mask_cmpneq_epi32_mask(
             lanes, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)flags)), _mm512_setzero_si512());
         if (!seen) {
-            _mm512_storeu_ps(scores + t0, hidden);
+            for (int g = 0; g < G; g++) _mm512_storeu_ps(scores + g * padded + t0, hidden);
             continue;
         }
-        __m512 dots[16];
+        __m512 dots[G][16];
         for (int j = 0; j < 16; j++) {
             if (j >= count) {
-                dots[j] = _mm512_setzero_ps();
+                for (int g = 0; g < G; g++) dots[g][j] = _mm512_setzero_ps();
                 continue;
             }
             const float *key = k + (size_t)(t0 + j) * hd;
-            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(key));
-            for (int i = 16; i < hd; i += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(key + i), s);
-            dots[j] = s;
+            __m512 first = _mm512_loadu_ps(key), s[G];
+            for (int g = 0; g < G; g++) s[g] = _mm512_mul_ps(query[g][0], first);
+            for (int c = 1; c < chunks; c++) {
+                __m512 part = _mm512_loadu_ps(key + 16 * c);
+                for (int g = 0; g < G; g++) s[g] = _mm512_fmadd_ps(query[g][c], part, s[g]);
+            }
+            for (int g = 0; g < G; g++) dots[g][j] = s[g];
         }
-        __m512 block = _mm512_mask_blend_ps(seen, hidden, _mm512_mul_ps(sums_of_16(dots), scaling));
-        _mm512_storeu_ps(scores + t0, block);
-        top = _mm512_max_ps(top, block);
+        for (int g = 0; g < G; g++) {
+            __m512 block = _mm512_mask_blend_ps(seen, hidden, _mm512_mul_ps(sums_of_16(dots[g]), scaling));
+            _mm512_storeu_ps(scores + g * padded + t0, block);
+            top[g] = _mm512_max_ps(top[g], block);
+        }
     }
-    __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-    for (int t0 = 0; t0 < T; t0 += 16)  // hidden keys: exp(-inf) flushed to exactly 0
-        _mm512_storeu_ps(scores + t0, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + t0), shift)));
+    for (int g = 0; g < G; g++) {  // hidden keys: exp(-inf) flushed to exactly 0
+        __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top[g]));
+        float *row = scores + g * padded;
+        for (int t0 = 0; t0 < T; t0 += 16)
+            _mm512_storeu_ps(row + t0, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + t0), shift)));
+    }
     // Both sums run over the visible keys one by one in cache order, so a row's numbers depend on which keys it sees
     // and in what order, not on where they sit: a tree row's ancestors lie scattered among its siblings, the same
     // tokens' keys in plain decoding are consecutive (a sum kept in 16 lanes by position gave them other roundings).
-    __m512 acc[16];
-    int chunks = hd / 16;
-    float total = 0.0f;
-    for (int c = 0; c < chunks; c++) acc[c] = _mm512_setzero_ps();
-    for (int t = 0; t < T; t++) {
-        if (scores[t] == 0.0f) continue;  // hidden, or too small to count
-        total += scores[t];
-        __m512 p = _mm512_set1_ps(scores[t]);
-        const float *value = v + (size_t)t * hd;
-        for (int c = 0; c < chunks; c++) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(value + 16 * c), acc[c]);
+    // A key whose weight is 0 (hidden, or too small to count) leaves a head's sums as they are (the masked FMA; the
+    // total gains +0.0, which leaves a nonnegative sum unchanged).
+    __m512 acc[G][HD ? HD / 16 : 16];
+    float total[G];
+    for (int g = 0; g < G; g++) {
+        total[g] = 0.0f;
+        for (int c = 0; c < chunks; c++) acc[g][c] = _mm512_setzero_ps();
     }
-    __m512 sum = _mm512_set1_ps(total);
-    for (int c = 0; c < chunks; c++) _mm512_storeu_ps(out + 16 * c, _mm512_div_ps(acc[c], sum));
+    for (int t = 0; t < T; t++) {
+        __m512 p[G];
+        __mmask16 counts[G];
+        bool any = false;
+        for (int g = 0; g < G; g++) {
+            float weight = scores[g * padded + t];
+            total[g] += weight;
+            counts[g] = weight != 0.0f ? (__mmask16)0xFFFF : (__mmask16)0;
+            any |= weight != 0.0f;
+            p[g] = _mm512_set1_ps(weight);
+        }
+        if (!any) continue;
+        const float *value = v + (size_t)t * hd;
+        for (int c = 0; c < chunks; c++) {
+            __m512 part = _mm512_loadu_ps(value + 16 * c);
+            for (int g = 0; g < G; g++) acc[g][c] = _mm512_mask3_fmadd_ps(p[g], part, acc[g][c], counts[g]);
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        __m512 sum = _mm512_set1_ps(total[g]);
+        for (int c = 0; c < chunks; c++) _mm512_storeu_ps(out + g * hd + 16 * c, _mm512_div_ps(acc[g][c], sum));
+    }
+}
+
+// G query heads of one row over their key/value head: the common head sizes with their loops unrolled (the queries
+// and accumulators in registers), any other multiple of 16 one head at a time.
+template <int G>
+static void attend_heads_of(const float *q, long q_stride, const float *k, const float *v, int T, int hd,
+                            const uint8_t *visible, float scale, float *scores, int padded, float *out) {
+    switch (hd) {
+        case 128: attend_heads<G, 128>(q, q_stride, k, v, T, hd, visible, scale, scores, padded, out); return;
+        case 64: attend_heads<G, 64>(q, q_stride, k, v, T, hd, visible, scale, scores, padded, out); return;
+        case 32: attend_heads<G, 32>(q, q_stride, k, v, T, hd, visible, scale, scores, padded, out); return;
+        default:
+            for (int g = 0; g < G; g++)
+                attend_heads<1, 0>(q + g * q_stride, q_stride, k, v, T, hd, visible, scale, scores, padded,
+                                   out + g * hd);
+    }
+}
+
+static void attend_group(int G, const float *q, long q_stride, const float *k, const float *v, int T, int hd,
+                         const uint8_t *visible, float scale, float *scores, int padded, float *out) {
+    switch (G) {
+        case 3: attend_heads_of<3>(q, q_stride, k, v, T, hd, visible, scale, scores, padded, out); return;
+        case 2: attend_heads_of<2>(q, q_stride, k, v, T, hd, visible, scale, scores, padded, out); return;
+        default: attend_heads_of<1>(q, q_stride, k, v, T, hd, visible, scale, scores, padded, out);
+    }
+}
+
+// A call's units: (key/value head, run of up to `most` (1..MOST_HEADS) of its query heads, row), a key/value head's
+// units side by side. A key/value head's `group` query heads split into runs of `most`, the last one shorter
+// (7 -> 3, 3, 1). Every `most` gives each head the same bits (1: each head alone).
+struct HeadRuns {
+    int group, most, runs;
+    int first(int r) const { return r * most; }
+    int size(int r) const { return group - first(r) < most ? group - first(r) : most; }
+};
+
+static HeadRuns head_runs(int H, int Hkv, int most) {
+    int group = H / Hkv;
+    most = most < 1 ? 1 : most > MOST_HEADS ? MOST_HEADS : most;
+    return {group, most, (group + most - 1) / most};
 }
 
 // q [H][N][hd] (contiguous); head j's keys and values: row t at k + j * head_stride + t * hd (j = h / (H / Hkv));
 // visible [N][T] bytes (nonzero: row n attends to key t; every row sees at least one key); out [N][H * hd], the
 // layout the output projection reads. hd % 16 == 0, hd <= 256. 0, or -1 without scratch memory (out unwritten).
 int attention_rows(const float *q, int H, int Hkv, int N, int hd, const float *k, const float *v, long head_stride,
-                   int T, const uint8_t *visible, float scale, float *out, int threads) {
-    int padded = (T + 15) / 16 * 16, group = H / Hkv, units = H * N;
+                   int T, const uint8_t *visible, float scale, float *out, int threads, int most_heads) {
+    HeadRuns runs = head_runs(H, Hkv, most_heads);
+    int padded = (T + 15) / 16 * 16, units = Hkv * runs.runs * N;
     if (threads > units) threads = units;
     if (threads < 1) threads = 1;
-    float *scratch = (float *)malloc(sizeof(float) * (size_t)padded * threads);
+    float *scratch = (float *)malloc(sizeof(float) * (size_t)padded * MOST_HEADS * threads);
     if (scratch == NULL) return -1;
     #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int u = 0; u < units; u++) {  // (head, row) pairs, a key/value head's rows side by side
-        int h = u / N, n = u % N;
-        size_t kv = (size_t)(h / group) * head_stride;
-        const float *row_q = q + (size_t)u * hd, *row_k = k + kv, *row_v = v + kv;
-        const uint8_t *seen = visible + (size_t)n * T;
-        float *scores = scratch + (size_t)omp_get_thread_num() * padded, *row_out = out + (size_t)n * H * hd + h * hd;
-        switch (hd) {  // the common head sizes with their loops unrolled (the accumulators in registers)
-            case 64: attend_row(row_q, row_k, row_v, T, 64, seen, scale, scores, row_out); break;
-            case 128: attend_row(row_q, row_k, row_v, T, 128, seen, scale, scores, row_out); break;
-            case 32: attend_row(row_q, row_k, row_v, T, 32, seen, scale, scores, row_out); break;
-            default: attend_row(row_q, row_k, row_v, T, hd, seen, scale, scores, row_out);
-        }
+    for (int u = 0; u < units; u++) {
+        int n = u % N, r = (u / N) % runs.runs, j = u / N / runs.runs, h = j * runs.group + runs.first(r);
+        size_t kv = (size_t)j * head_stride;
+        float *scores = scratch + (size_t)omp_get_thread_num() * padded * MOST_HEADS;
+        attend_group(runs.size(r), q + ((size_t)h * N + n) * hd, (long)N * hd, k + kv, v + kv, T, hd,
+                     visible + (size_t)n * T, scale, scores, padded, out + (size_t)n * H * hd + (size_t)h * hd);
     }
     free(scratch);
     return 0;
@@ -139,11 +211,13 @@ int attention_rows(const float *q, int H, int Hkv, int N, int hd, const float *k
 
 // Rows of several sequences in one forward (distill.engine_generation: many prompts decoded together), each sequence's
 // keys a contiguous span of one cache: row n attends to the keys [spans[2n], spans[2n + 1]) alone, all of them seen,
-// so its numbers are the ones attention_rows gives it over the same keys in its own cache (attend_row over the same
-// keys in the same order), and its cost follows its own span, not the cache's. 0, or -1 without scratch memory.
+// so its numbers are the ones attention_rows gives it over the same keys in its own cache (the same operations over
+// the same keys in the same order), and its cost follows its own span, not the cache's. 0, or -1 without scratch
+// memory.
 int attention_spans(const float *q, int H, int Hkv, int N, int hd, const float *k, const float *v, long head_stride,
                     const int64_t *spans, float scale, float *out, int threads) {
-    int longest = 1, group = H / Hkv, units = H * N;
+    HeadRuns runs = head_runs(H, Hkv, MOST_HEADS);
+    int longest = 1, units = Hkv * runs.runs * N;
     for (int n = 0; n < N; n++) {
         int width = (int)(spans[2 * n + 1] - spans[2 * n]);
         if (width > longest) longest = width;
@@ -151,7 +225,7 @@ int attention_spans(const float *q, int H, int Hkv, int N, int hd, const float *
     int padded = (longest + 15) / 16 * 16;
     if (threads > units) threads = units;
     if (threads < 1) threads = 1;
-    float *scratch = (float *)malloc(sizeof(float) * (size_t)padded * threads);
+    float *scratch = (float *)malloc(sizeof(float) * (size_t)padded * MOST_HEADS * threads);
     uint8_t *seen = (uint8_t *)malloc((size_t)padded);
     if (scratch == NULL || seen == NULL) {
         free(scratch);
@@ -160,19 +234,14 @@ int attention_spans(const float *q, int H, int Hkv, int N, int hd, const float *
     }
     memset(seen, 1, (size_t)padded);
     #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int u = 0; u < units; u++) {  // (head, row) pairs, as attention_rows
-        int h = u / N, n = u % N;
+    for (int u = 0; u < units; u++) {  // as attention_rows
+        int n = u % N, r = (u / N) % runs.runs, j = u / N / runs.runs, h = j * runs.group + runs.first(r);
         long first = spans[2 * n];
         int T = (int)(spans[2 * n + 1] - first);
-        size_t kv = (size_t)(h / group) * head_stride + (size_t)first * hd;
-        const float *row_q = q + (size_t)u * hd, *row_k = k + kv, *row_v = v + kv;
-        float *scores = scratch + (size_t)omp_get_thread_num() * padded, *row_out = out + (size_t)n * H * hd + h * hd;
-        switch (hd) {
-            case 64: attend_row(row_q, row_k, row_v, T, 64, seen, scale, scores, row_out); break;
-            case 128: attend_row(row_q, row_k, row_v, T, 128, seen, scale, scores, row_out); break;
-            case 32: attend_row(row_q, row_k, row_v, T, 32, seen, scale, scores, row_out); break;
-            default: attend_row(row_q, row_k, row_v, T, hd, seen, scale, scores, row_out);
-        }
+        size_t kv = (size_t)j * head_stride + (size_t)first * hd;
+        float *scores = scratch + (size_t)omp_get_thread_num() * padded * MOST_HEADS;
+        attend_group(runs.size(r), q + ((size_t)h * N + n) * hd, (long)N * hd, k + kv, v + kv, T, hd, seen, scale,
+                     scores, padded, out + (size_t)n * H * hd + (size_t)h * hd);
     }
     free(scratch);
     free(seen);
