@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
-from benchmarks import decode_methods
+from benchmarks import attention_heads, decode_methods
 from benchmarks.harness import ROOT, cpu_info, fingerprint, interleave, median_ms, write_report
 from specdistill.decode.evaluate import build_parser, config_from_args
+from specdistill.models import kernels
 from tests.conftest import make_tiny_llama
 from tests.decode.test_evaluate import MT_BENCH_LINES, VOCAB, make_chat_tokenizer, write_lines
 
@@ -125,3 +126,12 @@ def test_every_benchmark_starts_and_parses_its_arguments(name):
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "--out" in done.stdout and "--reps" in done.stdout
+
+
+@pytest.mark.skipif(kernels.unavailable() is not None, reason=f"the kernel library: {kernels.unavailable()}")
+def test_the_attention_benchmark_checks_both_ways_give_the_same_bits(tmp_path):
+    results = attention_heads.main(["--heads", "6", "--kv-heads", "2", "--hd", "64", "--rows", "1", "3",
+                                    "--context", "20", "--reps", "2", "--out", str(tmp_path)])
+    assert results["same_bits"] is True
+    assert set(results["us_a_layer"]["together"]) == {"1x20", "3x20"}
+    assert (tmp_path / "attention_heads.json").exists()
