@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from specdistill.distill.written import parse_written_spec
 from specdistill.train import kd  # noqa: F401  (registers seqkd and kd, which have no section)
 from specdistill.train.colbt import ColbtConfig
 from specdistill.train.config import ConfigError, as_section, check_choice, sections
@@ -70,9 +69,6 @@ class DistillConfig:
                                       "asking to rework it, answered by the target too (distill.followups: "
                                       "multi-turn records, where an answer reuses the context); 0 = none")
     follow_ups: str = _f("", "follow_up_share's requests: a text file, one per line; '' = distill.followups.FOLLOW_UPS")
-    written_answers: list[str] = _f([], "text the target reads but did not write, trained on at a prefill's cost "
-                                        "(distill.written: jsonl:PATH?answer=KEY, files:GLOB); only for the methods "
-                                        "trained on the target's states")
     teacher_backend: str = _f("builtin", "who writes the teacher data: builtin (the target here) or vllm (vLLM's "
                                          "batched generation, from `make vllm`; the same cache format)")
 
@@ -147,24 +143,10 @@ class DistillConfig:
             budgeted = [m.name for m in methods() if m.budgeted]
             raise ConfigError(f"max_minutes: method {self.method} trains a fixed number of steps; only "
                               f"{', '.join(budgeted)} sizes its steps to a time budget")
-        self.check_written_answers(method)
         if method.check is not None:
             method.check(self)
         if not self.work_dir:
             self.work_dir = self.output_dir.rstrip("/") + ".work"
-
-    def check_written_answers(self, method) -> None:
-        if not self.written_answers:
-            return
-        if method.staging is None:
-            readers = [m.name for m in methods() if m.staging is not None]
-            raise ConfigError(f"written_answers: method {self.method} learns from what the target writes; only "
-                              f"{', '.join(readers)} train on the target's states over any text")
-        for spec in self.written_answers:
-            try:
-                parse_written_spec(spec)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
 
     def check_sections(self) -> None:
         """The job's method's section built (its defaults when absent); another method's section is an error."""

@@ -42,7 +42,6 @@ from specdistill.distill.teacher_data import (
     teacher_data_key,
 )
 from specdistill.distill.vocab import count_response_tokens, coverage, inverse_map, select_draft_vocab
-from specdistill.distill.written import written_records
 from specdistill.models.draft_models import apply_lora, drop_gguf_blocks, reduce_head
 from specdistill.models.drafters import load_drafter, save_drafter
 from specdistill.models.fingerprint import weights_fingerprint
@@ -167,7 +166,8 @@ def greedy_generator(target) -> str:
 def teacher_data_plan(cfg, target) -> tuple[list, TeacherDataSettings, Path]:
     """The job's training prompts, generation settings and content-addressed teacher-data directory
     (target fingerprint, prompts, settings: jobs with the same data share it)."""
-    prompts = load_prompt_sources(cfg.prompts, target=target, exclude=excluded_texts(cfg), seed=cfg.seed)
+    excluded = exclusion_texts(cfg.exclude_prompts) if cfg.exclude_prompts else set()
+    prompts = load_prompt_sources(cfg.prompts, target=target, exclude=excluded, seed=cfg.seed)
     if cfg.max_prompts:
         prompts = prompts[: cfg.max_prompts]
     if not prompts:
@@ -193,18 +193,7 @@ def teacher_records(cfg, target, accelerator, staging: FeatureStaging | None = N
             with phase("second turns"):
                 records += answered(target, second, wide, teacher_data_dir(teacher_data_key(target, second, wide)),
                                     accelerator, staging)
-    if cfg.written_answers:  # text the target only reads: its states are computed with the rest (distill.written)
-        with phase("written answers"):
-            written = written_records(cfg.written_answers, target, exclude=excluded_texts(cfg))
-        log.info("written answers: %d records, %d answer tokens", len(written),
-                 sum(len(r["response_ids"]) for r in written))
-        records += written
     return records
-
-
-def excluded_texts(cfg) -> set[str]:
-    """The normalized texts of the prompts never trained on (the evaluation questions)."""
-    return exclusion_texts(cfg.exclude_prompts) if cfg.exclude_prompts else set()
 
 
 def answered(target, prompts, settings: TeacherDataSettings, out_dir: Path, accelerator,

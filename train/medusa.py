@@ -121,9 +121,7 @@ PREFIX_BATCH = 16  # records per prefix-layer forward outside training (calibrat
 def train_medusa(cfg, accelerator, target, records: list[dict], eval_prompts: list[list[int]] | None = None) -> Path:
     """eval_prompts: held-out prompts the engine measures the calibrated drafter's tau on at the end (none: only the
     heads' top-k accuracies on the held-out records, `medusa.calibration`, which choose the tree)."""
-    own = [r for r in records if not r.get("written")]  # the tree is calibrated on what the target writes
-    train_records, calibration = split_held_out(own, cfg.medusa.calibration, cfg.seed, key="medusa.calibration")
-    train_records += [r for r in records if r.get("written")]
+    train_records, calibration = split_held_out(records, cfg.medusa.calibration, cfg.seed, key="medusa.calibration")
     train_set, calib_set = hidden_state_sets(cfg, accelerator, target, records, train_records, calibration)
     vocab_map = candidate_vocab(cfg, target, train_records)
     heads = MedusaHeads.from_target(target.model, cfg.medusa.heads, cfg.medusa.layers,
@@ -409,7 +407,7 @@ def candidate_vocab(cfg, target, records: list[dict]) -> torch.Tensor | None:
     tokens, EOS always in), or None for the full vocabulary."""
     if not cfg.draft_vocab:
         return None
-    counts = count_response_tokens(r for r in records if not r.get("written"))  # what the target itself writes
+    counts = count_response_tokens(records)
     vocab_map = select_draft_vocab(counts, cfg.draft_vocab, target.vocab_size, always=target.eos_token_ids)
     log.info("candidate vocabulary: %d tokens, %.1f%% of the training responses' tokens",
              cfg.draft_vocab, 100 * coverage(counts, vocab_map))
