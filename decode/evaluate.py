@@ -371,9 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft the full depth every step (default: the cost-aware adaptive depth); tau then "
                         "measures acceptance alone, and speed what always drafting fully costs")
     p.add_argument("--prompt-vocab", action=argparse.BooleanOptionalAction, default=None,
-                   help="a reduced draft head also drafts every token of the request's prompt (a draft model: rows "
-                        "from its input embeddings; EAGLE-3: the target's head rows mapped to the drafter's, "
-                        "decode.proposers.prompt_head); default: the drafter manifest's extra.prompt_vocab")
+                   help="a reduced draft head also drafts every token of the request's prompt (rows from the "
+                        "drafter's input embeddings); default: the drafter manifest's extra.prompt_vocab")
     p.add_argument("--peers", choices=PEERS, action="append", default=None,
                    help="hf: also run transformers' generate, assisted generation and prompt lookup; vllm: vLLM's "
                         "plain decoding and n-gram speculation (`make vllm` first); llamacpp: llama.cpp's server on "

@@ -7,7 +7,6 @@
     medusa.py         Medusa heads on the target's hidden states (kind medusa)
     lookahead.py      [LA] rows in the target's own forward (kind lookahead)
     eagle3.py         EAGLE-3 feature-level drafting with EAGLE-2 dynamic trees (kind eagle3)
-    prompt_head.py    EAGLE-3's reduced head extended per request by the prompt's tokens (not a kind)
     dflash.py         DFlash block drafting: a whole block in one forward over the target's features (kind dflash)
 
 A kind module imports base (and the kinds it builds on), never this package, and registers its builder

@@ -52,7 +52,6 @@ from specdistill.decode.draft_steps import ContextStep, DraftTreeStep, candidate
 from specdistill.decode.lean_eagle3 import DISABLE_ENV as LEAN_DISABLE_ENV
 from specdistill.decode.lean_eagle3 import LeanEagle3, lean_eagle3, lean_eagle3_runs
 from specdistill.decode.proposers.base import CATCH_UP_SPLIT, Proposer, QueuedFeatures, register_proposer, stored_format
-from specdistill.decode.proposers.prompt_head import PromptRows
 from specdistill.decode.runner import synchronized_clock
 from specdistill.decode.sampling import SamplingConfig, logits_to_probs, sample
 from specdistill.decode.tree import TokenTree
@@ -98,7 +97,7 @@ class Eagle3Proposer(QueuedFeatures, Proposer):
     def __init__(self, drafter: Eagle3Drafter, embed: torch.nn.Module, depth: int | None = None,
                  topk: int | None = None, tree_nodes: int | None = None,
                  eos_token_ids: set[int] = frozenset(), weights: str = "float32", fixed_steps: bool | None = None,
-                 min_prob: float | None = None, priced: bool = True, prompt_rows: PromptRows | None = None):
+                 min_prob: float | None = None, priced: bool = True):
         """weights: the format of the drafter's packed linear weights on the CPU (`eagle3_drafting_weights`:
         int8 wherever the kernel library runs on AVX512-VNNI, else q8_0 wherever the library runs, else float16
         wherever FBGEMM runs it). fixed_steps: a tree's depths as fixed-shape steps (decode.draft_steps), replayed as
@@ -107,9 +106,7 @@ class Eagle3Proposer(QueuedFeatures, Proposer):
         None = DEFAULT_MIN_PROB for the device.
         priced: greedy trees keep the number of nodes that maximises the step's expected tokens per second under
         the engine's measured verification costs (`price_verification`; module docstring); False: always
-        `tree_nodes` (above the floor).
-        prompt_rows: each request's prompt tokens that the reduced head lacks drafted too (decode.proposers.
-        prompt_head); on the drafting rows depth by depth only, not in fixed-shape steps."""
+        `tree_nodes` (above the floor)."""
         device = drafter.fc.weight.device
         device_kind = "cuda" if device.type == "cuda" else "cpu"
         default = DEFAULT_TREE[device_kind]
@@ -144,10 +141,6 @@ class Eagle3Proposer(QueuedFeatures, Proposer):
             raise ValueError(f"eagle3: drafter weights {weights} run on the lean drafting rows only (fp32 on the CPU, "
                              f"not fixed-shape steps, ${LEAN_DISABLE_ENV} unset)")
         self.net = lean if lean is not None else packed_for_inference(drafter, weights)
-        if prompt_rows is not None and self.fixed_steps:
-            raise ValueError("eagle3: prompt_vocab drafts depth by depth; fixed-shape steps (CUDA graphs) draft from "
-                             "the head alone: turn one of them off")
-        self.prompt_rows = prompt_rows
         self.weights = stored_format(weights, drafter)  # resolved: what self.net's matrices hold (weight_format)
         self.step: DraftTreeStep | None = None  # kept across requests while the cache is (its graphs too)
         self.context_step: ContextStep | None = None
@@ -172,8 +165,6 @@ class Eagle3Proposer(QueuedFeatures, Proposer):
             self.context_step = ContextStep(self.net, self.embed, self.cache, self.drafter.fc.in_features,
                                             graphed=self.graphed, pool=self.pool)
         self.pending, self.position = [], 0
-        if self.prompt_rows is not None:
-            self.prompt_rows.begin(prompt_ids)
 
     def last_catch_up_s(self) -> float:
         return self.catch_up_s
@@ -294,10 +285,7 @@ class Eagle3Proposer(QueuedFeatures, Proposer):
         else:
             logq = torch.log_softmax(self.net.logits(outs).float(), dim=-1)  # [P, M]
             values, indices = logq.topk(min(self.topk, logq.shape[-1]), dim=-1)
-        tokens = self.vocab_map[indices]  # [P, K] target ids
-        if self.prompt_rows is not None and self.prompt_rows.active:
-            values, tokens = self.prompt_rows.merge_top(outs, values, indices, tokens, self.topk)
-        return values.tolist(), tokens.tolist()
+        return values.tolist(), self.vocab_map[indices].tolist()
 
     def add_children(self, parents: list[int], values: list[list[float]], tokens: list[list[int]],
                      scores: list[float], depth: int) -> list[int]:
@@ -314,12 +302,8 @@ class Eagle3Proposer(QueuedFeatures, Proposer):
         drafts, probs, base = [], [], self.position - 1
         self.candidates = []
         for d in range(1, depth + 1):
-            logits, ids = self.net.logits(out[None])[0].float().cpu(), self.vocab_map.cpu()  # [M]
-            if self.prompt_rows is not None and self.prompt_rows.active:  # [M + N]
-                logits = torch.cat([logits, self.prompt_rows.logits(out[None])[0]])
-                ids = torch.cat([ids, self.prompt_rows.ids])
-            q_draft = logits_to_probs(logits, sampling)
-            q = q_draft.new_zeros(self.target_vocab).scatter_(0, ids, q_draft)  # [V]
+            q_draft = logits_to_probs(self.net.logits(out[None])[0].float().cpu(), sampling)  # [M]
+            q = q_draft.new_zeros(self.target_vocab).scatter_(0, self.vocab_map.cpu(), q_draft)  # [V]
             token = sample(q, generator)
             drafts.append(token)
             probs.append(q)
@@ -377,8 +361,7 @@ def build_eagle3_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: 
     """A loaded eagle3 drafter's proposer: its tree's depth, top-K, size and probability floor from kw
     (eagle3_depth, eagle3_topk, eagle3_tree_nodes, eagle3_min_prob), else from its manifest's
     extra.decoding, else DEFAULT_TREE / DEFAULT_MIN_PROB for the device; eagle3_priced=False keeps every tree at
-    its full size (for side-by-side measurements); prompt_vocab (None: the manifest's extra.prompt_vocab) drafts each
-    request's prompt tokens that the reduced head lacks too (`prompt_rows`)."""
+    its full size (for side-by-side measurements)."""
     options = (drafter.manifest.get("extra") or {}).get("decoding") or {}
     min_prob = kw.get("eagle3_min_prob")  # 0 is a value (no floor), not "unset"
     if min_prob is None:
@@ -391,20 +374,7 @@ def build_eagle3_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: 
                           weights=eagle3_drafting_weights(drafter.model, kw.get("drafter_weights"),
                                                           kw.get("eagle3_fixed_steps")),
                           fixed_steps=kw.get("eagle3_fixed_steps"), min_prob=min_prob,
-                          priced=kw.get("eagle3_priced", True),
-                          prompt_rows=prompt_rows(drafter, target_model, kw.get("prompt_vocab")))
-
-
-def prompt_rows(drafter, target_model, setting: bool | None) -> PromptRows | None:
-    """The drafter's PromptRows where prompt_vocab is on (None: as its manifest's extra.prompt_vocab says)."""
-    if setting is None:
-        setting = bool((drafter.manifest.get("extra") or {}).get("prompt_vocab", False))
-    if not setting:
-        return None
-    model, target_head = drafter.model, target_model.get_output_embeddings().weight  # [V, D]
-    if model.vocab_map.numel() >= target_head.shape[0]:
-        raise ValueError("prompt_vocab extends a reduced draft head; this drafter has the full vocabulary")
-    return PromptRows(model.lm_head.weight, model.vocab_map, target_head, model.norm.weight, model.norm.eps)
+                          priced=kw.get("eagle3_priced", True))
 
 
 def eagle3_drafting_weights(drafter: Eagle3Drafter, choice: str | None, fixed_steps: bool | None) -> str:

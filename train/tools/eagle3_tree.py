@@ -1,16 +1,14 @@
 """Give a trained EAGLE-3 drafter another decoding tree shape without retraining.
 
     specdistill eagle3-tree --drafter DIR [--depth D] [--topk K] [--tree-nodes N] [--min-prob P]
-        [--prompt-vocab on|off] [--out OUT_DIR] [--target T]
+        [--out OUT_DIR] [--target T]
 
 The shape lives in the drafter's manifest (`extra.decoding`): the deepest draft D, the top-K tokens
 offered under each expanded node (and the K nodes expanded per depth), the N most probable
 candidates kept as the tree, and the floor P on a node's path probability below which it is neither kept
-nor expanded (0: none; decode.proposers.eagle3). `--prompt-vocab on` sets `extra.prompt_vocab`: each
-request's prompt tokens that the reduced head lacks are drafted too (decode.proposers.prompt_head).
-Copies written with --out evaluate side by side in one `decode.evaluate` run (`--drafter A --drafter B
-...`), which is how the shipped shape was chosen. An option left out keeps the drafter's value; the
-directory is rewritten atomically (in place unless --out).
+nor expanded (0: none; decode.proposers.eagle3). Copies written with --out evaluate side by side in
+one `decode.evaluate` run (`--drafter A --drafter B ...`), which is how the shipped shape was chosen. An
+option left out keeps the drafter's value; the directory is rewritten atomically (in place unless --out).
 """
 
 from __future__ import annotations
@@ -31,8 +29,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tree-nodes", type=int, default=None, help="tree size, root excluded")
     p.add_argument("--min-prob", type=float, default=None,
                    help="the path-probability floor, in [0, 1); 0 = none (default: the device's, DEFAULT_MIN_PROB)")
-    p.add_argument("--prompt-vocab", choices=["on", "off"], default=None,
-                   help="draft the prompt's tokens the reduced head lacks too (the manifest's extra.prompt_vocab)")
     p.add_argument("--out", default=None, help="write here instead of rewriting --drafter")
     p.add_argument("--target", default=None, help="the target the drafter belongs to (default: the embedded one)")
     return p.parse_args(argv)
@@ -53,14 +49,10 @@ def main(argv: list[str] | None = None) -> Path:
         raise SystemExit(f"{args.drafter} is a {drafter.kind!r} drafter; this script is for kind 'eagle3'")
     extra = dict(drafter.manifest.get("extra") or {})
     extra["decoding"] = {**(extra.get("decoding") or {}), **{k: v for k, v in chosen.items() if v is not None}}
-    if args.prompt_vocab is not None:
-        if args.prompt_vocab == "on" and drafter.model.vocab_map.numel() >= drafter.model.config["vocab_size"]:
-            raise SystemExit(f"--prompt-vocab on: {args.drafter} drafts the full vocabulary; there is nothing to add")
-        extra["prompt_vocab"] = args.prompt_vocab == "on"
     model = Eagle3Drafter(drafter.model.config)
     model.load_state_dict(drafter.model.state_dict())
     out = save_drafter(args.out or args.drafter, model, target, "eagle3", drafter.manifest["config"], extra=extra)
-    print(f"{out}: decoding {extra['decoding']}, prompt_vocab {extra.get('prompt_vocab', False)}")
+    print(f"{out}: decoding {extra['decoding']}")
     return out
 
 
