@@ -32,6 +32,7 @@ TOOLS = {  # subcommand: (module under train.tools, what it does)
     "training-gain": ("training_gain", "what a trained drafter gained, from one evaluation report"),
     "medusa-vocab": ("medusa_vocab", "a Medusa drafter's candidate vocabulary or tree size, without retraining"),
     "eagle3-tree": ("eagle3_tree", "an EAGLE-3 drafter's decoding tree shape, without retraining"),
+    "head-coverage": ("head_coverage", "what share of the target's answers a reduced draft head can draft"),
     "online-demo": ("online_demo", "the online loop end to end: server, daemon, a shifted stream"),
     "plot-online": ("plot_online", "redraw the online demo's acceptance plot"),
     "replay-online": ("replay_online", "replay a served stream through the daemon's update rule, offline"),
