@@ -20,10 +20,9 @@ from pathlib import Path
 
 from specdistill.decode.evaluate import conversation_for_turn, decode_answer
 from specdistill.decode.questions import load_questions
+from specdistill.decode.report import BASELINE
 from specdistill.models.drafters import load_drafter
 from specdistill.models.target import load_target
-
-BASELINE = "baseline"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -54,11 +53,10 @@ def coverage(report: Path, target, head: set[int]) -> dict[str, dict[str, float]
         prompt = set(target.encode_chat(conversation_for_turn(question.turns, answers[question.question_id],
                                                               turn["turn"])))
         answers[question.question_id].append(decode_answer(target.tokenizer, turn["tokens"]))
+        turn_counts = (len(turn["tokens"]), sum(t in head for t in turn["tokens"]),
+                       sum(t in head or t in prompt for t in turn["tokens"]))
         for key in (turn["category"], "all"):
-            c = counts[key]
-            c[0] += len(turn["tokens"])
-            c[1] += sum(t in head for t in turn["tokens"])
-            c[2] += sum(t in head or t in prompt for t in turn["tokens"])
+            counts[key] = [a + b for a, b in zip(counts[key], turn_counts)]
     order = [key for key in counts if key != "all"] + ["all"]
     return {key: {"tokens": counts[key][0], "head": round(counts[key][1] / counts[key][0], 4),
                   "head_or_prompt": round(counts[key][2] / counts[key][0], 4)} for key in order}
