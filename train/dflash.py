@@ -75,8 +75,6 @@ class DFlashConfig:
     init: str = option("target_layers", "how the layers start: target_layers (the target's layers after its deepest "
                                         "fused one, fc passing that feature through) or random (Llama's init)")
     intermediate_size: int = option(0, "the layers' MLP width (0: the target's)")
-    train_head: bool = option(True, "train the reduced head; false: it stays the target's rows for the draft "
-                                    "vocabulary, frozen, as the paper shares the target's head")
     depth: int = option(0, "decoding's deepest draft (stored in the drafter); 0: block_size - 1")
     topk: int = option(1, "decoding's tokens kept per block position (1: a chain; more: the alternatives as leaves)")
     tree_nodes: int = option(0, "decoding's most nodes besides the root; 0: depth x topk")
@@ -135,11 +133,9 @@ def feature_staging(cfg, target) -> FeatureStaging:
 
 def build_drafter(cfg, target, vocab_map) -> DFlashDrafter:
     section = cfg.dflash
-    drafter = DFlashDrafter.for_target(target.model, vocab_map, section.layers, section.block_size,
-                                       target_layers(cfg, target), seed=cfg.seed, init=section.init,
-                                       intermediate_size=section.intermediate_size).float().train()
-    drafter.lm_head.weight.requires_grad_(section.train_head)  # frozen: left out of the optimizer
-    return drafter
+    return DFlashDrafter.for_target(target.model, vocab_map, section.layers, section.block_size,
+                                    target_layers(cfg, target), seed=cfg.seed, init=section.init,
+                                    intermediate_size=section.intermediate_size).float().train()
 
 
 def train_dflash(cfg, accelerator, target, records: list[dict], eval_prompts: list[list[int]]) -> Path | None:
