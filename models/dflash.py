@@ -35,15 +35,28 @@ A drafter directory of kind `dflash`:
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
 
-from specdistill.models.drafters import Drafter, register_drafter_kind
-from specdistill.models.eagle3 import Eagle3MLP, ReducedVocab, rotate
+from specdistill.models.drafters import register_drafter_kind
+from specdistill.models.feature_drafter import (
+    ReducedVocab,
+    SwiGLU,
+    check_shapes,
+    copy_mlp,
+    full_vocab_map,
+    inverse_frequencies,
+    load_kind,
+    rope_tables,
+    rotate,
+    save_weights,
+    start_like_target,
+    target_shapes,
+)
 
 WEIGHTS_FILE = "dflash.safetensors"
 MAX_BLOCK_SIZE = 32  # the paper trains 8-16; a CPU verifies a few rows for the price of one, not 32
@@ -68,20 +81,11 @@ def dflash_config(target_model: nn.Module, draft_vocab_size: int, num_layers: in
     """The drafter's shape from the target's config (attention and MLP shapes, RoPE base) and DFlash's own:
     num_layers decoder layers, blocks of block_size rows, the fused target layers (default: the paper's, as
     many as the drafter has layers)."""
-    text = target_model.config.get_text_config()
-    vocab = target_model.get_output_embeddings().weight.shape[0]
-    layers = list(target_layers) if target_layers else default_target_layers(text.num_hidden_layers, num_layers)
-    rope = getattr(text, "rope_parameters", None) or {}
-    heads = text.num_attention_heads
-    config = {"hidden_size": text.hidden_size, "target_hidden_size": text.hidden_size,
-              "num_attention_heads": heads, "num_key_value_heads": getattr(text, "num_key_value_heads", heads),
-              "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
-              "intermediate_size": int(intermediate_size or text.intermediate_size),
-              "rms_norm_eps": float(text.rms_norm_eps),
-              "rope_theta": float(rope.get("rope_theta") or getattr(text, "rope_theta", None) or 10000.0),
-              "draft_vocab_size": int(draft_vocab_size or vocab), "vocab_size": int(vocab),
+    count = target_model.config.get_text_config().num_hidden_layers
+    layers = list(target_layers) if target_layers else default_target_layers(count, num_layers)
+    config = {**target_shapes(target_model, draft_vocab_size, intermediate_size),
               "target_layers": [int(i) for i in layers], "num_layers": int(num_layers), "block_size": int(block_size)}
-    check_config(config, text.num_hidden_layers)
+    check_config(config, count)
     return config
 
 
@@ -101,15 +105,7 @@ def check_config(config: dict, target_num_layers: int | None = None) -> None:
     if target_num_layers is not None and not all(1 <= int(i) < target_num_layers for i in layers):
         raise ValueError(f"dflash.target_layers: {layers} out of range for a target of {target_num_layers} layers "
                          f"(1..{target_num_layers - 1}: the input of that layer, the output of the one before)")
-    if not 0 < config["draft_vocab_size"] <= config["vocab_size"]:
-        raise ValueError(f"draft_vocab: {config['draft_vocab_size']} must be in 1..{config['vocab_size']}")
-    if config["num_attention_heads"] % config["num_key_value_heads"]:
-        raise ValueError(f"dflash: {config['num_attention_heads']} attention heads are not a multiple of "
-                         f"{config['num_key_value_heads']} key/value heads")
-    if config["intermediate_size"] < 1:
-        raise ValueError(f"dflash.intermediate_size: must be positive, got {config['intermediate_size']}")
-    if config["head_dim"] % 2:
-        raise ValueError(f"dflash: head_dim {config['head_dim']} must be even for RoPE")
+    check_shapes(config, "dflash", "dflash.intermediate_size")
 
 
 class DFlashAttention(nn.Module):
@@ -134,18 +130,16 @@ class DFlashLayer(nn.Module):
 
     def __init__(self, config: dict):
         super().__init__()
-        d, eps, hd = config["hidden_size"], config["rms_norm_eps"], config["head_dim"]
+        d, eps = config["hidden_size"], config["rms_norm_eps"]
         self.input_layernorm = nn.RMSNorm(d, eps=eps)
         self.self_attn = DFlashAttention(config)
         self.post_attention_layernorm = nn.RMSNorm(d, eps=eps)
-        self.mlp = Eagle3MLP(config)  # gate/up/down SwiGLU, as Llama's and Qwen3's
-        inv_freq = 1.0 / config["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [hd / 2]
+        self.mlp = SwiGLU(config)  # gate/up/down, as Llama's and Qwen3's
+        self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)  # [hd / 2]
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [..., T] -> cos, sin [..., 1, T, hd] (broadcast over heads)."""
-        angles = positions.to(self.inv_freq.device, torch.float32)[..., None] * self.inv_freq  # [..., T, hd / 2]
-        return tuple(torch.cat([f(angles)] * 2, dim=-1).to(dtype).unsqueeze(-3) for f in (torch.cos, torch.sin))
+        return rope_tables(self.inv_freq, positions, dtype)
 
     def keys_values(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., T, D] (already normed) -> k (normed, rotated), v [..., Hkv, T, hd]."""
@@ -280,32 +274,19 @@ class DFlashDrafter(ReducedVocab, nn.Module):
         start as the target's layers after its deepest fused one (`start_from_target_layers`)."""
         if init not in DFLASH_INITS:
             raise ValueError(f"dflash.init: one of {DFLASH_INITS}, got {init!r}")
-        head = target_model.get_output_embeddings().weight  # [V, D]
-        vocab_map = torch.arange(head.shape[0]) if vocab_map is None else vocab_map.long().cpu()
-        config = dflash_config(target_model, vocab_map.numel(), num_layers, block_size, target_layers,
-                               intermediate_size)
-        generator = torch.Generator().manual_seed(seed)
-        drafter = cls(config)
+        vocab_map = full_vocab_map(target_model, vocab_map)
+        drafter = cls(dflash_config(target_model, vocab_map.numel(), num_layers, block_size, target_layers,
+                                    intermediate_size))
+        start_like_target(drafter, target_model, vocab_map, seed)
         with torch.no_grad():
-            for module in drafter.modules():
-                if isinstance(module, nn.Linear):
-                    module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * 0.02)
-            drafter.lm_head.weight.copy_(head.detach()[vocab_map.to(head.device)].float().cpu())
-            final_norm = getattr(target_model.get_decoder(), "norm", None)
-            if final_norm is not None and final_norm.weight.shape == drafter.norm.weight.shape:
-                drafter.norm.weight.copy_(final_norm.weight.detach().float().cpu())
             drafter.mask_embedding.copy_(target_model.get_input_embeddings().weight.detach().float().mean(0).cpu())
         if init == "target_layers":
             start_from_target_layers(drafter, target_model)
         drafter.set_vocab(vocab_map)
-        return drafter.to(device=head.device)
+        return drafter.to(device=target_model.get_output_embeddings().weight.device)
 
     def save_pretrained(self, directory: str | Path) -> None:
-        """Called by models.drafters.save_drafter inside its atomic temporary directory."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        state = {name: t.detach().to("cpu").contiguous() for name, t in self.state_dict().items()}
-        save_file(state, str(directory / WEIGHTS_FILE))
+        save_weights(self, directory, WEIGHTS_FILE)
 
 
 @torch.no_grad()
@@ -325,11 +306,7 @@ def start_from_target_layers(drafter: DFlashDrafter, target_model: nn.Module) ->
         source = decoder_layers[min(high + i, len(decoder_layers) - 1)]
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             getattr(layer.self_attn, name).weight.copy_(getattr(source.self_attn, name).weight.detach().float().cpu())
-        width = min(layer.mlp.gate_proj.weight.shape[0], source.mlp.gate_proj.weight.shape[0])
-        for name in ("gate_proj", "up_proj"):
-            getattr(layer.mlp, name).weight[:width].copy_(getattr(source.mlp, name).weight[:width].detach().float())
-        layer.mlp.down_proj.weight[:, width:].zero_()  # [D, I]: extra units start silent
-        layer.mlp.down_proj.weight[:, :width].copy_(source.mlp.down_proj.weight[:, :width].detach().float())
+        copy_mlp(layer.mlp, source.mlp)
         layer.input_layernorm.weight.copy_(source.input_layernorm.weight.detach().float().cpu())
         layer.post_attention_layernorm.weight.copy_(source.post_attention_layernorm.weight.detach().float().cpu())
 
@@ -365,29 +342,7 @@ class DFlashCache:
         return self.keys[layer, :, :end], self.values[layer, :, :end]
 
 
-def load_dflash_drafter(model_dir: Path, config: dict, dtype: torch.dtype) -> DFlashDrafter:
-    try:
-        drafter = DFlashDrafter(config)
-    except ValueError as err:
-        raise ValueError(f"{model_dir}: {err}") from err
-    drafter.load_state_dict(load_file(str(model_dir / WEIGHTS_FILE)), strict=True)
-    return drafter.to(dtype)
-
-
-def load_dflash_kind(path: Path, manifest: dict, target, device: str) -> Drafter:
-    config = {key: value for key, value in (manifest.get("config") or {}).items() if key in ARCH_KEYS}
-    drafter = load_dflash_drafter(path / (manifest.get("model") or "model"), config, target.dtype)
-    if config["vocab_size"] != target.vocab_size:
-        raise ValueError(f"dflash drafter {path} was built for a {config['vocab_size']}-token vocabulary but "
-                         f"target {target.name!r} has {target.vocab_size} tokens")
-    try:
-        check_config(config, target.model.config.get_text_config().num_hidden_layers)
-    except ValueError as err:
-        raise ValueError(f"dflash drafter {path}: {err}") from err
-    return Drafter("dflash", drafter.to(device).eval(), drafter.vocab_map.cpu(), manifest, str(path))
-
-
-register_drafter_kind("dflash", load_dflash_kind)
+register_drafter_kind("dflash", partial(load_kind, "dflash", DFlashDrafter, WEIGHTS_FILE, ARCH_KEYS, check_config))
 
 __all__ = ["DFlashCache", "DFlashDrafter", "MAX_BLOCK_SIZE", "MAX_LAYERS", "check_config", "default_target_layers",
            "dflash_config"]

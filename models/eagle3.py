@@ -33,14 +33,28 @@ A drafter directory of kind `eagle3`:
 from __future__ import annotations
 
 import math
+from functools import partial
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
 
-from specdistill.models.drafters import Drafter, register_drafter_kind
+from specdistill.models.drafters import register_drafter_kind
+from specdistill.models.feature_drafter import (
+    ReducedVocab,
+    SwiGLU,
+    check_shapes,
+    copy_mlp,
+    full_vocab_map,
+    inverse_frequencies,
+    load_kind,
+    rope_tables,
+    rotate,
+    save_weights,
+    start_like_target,
+    target_shapes,
+)
 
 WEIGHTS_FILE = "eagle3.safetensors"
 ARCH_KEYS = ("hidden_size", "target_hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -57,20 +71,10 @@ def eagle3_config(target_model: nn.Module, draft_vocab_size: int, target_layers:
                   intermediate_size: int = 0) -> dict:
     """The drafter's shape from the target's config (its attention and MLP shapes, RoPE base); a positive
     intermediate_size widens (or narrows) the layer's MLP instead of the target's width."""
-    text = target_model.config.get_text_config()
-    vocab = target_model.get_output_embeddings().weight.shape[0]
-    layers = list(target_layers) if target_layers else default_target_layers(text.num_hidden_layers)
-    rope = getattr(text, "rope_parameters", None) or {}
-    heads = text.num_attention_heads
-    config = {"hidden_size": text.hidden_size, "target_hidden_size": text.hidden_size,
-              "num_attention_heads": heads, "num_key_value_heads": getattr(text, "num_key_value_heads", heads),
-              "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
-              "intermediate_size": int(intermediate_size or text.intermediate_size),
-              "rms_norm_eps": float(text.rms_norm_eps),
-              "rope_theta": float(rope.get("rope_theta") or getattr(text, "rope_theta", None) or 10000.0),
-              "draft_vocab_size": int(draft_vocab_size or vocab), "vocab_size": int(vocab),
-              "target_layers": layers}
-    check_config(config, text.num_hidden_layers)
+    num_layers = target_model.config.get_text_config().num_hidden_layers
+    layers = list(target_layers) if target_layers else default_target_layers(num_layers)
+    config = {**target_shapes(target_model, draft_vocab_size, intermediate_size), "target_layers": layers}
+    check_config(config, num_layers)
     return config
 
 
@@ -85,22 +89,7 @@ def check_config(config: dict, target_num_layers: int | None = None) -> None:
     if target_num_layers is not None and not all(0 <= int(i) < target_num_layers for i in layers):
         raise ValueError(f"eagle3_layers: {layers} out of range for a target of {target_num_layers} layers "
                          f"(indices 0..{target_num_layers - 1}: the input of that layer)")
-    if not 0 < config["draft_vocab_size"] <= config["vocab_size"]:
-        raise ValueError(f"draft_vocab: {config['draft_vocab_size']} must be in 1..{config['vocab_size']} "
-                         "(the target's vocabulary)")
-    if config["num_attention_heads"] % config["num_key_value_heads"]:
-        raise ValueError(f"eagle3: {config['num_attention_heads']} attention heads are not a multiple of "
-                         f"{config['num_key_value_heads']} key/value heads")
-    if config["intermediate_size"] < 1:
-        raise ValueError(f"eagle3_intermediate_size: must be positive, got {config['intermediate_size']}")
-    if config["head_dim"] % 2:
-        raise ValueError(f"eagle3: head_dim {config['head_dim']} must be even for RoPE")
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on [..., T, hd] (rotate-half, as Llama)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+    check_shapes(config, "eagle3", "eagle3_intermediate_size")
 
 
 class Eagle3Attention(nn.Module):
@@ -117,18 +106,6 @@ class Eagle3Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
 
 
-class Eagle3MLP(nn.Module):
-    def __init__(self, config: dict):
-        super().__init__()
-        d, i = config["hidden_size"], config["intermediate_size"]
-        self.gate_proj = nn.Linear(d, i, bias=False)
-        self.up_proj = nn.Linear(d, i, bias=False)
-        self.down_proj = nn.Linear(i, d, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Eagle3Layer(nn.Module):
     """The decoder layer, split at the attention so that training and decoding gather keys their own way."""
 
@@ -139,10 +116,8 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = nn.RMSNorm(d, eps=eps)
         self.self_attn = Eagle3Attention(config)
         self.post_attention_layernorm = nn.RMSNorm(d, eps=eps)
-        self.mlp = Eagle3MLP(config)
-        hd = config["head_dim"]
-        inv_freq = 1.0 / config["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [hd / 2]
+        self.mlp = SwiGLU(config)
+        self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)  # [hd / 2]
 
     def project(self, embeds: torch.Tensor, state: torch.Tensor, positions: torch.Tensor):
         """embeds, state [..., T, D], positions [T] or [..., T] -> q [..., H, T, hd], k, v [..., Hkv, T, hd]
@@ -154,9 +129,7 @@ class Eagle3Layer(nn.Module):
         q = attn.q_proj(x).unflatten(-1, (attn.num_heads, attn.head_dim)).transpose(-3, -2)
         k = attn.k_proj(x).unflatten(-1, (attn.num_kv_heads, attn.head_dim)).transpose(-3, -2)
         v = attn.v_proj(x).unflatten(-1, (attn.num_kv_heads, attn.head_dim)).transpose(-3, -2)
-        angles = positions.to(self.inv_freq.device, torch.float32)[..., None] * self.inv_freq  # [..., T, hd / 2]
-        cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(x.dtype).unsqueeze(-3)  # [..., 1, T, hd]: every head
-                    for f in (torch.cos, torch.sin))
+        cos, sin = rope_tables(self.inv_freq, positions, x.dtype)  # [..., 1, T, hd]: every head
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def finish(self, state: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
@@ -170,28 +143,6 @@ def gather_rows(x: torch.Tensor, rows: torch.Tensor, dim: int = -2) -> torch.Ten
     dim = dim % x.dim()
     index = rows.view(rows.shape[0], *[1] * (dim - 1), rows.shape[1], *[1] * (x.dim() - dim - 1))
     return x.gather(dim, index.expand(*x.shape[:dim], rows.shape[1], *x.shape[dim + 1:]))
-
-
-class ReducedVocab:
-    """A drafter head over M of the target's V ids, kept as EAGLE-3's d2t offsets and t2d mask (buffers the
-    subclass registers: d2t [M] long, t2d [V] bool); shared by EAGLE-3 and DFlash drafters."""
-
-    d2t: torch.Tensor
-    t2d: torch.Tensor
-
-    @property
-    def vocab_map(self) -> torch.Tensor:
-        """[M] target id of each draft index."""
-        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
-
-    def set_vocab(self, vocab_map: torch.Tensor) -> None:
-        """vocab_map [M]: sorted distinct target ids (the d2t offsets need them increasing)."""
-        vocab_map = vocab_map.long().to(self.d2t.device)
-        if vocab_map.numel() != self.d2t.numel() or bool((vocab_map[1:] <= vocab_map[:-1]).any()):
-            raise ValueError(f"vocab map: {self.d2t.numel()} increasing target ids needed")
-        self.d2t.copy_(vocab_map - torch.arange(vocab_map.numel(), device=vocab_map.device))
-        self.t2d.zero_()
-        self.t2d[vocab_map] = True
 
 
 class Eagle3Drafter(ReducedVocab, nn.Module):
@@ -287,30 +238,16 @@ class Eagle3Drafter(ReducedVocab, nn.Module):
         target's)."""
         if init not in EAGLE3_INITS:
             raise ValueError(f"eagle3_init: one of {EAGLE3_INITS}, got {init!r}")
-        head = target_model.get_output_embeddings().weight  # [V, D]
-        vocab_map = torch.arange(head.shape[0]) if vocab_map is None else vocab_map.long().cpu()
-        config = eagle3_config(target_model, vocab_map.numel(), target_layers, intermediate_size)
-        generator = torch.Generator().manual_seed(seed)
-        drafter = cls(config)
-        with torch.no_grad():
-            for module in drafter.modules():
-                if isinstance(module, nn.Linear):
-                    module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * 0.02)
-            drafter.lm_head.weight.copy_(head.detach()[vocab_map.to(head.device)].float().cpu())
-            final_norm = getattr(target_model.get_decoder(), "norm", None)
-            if final_norm is not None and final_norm.weight.shape == drafter.norm.weight.shape:
-                drafter.norm.weight.copy_(final_norm.weight.detach().float().cpu())
+        vocab_map = full_vocab_map(target_model, vocab_map)
+        drafter = cls(eagle3_config(target_model, vocab_map.numel(), target_layers, intermediate_size))
+        start_like_target(drafter, target_model, vocab_map, seed)
         if init == "target_layer":
             start_from_target_layer(drafter, target_model)
         drafter.set_vocab(vocab_map)
-        return drafter.to(device=head.device)
+        return drafter.to(device=target_model.get_output_embeddings().weight.device)
 
     def save_pretrained(self, directory: str | Path) -> None:
-        """Called by models.drafters.save_drafter inside its atomic temporary directory."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        state = {name: t.detach().to("cpu").contiguous() for name, t in self.state_dict().items()}
-        save_file(state, str(directory / WEIGHTS_FILE))
+        save_weights(self, directory, WEIGHTS_FILE)
 
 
 EAGLE3_INITS = ("random", "target_layer")
@@ -342,11 +279,7 @@ def start_from_target_layer(drafter: Eagle3Drafter, target_model: nn.Module) -> 
     for name in ("q_proj", "k_proj", "v_proj"):
         copy(getattr(attn, name).weight[:, d:], getattr(layer.self_attn, name).weight)  # [out, D] of [out, 2D]
     copy(attn.o_proj.weight, layer.self_attn.o_proj.weight)
-    width = min(mid.mlp.gate_proj.weight.shape[0], layer.mlp.gate_proj.weight.shape[0])
-    for name in ("gate_proj", "up_proj"):
-        copy(getattr(mid.mlp, name).weight[:width], getattr(layer.mlp, name).weight[:width])  # [I, D]
-    mid.mlp.down_proj.weight[:, width:].zero_()  # [D, I]
-    copy(mid.mlp.down_proj.weight[:, :width], layer.mlp.down_proj.weight[:, :width])
+    copy_mlp(mid.mlp, layer.mlp)
     copy(mid.hidden_norm.weight, layer.input_layernorm.weight)
     copy(mid.post_attention_layernorm.weight, layer.post_attention_layernorm.weight)
 
@@ -380,27 +313,4 @@ class DraftCache:
         self.used = self.length
 
 
-def load_eagle3_drafter(model_dir: Path, config: dict, dtype: torch.dtype) -> Eagle3Drafter:
-    try:
-        drafter = Eagle3Drafter(config)
-    except ValueError as err:
-        raise ValueError(f"{model_dir}: {err}") from err
-    drafter.load_state_dict(load_file(str(model_dir / WEIGHTS_FILE)), strict=True)
-    return drafter.to(dtype)
-
-
-def load_eagle3_kind(path: Path, manifest: dict, target, device: str) -> Drafter:
-    config = {key: value for key, value in (manifest.get("config") or {}).items() if key in ARCH_KEYS}
-    drafter = load_eagle3_drafter(path / (manifest.get("model") or "model"), config, target.dtype)
-    if config["vocab_size"] != target.vocab_size:
-        raise ValueError(f"eagle3 drafter {path} was built for a {config['vocab_size']}-token vocabulary but "
-                         f"target {target.name!r} has {target.vocab_size} tokens")
-    num_layers = target.model.config.get_text_config().num_hidden_layers
-    try:
-        check_config(config, num_layers)
-    except ValueError as err:
-        raise ValueError(f"eagle3 drafter {path}: {err}") from err
-    return Drafter("eagle3", drafter.to(device).eval(), drafter.vocab_map.cpu(), manifest, str(path))
-
-
-register_drafter_kind("eagle3", load_eagle3_kind)
+register_drafter_kind("eagle3", partial(load_kind, "eagle3", Eagle3Drafter, WEIGHTS_FILE, ARCH_KEYS, check_config))

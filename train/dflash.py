@@ -43,6 +43,7 @@ from specdistill.train.eagle3 import (
     BatchPlan,
     apply_gradients,
     budget_spent,
+    check_job,
     decided_steps,
     keep_if_best,
     pad_batch,
@@ -106,14 +107,6 @@ class DFlashConfig:
     def decay(self) -> float:
         """gamma, the paper's where unset."""
         return self.gamma or PAPER_GAMMA.get(self.block_size, max(1.0, self.block_size / 2 - 1))
-
-
-def check_job(cfg) -> None:
-    """The common fields a dflash job needs as they are."""
-    if cfg.loss != "ce":
-        raise ConfigError(f"loss: dflash trains with ce against the target's distribution, got {cfg.loss!r}")
-    if cfg.lora_r:
-        raise ConfigError("lora_r: dflash trains its own layers fully, the target stays frozen; set lora_r: 0")
 
 
 def target_layers(cfg, target) -> list[int]:

@@ -103,11 +103,11 @@ class Eagle3Config:
 
 
 def check_job(cfg) -> None:
-    """The common fields an eagle3 job needs as they are."""
+    """The common fields an eagle3 job needs as they are (a dflash job's too: their method names them)."""
     if cfg.loss != "ce":
-        raise ConfigError(f"loss: eagle3 trains with ce against the target's distribution, got {cfg.loss!r}")
+        raise ConfigError(f"loss: {cfg.method} trains with ce against the target's distribution, got {cfg.loss!r}")
     if cfg.lora_r:
-        raise ConfigError("lora_r: eagle3 trains its own layer fully, the target stays frozen; set lora_r: 0")
+        raise ConfigError(f"lora_r: {cfg.method} trains its own layers fully, the target stays frozen; set lora_r: 0")
 
 
 def target_layers(cfg, target) -> list[int]:
