@@ -137,10 +137,6 @@ class DFlashLayer(nn.Module):
         self.mlp = SwiGLU(config)  # gate/up/down, as Llama's and Qwen3's
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)  # [hd / 2]
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [..., T] -> cos, sin [..., 1, T, hd] (broadcast over heads)."""
-        return rope_tables(self.inv_freq, positions, dtype)
-
     def keys_values(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., T, D] (already normed) -> k (normed, rotated), v [..., Hkv, T, hd]."""
         attn = self.self_attn
@@ -148,7 +144,7 @@ class DFlashLayer(nn.Module):
         # under bf16 autocast (training) the projections arrive in bf16: normed in the norms' dtype, the fused kernel
         k = attn.k_norm(k.to(attn.k_norm.weight.dtype)).transpose(-3, -2)
         v = attn.v_proj(x).unflatten(-1, (attn.num_kv_heads, attn.head_dim)).transpose(-3, -2)
-        cos, sin = self.rope(positions, k.dtype)
+        cos, sin = rope_tables(self.inv_freq, positions, k.dtype)  # [..., 1, T, hd]
         return rotate(k, cos, sin), v
 
     def project_context(self, context: torch.Tensor, positions: torch.Tensor):
@@ -162,7 +158,7 @@ class DFlashLayer(nn.Module):
         x = self.input_layernorm(hidden)
         q = attn.q_proj(x).unflatten(-1, (attn.num_heads, attn.head_dim))  # [..., R, H, hd]
         q = attn.q_norm(q.to(attn.q_norm.weight.dtype)).transpose(-3, -2)
-        cos, sin = self.rope(positions, q.dtype)
+        cos, sin = rope_tables(self.inv_freq, positions, q.dtype)
         k, v = self.keys_values(x, positions)
         return rotate(q, cos, sin), k, v
 
