@@ -252,18 +252,6 @@ class Eagle3Drafter(ReducedVocab, nn.Module):
 
 EAGLE3_INITS = ("random", "target_layer")
 
-# what eagle3.freeze may name: a part of the drafter -> the submodule path holding its weights
-EAGLE3_PARTS = {"mlp": "midlayer.mlp", "attention": "midlayer.self_attn", "fc": "fc", "head": "lm_head"}
-
-
-def freeze_parts(drafter: Eagle3Drafter, parts: list[str]) -> None:
-    """Keep the named parts (keys of EAGLE3_PARTS) at their start: their weights take no gradient, so the
-    optimizer (which takes the parameters that require one) never moves them."""
-    for part in parts:
-        if part not in EAGLE3_PARTS:
-            raise ValueError(f"eagle3 freeze: one of {sorted(EAGLE3_PARTS)}, got {part!r}")
-        drafter.get_submodule(EAGLE3_PARTS[part]).requires_grad_(False)
-
 
 @torch.no_grad()
 def start_from_target_layer(drafter: Eagle3Drafter, target_model: nn.Module) -> None:

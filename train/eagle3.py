@@ -44,7 +44,7 @@ from specdistill.decode.proposers.eagle3 import Eagle3Proposer
 from specdistill.distill.feature_cache import FeatureCache, FeatureRecord
 from specdistill.distill.feature_capture import FeatureStaging
 from specdistill.models.drafters import save_drafter
-from specdistill.models.eagle3 import EAGLE3_PARTS, Eagle3Drafter, default_target_layers, freeze_parts
+from specdistill.models.eagle3 import Eagle3Drafter, default_target_layers
 from specdistill.train import distill_steps as steps
 from specdistill.train.checkpoints import resume_or_start, save_checkpoint
 from specdistill.train.config import ConfigError, check_choice, option, to_dict
@@ -75,8 +75,6 @@ class Eagle3Config:
                                        "own high feature) or random (Llama's init)")
     intermediate_size: int = option(0, "the drafter layer's MLP width (0: the target's); a wider one starts as the "
                                        "target's layer with the new units' outputs at zero")
-    freeze: list[str] = option([], "parts of the drafter kept at their start, not trained: any of mlp, attention, "
-                                   "fc, head (with init target_layer, mlp and attention stay the target's own)")
     depth: int = option(0, "decoding's deepest draft (stored in the drafter); 0: the per-device default")
     topk: int = option(0, "decoding's top-k per expanded node and nodes expanded per depth; 0: the default")
     tree_nodes: int = option(0, "decoding's tree size (nodes besides the root); 0: the per-device default")
@@ -97,8 +95,6 @@ class Eagle3Config:
         if not 0 <= self.feature_noise < 1:
             raise ConfigError(f"eagle3.feature_noise: must be in [0, 1), got {self.feature_noise}")
         check_choice("eagle3.init", self.init, ("target_layer", "random"))  # models.eagle3.EAGLE3_INITS
-        for part in self.freeze:
-            check_choice("eagle3.freeze", part, tuple(EAGLE3_PARTS))
         if self.intermediate_size < 0:
             raise ConfigError(f"eagle3.intermediate_size: must be >= 0 (0: the target's), got {self.intermediate_size}")
         for name in ("depth", "topk", "tree_nodes"):
@@ -129,7 +125,6 @@ def train_eagle3(cfg, accelerator, target, records: list[dict], eval_prompts: li
     drafter = Eagle3Drafter.for_target(target.model, vocab_map, target_layers(cfg, target), seed=cfg.seed,
                                        init=cfg.eagle3.init,
                                        intermediate_size=cfg.eagle3.intermediate_size).float().train()
-    freeze_parts(drafter, cfg.eagle3.freeze)
     cache = steps.target_states(cfg, accelerator, target, records, drafter.target_layers,
                                 staging=feature_staging(cfg, target))
     plan = BatchPlan(cache, cfg.batch_size, cfg.seed)
