@@ -1,7 +1,8 @@
 """The engine's CPU kernel library: native C++ sources in `csrc/`, built by torch's cpp_extension into the cache
 (`build.py`: verified before every load), exposed as checked functions (`csrc/bindings.cpp`).
 
-What it holds (AVX-512; the design note docs/design/exact-kernels.md says why each exists):
+What it holds (AVX-512, and on a CPU without it the same sources' AVX2 flavour: build.py; the design note
+docs/design/exact-kernels.md says why each exists):
 - exact GEMMs over the default target's own grids: Q4_1 layer matrices (`Q41Matrix.gemm`, `q41_amx`) and its Q8_0
   head (`q80_gemm`, `q80_amx`), fp32 activations and accumulation, every row computed alike whatever the row count;
 - the lean forwards' row operations (`rms_norm_rows`, `rope_qk`) and decode-time attention (`attention_rows`);
@@ -52,13 +53,17 @@ def cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
-def avx512_available() -> bool:
-    return "avx512f" in cpu_flags()
+def flavour() -> tuple[str | None, str | None]:
+    """The library's build this CPU runs ("avx512" or "avx2", $SPECDISTILL_KERNEL_ISA may ask for "avx2"), or
+    (None, why none)."""
+    return build.flavour_for(cpu_flags(), os.environ.get(build.ISA_ENV, ""))
 
 
-def kernel_directory() -> Path:
-    """Content-addressed by the sources, flags and torch version (build.source_digest)."""
-    return cache_root() / "kernels" / f"cpu-{build.source_digest()}"
+def kernel_directory(isa: str | None = None) -> Path:
+    """Content-addressed by the flavour (None: this process's), sources, flags and torch version
+    (build.source_digest)."""
+    isa = isa or flavour()[0] or "avx512"
+    return cache_root() / "kernels" / f"cpu-{isa}-{build.source_digest(isa)}"
 
 
 def warn_fallback(what: str, reason: str, cost: str) -> None:
@@ -77,10 +82,12 @@ def fallbacks() -> dict[str, str]:
 def _load() -> tuple[ModuleType | None, str | None]:
     if shutil.which("c++") is None and shutil.which("g++") is None:
         return None, "no C++ compiler (c++ or g++) on PATH"
-    if not avx512_available():
-        return None, "this CPU has no avx512f"
+    isa, why_not = flavour()
+    if isa is None:
+        return None, why_not
     try:
-        path = build.verified_library(kernel_directory(), warn=log.warning)
+        path = build.verified_library(kernel_directory(isa), build=functools.partial(build.compile_into, flavour=isa),
+                                      warn=log.warning)
         return build.import_library(path), None
     except (RuntimeError, OSError, ImportError) as error:
         return None, str(error)
@@ -118,6 +125,8 @@ def _tiles_granted(flags: tuple[str, ...], what: str, cost: str) -> str | None:
 def _amx_unavailable(flags: tuple[str, ...], what: str, cost: str) -> str | None:
     if (why := unavailable()) is not None:
         return why
+    if flavour()[0] == "avx2":
+        return "the library's AVX2 flavour has no AMX forms"
     if os.environ.get(NO_AMX_ENV, "") not in ("", "0"):
         return f"${NO_AMX_ENV} is set"
     return _tiles_granted(flags, what, cost)
@@ -137,7 +146,12 @@ def amx_int8_unavailable() -> str | None:
 
 
 def vnni_unavailable() -> str | None:
-    """None when the int8 kernels (drafting GEMMs, the greedy head) may run here, else why not."""
+    """None when the int8 kernels (drafting GEMMs, the greedy head, a GGUF's own blocks) may run here, else why not:
+    on AVX512-VNNI, or in the AVX2 flavour (its exact vpmaddubsw forms, csrc/avx2_isa.h)."""
+    if (why := unavailable()) is not None:
+        return why
+    if flavour()[0] == "avx2":
+        return None
     missing = [f for f in ("avx512bw", "avx512_vnni") if f not in cpu_flags()]
-    return unavailable() or (f"this CPU has no {', '.join(missing)}" if missing else None)
+    return f"this CPU has no {', '.join(missing)}" if missing else None
 

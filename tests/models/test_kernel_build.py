@@ -107,3 +107,26 @@ def test_a_fallback_from_the_library_is_one_warning_naming_reason_and_cost(monke
     from specdistill.decode.runtime_facts import kernel_facts  # what every evaluation report records
     facts = kernel_facts()
     assert facts["state"] == "unavailable" and facts["unavailable_reason"].startswith("no C++ compiler")
+
+
+AVX512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw"}
+AVX2 = {"avx2", "fma", "f16c"}
+
+
+@pytest.mark.parametrize("flags,requested,chosen,why", [
+    (AVX512, "", "avx512", None),
+    (AVX2, "", "avx2", None),
+    (AVX512, "avx2", "avx2", None),  # the AVX2 flavour on an AVX-512 CPU, asked for
+    ({"avx2", "fma"}, "", None, "neither avx512f nor avx2 with fma and f16c"),
+    (AVX2, "avx512", None, "SPECDISTILL_KERNEL_ISA=avx512 but this CPU has no avx512f"),
+    (AVX512, "sse", None, "'sse' is not one of ['avx2', 'avx512']"),
+])
+def test_the_flavour_is_the_widest_the_cpu_runs_or_the_one_asked_for(flags, requested, chosen, why):
+    flavour, reason = build.flavour_for(frozenset(flags), requested)
+    assert flavour == chosen and (reason is None if why is None else why in reason)
+
+
+def test_each_flavour_is_cached_apart():
+    assert kernels.kernel_directory("avx2") != kernels.kernel_directory("avx512")
+    assert build.source_digest("avx2") != build.source_digest("avx512")
+    assert "-DSPECDISTILL_AVX2" in build.FLAVOURS["avx2"] and "-mavx512f" not in build.FLAVOURS["avx2"]

@@ -282,3 +282,18 @@ def test_a_file_without_k_quants_or_not_a_gguf_attaches_nothing(tmp_path):
     (tmp_path / "bad.gguf").write_bytes(b"not a gguf")
     assert attach_kquant_blocks(model, tmp_path / "bad.gguf") == none
     assert not any(hasattr(m, ATTRIBUTE) for m in model.modules())
+
+
+@needs_vnni
+@pytest.mark.parametrize("code,sign", [(127, 1.0), (127, -1.0), (-128, 1.0), (-128, -1.0)])
+def test_blocks_of_32_at_the_extremes_of_their_codes_compute_exact_integer_dots(code, sign):
+    """Q8_0's unsigned bytes reach 255 and x's int8 codes +-127, where a pair of products leaves int16 (the AVX2
+    build's vpmaddubsw would saturate there: csrc/avx2_isa.h splits the byte); the integer dot must be exact."""
+    blocks = random_blocks("Q8_0", 32, 256, seed=21)
+    raw = blocks.raw.clone().view(32, -1, 34)
+    raw[..., 2:34] = code & 0xFF  # every weight's code; each block keeps its own fp16 step
+    blocks = KQuantBlocks("Q8_0", raw.reshape(32, -1))
+    x = torch.full((3, 256), sign)  # rounded to +-127 in every group
+    y = kquant_matrix(kernels.library(), blocks).gemm(x)
+    dense = x.double() @ dequantize(blocks).double().T
+    assert float((y.double() - dense).abs().max() / dense.abs().max()) < 1e-6

@@ -98,3 +98,13 @@ def test_a_tile_row_count_below_one_tile_is_refused():
         matrix.gemm_into(*lib.quantize_rows_q8k(torch.randn(2, 256)), torch.empty(2, 16), 0, tile_rows=8)
     with pytest.raises(ValueError, match="KQuantProjection: tile_rows must be 0 or at least 16, got -1"):
         lib.KQuantProjection([matrix], None, tile_rows=-1)
+
+
+@pytest.mark.skipif(kernels.flavour()[0] != "avx2" or kernels.unavailable() is not None,
+                    reason="the library's AVX2 flavour is not this process's")
+def test_the_avx2_build_refuses_tiles_naming_why():
+    lib = kernels.library()
+    matrix = kquant_matrix(lib, random_blocks("Q4_K", 16, 256))
+    with pytest.raises(RuntimeError, match="Q4KMatrix.gemm_into: the library's AVX2 build has no AMX forms"):
+        matrix.gemm_into(*lib.quantize_rows_q8k(torch.randn(16, 256)), torch.empty(16, 16), 0, tile_rows=16)
+    assert kernels.amx_int8_unavailable() == kernels.amx_unavailable() == "the library's AVX2 flavour has no AMX forms"

@@ -114,10 +114,20 @@ struct Int8Matrix {
 
 constexpr int64_t kSuper = 256;  // weights per K-quant block
 
+#ifdef SPECDISTILL_AVX2
+constexpr bool kAmxBuilt = false;  // the AVX2 build: no AMX forms; its int8 dot products are AVX2's (avx2_isa.h)
+bool vnni_cpu() { return true; }
+#else
+constexpr bool kAmxBuilt = true;
 bool vnni_cpu() { return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw"); }
+#endif
 
 void check_vnni(const char *fn) {
     TORCH_CHECK(vnni_cpu(), fn, ": needs AVX512-VNNI, which this CPU lacks");
+}
+
+void check_amx_built(const char *fn) {
+    TORCH_CHECK(kAmxBuilt, fn, ": the library's AVX2 build has no AMX forms");
 }
 
 // x fp32 [R, K] -> (q int8 [R, K], d fp32 [R, K/256], sums int32 [R, K/16])
@@ -161,6 +171,7 @@ void check_output(const at::Tensor &y, int64_t R, int64_t N, int64_t column, con
 int checked_tile_rows(int64_t tile_rows, const char *fn) {
     TORCH_CHECK_VALUE(tile_rows == 0 || (tile_rows >= 16 && tile_rows <= (1 << 20)), fn,
                       ": tile_rows must be 0 or at least 16, got ", tile_rows);
+    if (tile_rows != 0) check_amx_built(fn);
     return static_cast<int>(tile_rows);
 }
 
@@ -402,6 +413,7 @@ at::Tensor q80_gemm_op(const at::Tensor &x, const at::Tensor &codes, const at::T
 // The AMX forms: codes in the tile unit's order, steps (and minima) fp16 [N/16, K/32, 16]; N % 32 == 0.
 at::Tensor amx_gemm_op(const char *fn, const at::Tensor &x, const at::Tensor &codes, const at::Tensor &d,
                        const at::Tensor *m) {
+    check_amx_built(fn);
     bool q41 = m != nullptr;
     check_tensor(codes, q41 ? at::kByte : at::kChar, fn, "codes");
     int64_t inner = q41 ? 8 : 16;  // Q4_1: 8 pair rows of 32 bytes; Q8_0: 16 rows of 32 codes

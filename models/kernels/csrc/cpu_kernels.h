@@ -1,10 +1,17 @@
-// The engine's CPU kernels (AVX-512): exact GEMMs over the default target's own 4- and 8-bit weights, the lean
-// forward's row operations and decode-time attention, a decoder layer's rows in two calls, int8 drafting GEMMs and
+// The engine's CPU kernels (AVX-512; AVX2 through avx2_isa.h): exact GEMMs over the default target's own 4- and
+// 8-bit weights, the lean forward's row operations and decode-time attention, a decoder layer's rows in two calls, int8 drafting GEMMs and
 // the greedy head. Raw-pointer functions: every caller goes through bindings.cpp, which checks dtype, shape and
 // contiguity at the boundary. Threads: `threads` OpenMP threads of the runtime torch itself loaded (the library
 // links libgomp.so.1, the soname torch's bundled copy carries, so one pool serves both).
 #pragma once
+#ifdef SPECDISTILL_AVX2
+#include "avx2_isa.h"  // the AVX2 build: these AVX-512 sources on SIMDe, with exact AVX2 integer dot products
+#else
 #include <immintrin.h>
+#define ISA_TARGET(features) __attribute__((target(features)))
+// vpdpbusd where every unsigned byte is below 128 (a K-quant block's codes; the AVX2 build's form is cheaper there)
+#define dpbusd_below_128 _mm512_dpbusd_epi32
+#endif
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -155,7 +162,7 @@ int q8_argmax(const float *x, int R, int K, const int8_t *codes, const float *d,
 
 // A Q6_K high vector h's top 2 bits of chunk t = 4h + u's codes at bits 4..5: ((h >> 2u) & 3) << 4 (kquant.cpp's
 // loop and kquant_amx.cpp's rebuilt weights).
-__attribute__((target("avx512f,avx512bw"))) static inline __m512i q6k_high_bits(__m512i h, int u) {
+ISA_TARGET("avx512f,avx512bw") static inline __m512i q6k_high_bits(__m512i h, int u) {
     const __m512i mask = _mm512_set1_epi8(0x30);
     switch (u) {
         case 0: return _mm512_and_si512(_mm512_slli_epi16(h, 4), mask);

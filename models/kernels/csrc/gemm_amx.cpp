@@ -1,4 +1,5 @@
 #include "cpu_kernels.h"
+#ifndef SPECDISTILL_AVX2  // the AVX2 build has no AMX forms (its stand-ins at the end; bindings.cpp refuses calls)
 
 // ---- The AMX form (Intel AMX-BF16): a tree's rows at a fraction of the FMA form's cost. ----
 // y[r, n] = sum_g d[n, g] * sum_j x[r, 32g + j] q[n, 32g + j] + m[n, g] * sum_j x[r, 32g + j]. x is split
@@ -185,3 +186,9 @@ int q41_amx(const float *x, int R, int K, const uint8_t *packed, const uint16_t 
 int q80_amx(const float *x, int R, int K, const int8_t *codes, const uint16_t *d, int N, float *y, int threads) {
     return amx_gemm(x, R, K, (const uint8_t *)codes, d, NULL, N, y, threads);
 }
+
+#else
+int amx_request(void) { return -1; }
+int q41_amx(const float *, int, int, const uint8_t *, const uint16_t *, const uint16_t *, int, float *, int) { abort(); }
+int q80_amx(const float *, int, int, const int8_t *, const uint16_t *, int, float *, int) { abort(); }
+#endif

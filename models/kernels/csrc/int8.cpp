@@ -8,7 +8,7 @@
 // starts from it). Layout: codes [N/16][G][8][16][4] (16 outputs side by side, 4 consecutive k each), steps d and
 // bias [N/16][G][16]. Each group's integer dot is exact; the groups are summed in fp32, d_w * d_x first. A row
 // is computed alike whatever R is. N % 32 == 0, K % 32 == 0. ----
-#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
+#define VNNI_TARGET ISA_TARGET("avx512f,avx512bw,avx512vnni")
 #define VRB 4
 
 VNNI_TARGET static void quantize_rows(const float *x, int R, int K, uint8_t *xq, float *dx) {

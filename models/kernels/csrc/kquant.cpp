@@ -29,7 +29,7 @@
 // same order, so they compute what Int8Matrix computes bit for bit, reading 5.5 / 8.5 bits a weight instead of 10
 // (int8 codes, an fp32 step and an int32 offset per 32).
 // ------------------------------------------------------------------------------------------------------------------
-#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
+#define VNNI_TARGET ISA_TARGET("avx512f,avx512bw,avx512vnni")
 
 // x fp32 [R][K] -> xq int8 [R][K], step dx [R][K/256], sums of codes xs [R][K/16]. K % 256 == 0.
 VNNI_TARGET void quantize_rows_q8k(const float *x, int R, int K, int8_t *xq, float *dx, int32_t *xs) {
@@ -103,6 +103,9 @@ static inline int rows_per_pass(int K) {
 // (docs/design/kquant-kernels.md).
 static inline bool prefetching(int r0, int RB, int K) { return r0 % rows_per_pass(K) == 0 && RB >= 3; }
 
+#ifdef SPECDISTILL_AVX2
+#include "kquant_avx2.h"  // the AVX2 build's Q4_K and Q6_K loops, the same numbers
+#else
 template <int RB>
 VNNI_TARGET static void q4k_block(const q8k_rows &x, const int32_t *pairs, int r0, q4k_matrix w, int nb, float *y,
                                   int ldy) {
@@ -125,8 +128,8 @@ VNNI_TARGET static void q4k_block(const q8k_rows &x, const int32_t *pairs, int r
                 __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
                 for (int r = 0; r < RB; r++) {
                     const int8_t *xr = x.q + (size_t)(r0 + r) * K + kb * 256 + 32 * s + 8 * p;
-                    acc[r] = _mm512_dpbusd_epi32(acc[r], lo, broadcast4(xr));
-                    acc[r] = _mm512_dpbusd_epi32(acc[r], hi, broadcast4(xr + 4));
+                    acc[r] = dpbusd_below_128(acc[r], lo, broadcast4(xr));
+                    acc[r] = dpbusd_below_128(acc[r], hi, broadcast4(xr + 4));
                 }
             }
             __m512i scale = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + 16 * s)));
@@ -177,8 +180,8 @@ VNNI_TARGET static void q6k_block(const q8k_rows &x, const int32_t *, int r0, q6
                                                  q6k_high_bits(h, 2 * pp + 1));
                     for (int r = 0; r < RB; r++) {
                         const int8_t *xr = x.q + (size_t)(r0 + r) * K + kb * 256 + 32 * s + 8 * p;
-                        acc[r] = _mm512_dpbusd_epi32(acc[r], lo, broadcast4(xr));
-                        acc[r] = _mm512_dpbusd_epi32(acc[r], hi, broadcast4(xr + 4));
+                        acc[r] = dpbusd_below_128(acc[r], lo, broadcast4(xr));
+                        acc[r] = dpbusd_below_128(acc[r], hi, broadcast4(xr + 4));
                     }
                 }
                 __m512i scale = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + 16 * (2 * s + half))));
@@ -193,6 +196,8 @@ VNNI_TARGET static void q6k_block(const q8k_rows &x, const int32_t *, int r0, q6
     }
     for (int r = 0; r < RB; r++) _mm512_storeu_ps(y + (size_t)(r0 + r) * ldy + nb * 16, out[r]);
 }
+
+#endif  // SPECDISTILL_AVX2
 
 // The 5th bit of chunk t's codes (bit t of each byte of h) at bit 4. 16-bit shifts: what crosses a byte lands
 // below bit 4 (left, by 4 - t <= 4) or above it (right, by t - 4 <= 3), so the mask keeps the byte's own bit.
@@ -215,6 +220,7 @@ VNNI_TARGET static inline __m512i fifth_bit(__m512i h, int t) {
 // stored as is.
 struct q50_codes {
     static constexpr int offset = 16;
+    VNNI_TARGET static __m512i dot(__m512i acc, __m512i q, __m512i x) { return dpbusd_below_128(acc, q, x); }
     const uint8_t *low, *next_high;
     __m512i high;
     VNNI_TARGET q50_codes(q50_matrix w, size_t group)
@@ -234,6 +240,7 @@ struct q50_codes {
 
 struct q80_codes {
     static constexpr int offset = 128;
+    VNNI_TARGET static __m512i dot(__m512i acc, __m512i q, __m512i x) { return _mm512_dpbusd_epi32(acc, q, x); }
     const uint8_t *codes;
     q80_codes(q80_matrix w, size_t group) : codes(w.codes + group * 512) {}
     VNNI_TARGET void pair(int p, __m512i &first, __m512i &second) const {
@@ -265,8 +272,8 @@ VNNI_TARGET static void q8_0_block(const q8_0_rows &x, const int32_t *, int r0, 
             codes.pair(p, first, second);
             for (int r = 0; r < RB; r++) {
                 const int8_t *xr = x.q + (size_t)(r0 + r) * K + 32 * g + 8 * p;
-                acc[r] = _mm512_dpbusd_epi32(acc[r], first, broadcast4(xr));
-                acc[r] = _mm512_dpbusd_epi32(acc[r], second, broadcast4(xr + 4));
+                acc[r] = Codes::dot(acc[r], first, broadcast4(xr));
+                acc[r] = Codes::dot(acc[r], second, broadcast4(xr + 4));
             }
         }
         __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w.d + group * 16)));
@@ -282,9 +289,15 @@ VNNI_TARGET static void q8_0_block(const q8_0_rows &x, const int32_t *, int r0, 
 // Kernel::most_rows. Q4_K and Q6_K take up to 8 rows a group: each 64 bytes of codes unpacked once for 8 rows, and a
 // verification of 5-8 rows one pass over the weights instead of two, the weights' stream from memory overlapping all
 // its rows' products (Zen 4, 2 threads: the 1.5B's forward of 8 rows 1.18x faster than in groups of 4, the same
-// numbers; docs/design/kquant-kernels.md "Groups of 8 rows"). Q5_0 and Q8_0 keep groups of 4 (not measured).
+// numbers; docs/design/kquant-kernels.md "Groups of 8 rows"). Q5_0 and Q8_0 keep groups of 4 (not measured). The
+// AVX2 build's loops keep a group's accumulators in 16 registers: groups of KQ_GROUP_ROWS there.
+#ifdef SPECDISTILL_AVX2
+#define KQ_GROUP_ROWS 4
+#else
+#define KQ_GROUP_ROWS 8
+#endif
 struct q4k_kernel {
-    static constexpr int most_rows = 8;
+    static constexpr int most_rows = KQ_GROUP_ROWS;
     template <int RB>
     static void block(const q8k_rows &x, const int32_t *pairs, int r0, q4k_matrix w, int nb, float *y, int ldy) {
         q4k_block<RB>(x, pairs, r0, w, nb, y, ldy);
@@ -292,7 +305,7 @@ struct q4k_kernel {
 };
 
 struct q6k_kernel {
-    static constexpr int most_rows = 8;
+    static constexpr int most_rows = KQ_GROUP_ROWS;
     template <int RB>
     static void block(const q8k_rows &x, const int32_t *extra, int r0, q6k_matrix w, int nb, float *y, int ldy) {
         q6k_block<RB>(x, extra, r0, w, nb, y, ldy);

@@ -1,4 +1,5 @@
 #include "cpu_kernels.h"
+#ifndef SPECDISTILL_AVX2  // the AVX2 build has no AMX forms (its stand-ins at the end; bindings.cpp refuses calls)
 
 // ---- The K-quant GEMMs (kquant.cpp) on AMX-INT8 tiles, for calls of many rows (a prefill, a batch of sequences
 // generating side by side, a hidden-state pass): the same integers and the same fp32 operations, so every row is
@@ -229,3 +230,8 @@ void q4k_tiles(const q8k_rows &x, const int32_t *pairs, int rows, q4k_matrix w, 
 void q6k_tiles(const q8k_rows &x, int rows, q6k_matrix w, float *y, int ldy, int threads) {
     tiled_gemm<q6k_matrix, q6k_tile_block>(x, nullptr, rows, w, y, ldy, threads);
 }
+
+#else
+void q4k_tiles(const q8k_rows &, const int32_t *, int, q4k_matrix, float *, int, int) { abort(); }
+void q6k_tiles(const q8k_rows &, int, q6k_matrix, float *, int, int) { abort(); }
+#endif
