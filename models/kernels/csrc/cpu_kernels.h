@@ -1,8 +1,8 @@
 // The engine's CPU kernels (AVX-512; AVX2 through avx2_isa.h): exact GEMMs over the default target's own 4- and
-// 8-bit weights, the lean forward's row operations and decode-time attention, a decoder layer's rows in two calls, int8 drafting GEMMs and
-// the greedy head. Raw-pointer functions: every caller goes through bindings.cpp, which checks dtype, shape and
-// contiguity at the boundary. Threads: `threads` OpenMP threads of the runtime torch itself loaded (the library
-// links libgomp.so.1, the soname torch's bundled copy carries, so one pool serves both).
+// 8-bit weights, the lean forward's row operations and decode-time attention, a decoder layer's rows in two calls,
+// int8 drafting GEMMs and the greedy head. Raw-pointer functions: every caller goes through bindings.cpp, which
+// checks dtype, shape and contiguity at the boundary. Threads: `threads` OpenMP threads of the runtime torch itself
+// loaded (the library links libgomp.so.1, the soname torch's bundled copy carries, so one pool serves both).
 #pragma once
 #ifdef SPECDISTILL_AVX2
 #include "avx2_isa.h"  // the AVX2 build: these AVX-512 sources on SIMDe, with exact AVX2 integer dot products
