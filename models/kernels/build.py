@@ -8,7 +8,7 @@ beside it. A build that fails or is killed leaves only its temporary directory, 
 Flavours (`FLAVOURS`, `flavour_for`): "avx512" (the sources as written, AVX512-VNNI and AMX parts behind function
 targets) on a CPU with avx512f; "avx2" on one with AVX2, FMA and F16C but no AVX-512: the same sources compiled
 against SIMDe's AVX-512 intrinsics (the `simde-py` package's headers) with exact AVX2 integer dot products
-(csrc/avx2_isa.h), native AVX2 loops where SIMDe's emulation is too slow (csrc/kquant_avx2.h) and no AMX forms.
+(csrc/avx2_isa.h), native AVX2 loops where SIMDe's emulation is too slow (csrc/*_avx2.h) and no AMX forms.
 $SPECDISTILL_KERNEL_ISA=avx2 builds and loads the AVX2 flavour on an AVX-512 CPU too (comparisons).
 
 Cache: `$SPECDISTILL_CACHE/kernels/cpu-<flavour>-<digest>/`, the digest over the sources, the flavour's flags (and
@@ -39,7 +39,7 @@ from types import ModuleType
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "gemm_fma.cpp", "row_ops.cpp", "gemm_amx.cpp", "int8.cpp", "kquant.cpp",
            "kquant_amx.cpp")
-HEADERS = ("cpu_kernels.h", "avx2_isa.h", "kquant_avx2.h")
+HEADERS = ("cpu_kernels.h", "avx2_isa.h", "kquant_avx2.h", "gemm_fma_avx2.h")
 MODULE_NAME = "specdistill_cpu_kernels"
 ISA_ENV = "SPECDISTILL_KERNEL_ISA"  # "avx2": the AVX2 flavour even where the CPU has AVX-512
 # -ffp-contract=off: the weights are rebuilt as q * d, rounded, + m, rounded, as they were dequantized; a fused

@@ -1,4 +1,7 @@
 #include "cpu_kernels.h"
+#ifdef SPECDISTILL_AVX2
+#include "gemm_fma_avx2.h"  // the AVX2 build's forms of both, the same numbers
+#else
 
 // y[R, N] = x[R, K] @ W^T, W[n, 32g + j] = q * d[n, g] + m[n, g]; packed[n, 16g + j] = q_j | q_{j+16} << 4.
 // K % 32 == 0, N % NB == 0. The weights are rebuilt exactly as they were dequantized (q * d rounded, then + m
@@ -78,3 +81,4 @@ void q80_gemm(const float *x, int R, int K, const int8_t *codes, const float *d,
         }
     }
 }
+#endif  // SPECDISTILL_AVX2
