@@ -10,7 +10,7 @@
 
 namespace avx2_gemm {
 
-constexpr int ROWS = 4;  // 8 accumulators, 2 weight vectors, 2 of x: 12 of AVX2's 16 registers
+constexpr int ROWS = 6;  // 12 accumulators, 2 weight vectors (x read by the FMAs): 14 of AVX2's 16 registers
 
 static inline float sum16(__m256 low, __m256 high) {  // lanes 0-7 and 8-15 of one accumulator
     __m256 h = _mm256_add_ps(low, high);
@@ -76,7 +76,9 @@ static void gemm(const float *x, int R, int K, const Weights &W, int N, float *y
                 case 1: rows_of_output<1>(x, r0, K, W, n, y, N); break;
                 case 2: rows_of_output<2>(x, r0, K, W, n, y, N); break;
                 case 3: rows_of_output<3>(x, r0, K, W, n, y, N); break;
-                default: rows_of_output<4>(x, r0, K, W, n, y, N); break;
+                case 4: rows_of_output<4>(x, r0, K, W, n, y, N); break;
+                case 5: rows_of_output<5>(x, r0, K, W, n, y, N); break;
+                default: rows_of_output<6>(x, r0, K, W, n, y, N); break;
             }
         }
 }
