@@ -73,8 +73,8 @@ def main(argv=None) -> dict:
     from specdistill.models.kernel_linear import kquant_matrix
     from specdistill.models.real_targets import REAL_TARGETS, fetch_gguf
 
-    if (why := kernels.vnni_unavailable()) is not None:
-        raise SystemExit(f"blocks_of_32 needs the kernel library on AVX512-VNNI: {why}")
+    if (why := kernels.kquant_unavailable()) is not None:
+        raise SystemExit(f"blocks_of_32 needs the K-quant kernels (AVX512-VNNI or the AVX2 build): {why}")
     if args.target not in REAL_TARGETS:
         raise SystemExit(f"--target must be one of {sorted(REAL_TARGETS)}, got {args.target!r}")
     torch.set_num_threads(min(torch.get_num_threads(), os.cpu_count() or 1))

@@ -29,6 +29,7 @@ from specdistill.models.kernels import (
     MAX_ROWS,
     amx_int8_unavailable,
     amx_unavailable,
+    kquant_unavailable,
     vnni_unavailable,
 )
 from specdistill.models.kquant import OUTPUTS_SIDE_BY_SIDE, KQuantBlocks
@@ -205,7 +206,7 @@ def kquant_segments(linear: torch.nn.Module) -> list[KQuantBlocks] | None:
 def kquant_usable(linear: torch.nn.Module) -> bool:
     """A CPU fp32 linear with K-quant blocks attached, on a CPU whose library runs the VNNI GEMMs."""
     segments = kquant_segments(linear)
-    return (segments is not None and vnni_unavailable() is None and linear.weight.dtype == torch.float32
+    return (segments is not None and kquant_unavailable() is None and linear.weight.dtype == torch.float32
             and linear.weight.device.type == "cpu"
             and all(s.shape[0] % OUTPUTS_SIDE_BY_SIDE == 0 for s in segments))
 

@@ -146,12 +146,16 @@ def amx_int8_unavailable() -> str | None:
 
 
 def vnni_unavailable() -> str | None:
-    """None when the int8 kernels (drafting GEMMs, the greedy head, a GGUF's own blocks) may run here, else why not:
-    on AVX512-VNNI, or in the AVX2 flavour (its exact vpmaddubsw forms, csrc/avx2_isa.h)."""
+    """None when the int8 kernels the engine picks for speed (drafting GEMMs, the greedy head) may run here: on
+    AVX512-VNNI. The AVX2 build computes them too, exactly but through SIMDe (the greedy head 0.62x the full head's
+    speed on a 2-core AVX2 EPYC), so there they are not picked."""
+    missing = [f for f in ("avx512bw", "avx512_vnni") if f not in cpu_flags()]
+    return unavailable() or (f"this CPU has no {', '.join(missing)}" if missing else None)
+
+
+def kquant_unavailable() -> str | None:
+    """None when a GGUF's own blocks (Q4_K, Q6_K, Q5_0, Q8_0) may run on the library's int8 GEMMs: on AVX512-VNNI,
+    or in the AVX2 build (its own Q4_K/Q6_K loops, csrc/kquant_avx2.h); else why not."""
     if (why := unavailable()) is not None:
         return why
-    if flavour()[0] == "avx2":
-        return None
-    missing = [f for f in ("avx512bw", "avx512_vnni") if f not in cpu_flags()]
-    return f"this CPU has no {', '.join(missing)}" if missing else None
-
+    return None if flavour()[0] == "avx2" else vnni_unavailable()

@@ -148,13 +148,14 @@ def test_the_switched_off_paths_are_reported_and_stay_lossless(switch, monkeypat
 def test_every_proposer_kind_is_lossless_on_a_kquant_qwen2(tmp_path):
     """A real-size target's path in small: a Qwen2 (q/k/v biases, untied head) whose linears are a GGUF's Q4_K and
     Q6_K blocks, attached from the file as models.target attaches them, every matrix (head included) on the K-quant
-    kernels where the CPU has AVX512-VNNI, each drafter kind's greedy output plain decoding's."""
+    kernels where the CPU has AVX512-VNNI or runs the library's AVX2 build, each drafter kind's greedy output plain
+    decoding's."""
     model, tensors = make_tiny_kquant_qwen2(seed=4)
     attach_kquant_blocks(model, write_gguf(tmp_path / "tiny.gguf", "qwen2", tensors))
     target = target_from_model(model, None, "tiny-kquant-qwen2")
     facts = assert_every_kind_decodes_plain_decodings_output(target, every_kind(target, 1, [0, 1, 1], 3), PROMPTS,
                                                              32)
-    if kernels.vnni_unavailable() is None:
+    if kernels.kquant_unavailable() is None:
         matrices = facts["target"]["layer_matrices"]
         assert all(kind.startswith("KQuantLinear (") for kind in matrices), matrices
         assert "Q6_K" in "".join(matrices) and facts["target"]["head"] == "KQuantLinear (Q6_K)"

@@ -30,7 +30,7 @@ from specdistill.decode.tree import attention_bias
 from specdistill.models.gguf_blocks import attach_kquant_blocks
 from specdistill.models.kernel_linear import Q41Linear, Q80Linear, q41_for_inference
 from specdistill.models.kernels import DISABLE_ENV as NO_Q41_ENV
-from specdistill.models.kernels import amx_unavailable, vnni_unavailable
+from specdistill.models.kernels import amx_unavailable, kquant_unavailable
 from specdistill.models.kernels import unavailable as kernel_unavailable
 from specdistill.models.packed_linear import (
     PackedLinear,
@@ -263,7 +263,7 @@ def test_fused_layers_compute_the_same_bits_as_the_lean_layers_python(static_sha
     assert_greedy_output_is_the_same_without_the_kernels_and_with_speculation(model)
 
 
-@pytest.mark.skipif(vnni_unavailable() is not None, reason=f"the K-quant kernels: {vnni_unavailable()}")
+@pytest.mark.skipif(kquant_unavailable() is not None, reason=f"the K-quant kernels: {kquant_unavailable()}")
 @pytest.mark.parametrize("int8_parts", [False, True])
 def test_fused_kquant_layers_compute_the_same_bits_as_the_lean_layers_python(int8_parts, tmp_path, monkeypatch):
     """A real-size target's layers (a GGUF's Q4_K/Q6_K blocks, and Q8_0/Q5_0 parts as the 0.5B's file has, q/k/v

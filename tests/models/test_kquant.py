@@ -15,8 +15,8 @@ from specdistill.models.kernel_linear import KQuantLinear, kquant_matrix
 from specdistill.models.kquant import KQuantBlocks, dequantize, gemm_reference, pack, quantize_rows_reference
 from tests.models.kquant_fixtures import make_tiny_kquant_qwen2, random_blocks, write_gguf
 
-needs_vnni = pytest.mark.skipif(kernels.vnni_unavailable() is not None,
-                                reason=f"the K-quant kernels: {kernels.vnni_unavailable()}")
+needs_vnni = pytest.mark.skipif(kernels.kquant_unavailable() is not None,
+                                reason=f"the K-quant kernels: {kernels.kquant_unavailable()}")
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q5_0", "Q8_0"])

@@ -14,8 +14,8 @@ from tests.models.kquant_fixtures import random_blocks
 
 needs_tiles = pytest.mark.skipif(kernels.amx_int8_unavailable() is not None,
                                  reason=f"the K-quant tiles: {kernels.amx_int8_unavailable()}")
-needs_vnni = pytest.mark.skipif(kernels.vnni_unavailable() is not None,
-                                reason=f"the K-quant kernels: {kernels.vnni_unavailable()}")
+needs_vnni = pytest.mark.skipif(kernels.kquant_unavailable() is not None,
+                                reason=f"the K-quant kernels: {kernels.kquant_unavailable()}")
 # Byte ranges of one block (gguf): Q4_K d, dmin (0:4), 12 bytes of 6-bit scales and mins, 128 of codes;
 # Q6_K 128 low nibbles, 64 bytes of top bits, 16 int8 scales (192:208), d (208:210).
 Q4K_SCALES, Q4K_CODES = (4, 16), (16, 144)

@@ -82,7 +82,7 @@ def test_a_q8_0_draft_model_loads_on_its_blocks_and_decodes_plain_decodings_outp
         generation = engine.generate(prompt, 32)
         assert generation.tokens == plain.generate(prompt, 32).tokens
         assert generation.stats.drafted > 0
-    expected = "Q8_0" if kernels.vnni_unavailable() is None else "float32"  # on the int8 kernel where it runs
+    expected = "Q8_0" if kernels.kquant_unavailable() is None else "float32"  # on the K-quant kernels where they run
     assert proposer.weight_format() == expected
 
 
