@@ -315,8 +315,9 @@ def greedy_head_for(head: torch.nn.Module) -> GreedyHead | None:
     if not isinstance(fast, Q80Linear) or fast.codes.form != "fma" or not int8_shapes_supported(head):
         return None
     if (why := vnni_unavailable()) is not None:
-        kernels.warn_fallback("the greedy head", why, "greedy steps compute every logit: the head 1.65-2.2x costlier, "
-                              "plain decoding about 1.13x slower")
+        if kernels.flavour()[0] != "avx2":  # there the full head is the faster (kernels.vnni_unavailable): no loss
+            kernels.warn_fallback("the greedy head", why, "greedy steps compute every logit: the head 1.65-2.2x "
+                                  "costlier, plain decoding about 1.13x slower")
         return None
     return cached_copy(_copies, fast, ("greedy", huge_pages_unavailable(), weights_signature(head)),
                        lambda: GreedyHead(head.weight, kernels.library()))
