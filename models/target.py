@@ -120,8 +120,9 @@ def default_dtype(device: str | torch.device) -> torch.dtype:
 #                    verifying several rows is 2-4x slower (docs/journal.md, "The engine's own speed")
 #   float16-weights  fp32 model, the engine's linear layers reading fp16 copies of their weights (FBGEMM's
 #                    fp16 GEMM, fp32 activations and accumulation: models.packed_linear); CPU only
-#   auto             bf16 on CUDA and on CPUs with native bf16, float16-weights on other CPUs where FBGEMM
-#                    runs, else float32: what measured fastest
+#   auto             bf16 on CUDA and on CPUs with native bf16, float32 where the kernel library runs (AVX-512 or
+#                    its AVX2 build), float16-weights on other CPUs where FBGEMM runs, else float32: what measured
+#                    fastest
 # Each is a different model numerically; speculative decoding is lossless against plain decoding in the same
 # precision, and reports name it. The fingerprint (rounded to bf16) is the same for all of them.
 PRECISIONS = ("float32", "bfloat16", "float16-weights", "auto")
@@ -141,7 +142,10 @@ def resolve_precision(precision: str | torch.dtype | None, device: str | torch.d
     if precision == "auto":
         if cuda or cpu_has_native_bf16():
             return torch.bfloat16, "float32"
-        return torch.float32, ("float16" if float16_weights_supported() else "float32")
+        from specdistill.models import kernels  # fp32 on the kernel library's 4-bit forms beats fp16 copies
+
+        fp16 = kernels.unavailable() is not None and float16_weights_supported()
+        return torch.float32, ("float16" if fp16 else "float32")
     if precision == "float16-weights":
         if cuda:
             raise ValueError("--dtype float16-weights is a CPU precision (FBGEMM's fp16 GEMM); "

@@ -518,3 +518,18 @@ def test_an_evaluation_in_float16_weights_names_it_and_skips_the_fp32_peers(tmp_
     assert {"hf_generate", "hf_assisted", "hf_prompt_lookup"} <= set(result.skipped)
     assert all("fp32 model" in reason for reason in result.skipped.values())
     assert result.summary["speculative"]["mismatches"] == 0 and result.summary["speculative"]["turns"] == 4
+
+
+@pytest.mark.parametrize("library_reason,fbgemm,expected", [
+    (None, True, "float32"),  # the kernel library's 4-bit forms (AVX-512 or its AVX2 build)
+    ("this CPU has neither avx512f nor avx2 with fma and f16c", True, "float16"),
+    ("no C++ compiler (c++ or g++) on PATH", False, "float32"),
+])
+def test_auto_precision_on_a_cpu_without_bf16_is_the_kernel_library_where_it_runs(monkeypatch, library_reason,
+                                                                                    fbgemm, expected):
+    from specdistill.models import kernels, target
+
+    monkeypatch.setattr(target, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(target, "float16_weights_supported", lambda: fbgemm)
+    monkeypatch.setattr(kernels, "unavailable", lambda: library_reason)
+    assert resolve_precision("auto", "cpu") == (torch.float32, expected)
