@@ -25,6 +25,7 @@ from urllib.parse import urlparse
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from specdistill.models import kernels
 from specdistill.models.embedded import EMBEDDED_NAME, embedded_target_dir
 from specdistill.models.fingerprint import fingerprint_target, tokenizer_fingerprint
 from specdistill.models.gguf_blocks import attach_kquant_blocks, gguf_source
@@ -121,8 +122,9 @@ def default_dtype(device: str | torch.device) -> torch.dtype:
 #   float16-weights  fp32 model, the engine's linear layers reading fp16 copies of their weights (FBGEMM's
 #                    fp16 GEMM, fp32 activations and accumulation: models.packed_linear); CPU only
 #   auto             bf16 on CUDA and on CPUs with native bf16, float32 where the kernel library runs (AVX-512 or
-#                    its AVX2 build), float16-weights on other CPUs where FBGEMM runs, else float32: what measured
-#                    fastest
+#                    its AVX2 build: its 4-bit forms read a quarter of fp16 copies' bytes; on AVX2 inferred, the
+#                    135M's one row 15.7 ms against 36.5 for the fp32 stream fp16 copies at best halve),
+#                    float16-weights on other CPUs where FBGEMM runs, else float32
 # Each is a different model numerically; speculative decoding is lossless against plain decoding in the same
 # precision, and reports name it. The fingerprint (rounded to bf16) is the same for all of them.
 PRECISIONS = ("float32", "bfloat16", "float16-weights", "auto")
@@ -142,8 +144,6 @@ def resolve_precision(precision: str | torch.dtype | None, device: str | torch.d
     if precision == "auto":
         if cuda or cpu_has_native_bf16():
             return torch.bfloat16, "float32"
-        from specdistill.models import kernels  # fp32 on the kernel library's 4-bit forms beats fp16 copies
-
         fp16 = kernels.unavailable() is not None and float16_weights_supported()
         return torch.float32, ("float16" if fp16 else "float32")
     if precision == "float16-weights":
