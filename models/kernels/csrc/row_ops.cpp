@@ -57,6 +57,9 @@ void rope_qk(const float *qkv, int N, int H, int Hkv, int hd, const float *cos, 
 // exp as Cephes' expf (range reduction by ln 2, degree-6 polynomial, about 1 ulp); arguments below -87.3 (the
 // scores far under their maximum) and keys the mask hides contribute exactly 0.
 
+#ifdef SPECDISTILL_AVX2
+#include "attention_avx2.h"  // the AVX2 build's attend_heads, the same numbers
+#else
 template <int G, int HD>  // HD: the head size, or 0 for hd at run time (then G == 1)
 static inline __attribute__((always_inline)) void attend_heads(const float *q, long q_stride, const float *k,
                                                                 const float *v, int T, int hd,
@@ -145,6 +148,7 @@ static inline __attribute__((always_inline)) void attend_heads(const float *q, l
         for (int c = 0; c < chunks; c++) _mm512_storeu_ps(out + g * hd + 16 * c, _mm512_div_ps(acc[g][c], sum));
     }
 }
+#endif  // SPECDISTILL_AVX2
 
 // G query heads of one row over their key/value head: the common head sizes with their loops unrolled (the queries
 // and accumulators in registers), any other multiple of 16 one head at a time.
