@@ -22,13 +22,41 @@ from pathlib import Path
 
 from benchmarks.harness import ROOT, fingerprint, parser, print_table, write_report
 
+PACKAGE_FOLDERS = ("models", "decode", "distill", "train")  # pyproject.toml's package-dir under specdistill.
+
 
 def worktree(ref: str, into: Path) -> Path:
-    """A detached git worktree of `ref` under `into` (removed by the caller's `remove_worktree`)."""
+    """A detached git worktree of `ref` under `into` (removed by the caller's `remove_worktree`), its packages
+    importable from it as the installed names."""
     path = into / f"old-{ref[:12]}"
     subprocess.run(["git", "worktree", "add", "--detach", "--force", str(path), ref], cwd=ROOT, check=True,
                    capture_output=True, text=True)
+    link_packages(path)
     return path
+
+
+def link_packages(tree: Path) -> None:
+    """specdistill.models etc. found in `tree`: the checkout's editable install maps those names to the checkout's
+    own folders, and a tree on PYTHONPATH supplies only specdistill/ itself, so without links in it every submodule
+    would come from the checkout (both sides the new code). Links in the tree's specdistill/ to its own folders are
+    found first. A commit from before the namespace (no specdistill/) runs its bare folders and needs none."""
+    package = tree / "specdistill"
+    if not (package / "__init__.py").is_file():
+        return
+    for name in PACKAGE_FOLDERS:
+        if (tree / name).is_dir() and not (package / name).exists():
+            (package / name).symlink_to(Path("..") / name, target_is_directory=True)
+
+
+def check_imports_from(tree: Path) -> None:
+    """Raises unless the evaluation module that `evaluate` runs in `tree` is `tree`'s own file."""
+    module = evaluate_module(tree)
+    found = subprocess.run([sys.executable, "-c", f"import {module} as m; print(m.__file__)"], cwd=tree,
+                           env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True)
+    where = Path(found.stdout.strip()).resolve() if found.returncode == 0 else None
+    if where is None or not where.is_relative_to(tree.resolve()):
+        raise RuntimeError(f"{module} run from {tree} imports {where or found.stderr.strip()[-400:]}, not that "
+                           "tree's own code: the comparison would measure one version twice")
 
 
 def remove_worktree(path: Path) -> None:
@@ -81,6 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         old_tree = worktree(args.old, Path(tmp))
         try:
+            check_imports_from(old_tree)
             for i in range(args.rounds):
                 order = [("old", old_tree), ("new", ROOT)]
                 for side, tree in order if i % 2 == 0 else order[::-1]:

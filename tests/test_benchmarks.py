@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from benchmarks import attention_heads, decode_methods
+from benchmarks import attention_heads, compare_commits, decode_methods
 from benchmarks.harness import ROOT, cpu_info, fingerprint, interleave, median_ms, write_report
 from specdistill.decode.evaluate import build_parser, config_from_args
 from specdistill.models import kernels
@@ -135,3 +135,16 @@ def test_the_attention_benchmark_checks_both_ways_give_the_same_bits(tmp_path):
     assert results["same_bits"] is True
     assert set(results["us_a_layer"]["together"]) == {"1x20", "3x20"}
     assert (tmp_path / "attention_heads.json").exists()
+
+
+def test_the_older_side_of_a_comparison_runs_its_own_code(tmp_path):
+    tree = tmp_path / "old"
+    subprocess.run(["git", "worktree", "add", "--detach", "--force", str(tree), "HEAD"], cwd=ROOT, check=True,
+                   capture_output=True)
+    try:
+        with pytest.raises(RuntimeError, match="one version twice"):  # the installed names lead to the checkout
+            compare_commits.check_imports_from(tree)
+        compare_commits.link_packages(tree)
+        compare_commits.check_imports_from(tree)
+    finally:
+        compare_commits.remove_worktree(tree)
