@@ -199,6 +199,9 @@ VNNI_TARGET static void q6k_block(const q8k_rows &x, const int32_t *, int r0, q6
 
 #endif  // SPECDISTILL_AVX2
 
+#ifdef SPECDISTILL_AVX2
+#include "q8_0_avx2.h"  // the AVX2 build's Q5_0 and Q8_0 loops, the same numbers
+#else
 // The 5th bit of chunk t's codes (bit t of each byte of h) at bit 4. 16-bit shifts: what crosses a byte lands
 // below bit 4 (left, by 4 - t <= 4) or above it (right, by t - 4 <= 3), so the mask keeps the byte's own bit.
 VNNI_TARGET static inline __m512i fifth_bit(__m512i h, int t) {
@@ -284,6 +287,7 @@ VNNI_TARGET static void q8_0_block(const q8_0_rows &x, const int32_t *, int r0, 
     }
     for (int r = 0; r < RB; r++) _mm512_storeu_ps(y + (size_t)(r0 + r) * ldy + nb * 16, out[r]);
 }
+#endif  // SPECDISTILL_AVX2
 
 // A kind of block's row groups: Kernel::block<RB> computes rows r0 .. r0 + RB - 1 of one output block, for RB up to
 // Kernel::most_rows. Q4_K and Q6_K take up to 8 rows a group: each 64 bytes of codes unpacked once for 8 rows, and a
