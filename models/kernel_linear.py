@@ -204,7 +204,8 @@ def kquant_segments(linear: torch.nn.Module) -> list[KQuantBlocks] | None:
 
 
 def kquant_usable(linear: torch.nn.Module) -> bool:
-    """A CPU fp32 linear with K-quant blocks attached, on a CPU whose library runs the VNNI GEMMs."""
+    """A CPU fp32 linear with K-quant blocks attached, on a CPU whose library runs the K-quant GEMMs
+    (kernels.kquant_unavailable)."""
     segments = kquant_segments(linear)
     return (segments is not None and kquant_unavailable() is None and linear.weight.dtype == torch.float32
             and linear.weight.device.type == "cpu"

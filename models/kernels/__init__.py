@@ -155,7 +155,5 @@ def vnni_unavailable() -> str | None:
 
 def kquant_unavailable() -> str | None:
     """None when a GGUF's own blocks (Q4_K, Q6_K, Q5_0, Q8_0) may run on the library's int8 GEMMs: on AVX512-VNNI,
-    or in the AVX2 build (its own Q4_K/Q6_K loops, csrc/kquant_avx2.h); else why not."""
-    if (why := unavailable()) is not None:
-        return why
-    return None if flavour()[0] == "avx2" else vnni_unavailable()
+    or in the AVX2 build (its own loops for all four, csrc/kquant_avx2.h and q8_0_avx2.h); else why not."""
+    return unavailable() if flavour()[0] == "avx2" else vnni_unavailable()

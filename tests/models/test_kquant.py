@@ -15,7 +15,7 @@ from specdistill.models.kernel_linear import KQuantLinear, kquant_matrix
 from specdistill.models.kquant import KQuantBlocks, dequantize, gemm_reference, pack, quantize_rows_reference
 from tests.models.kquant_fixtures import make_tiny_kquant_qwen2, random_blocks, write_gguf
 
-needs_vnni = pytest.mark.skipif(kernels.kquant_unavailable() is not None,
+needs_kquant = pytest.mark.skipif(kernels.kquant_unavailable() is not None,
                                 reason=f"the K-quant kernels: {kernels.kquant_unavailable()}")
 
 
@@ -48,14 +48,14 @@ def test_rows_are_rounded_to_int8_per_block_of_256():
     assert torch.equal(sums, q.reshape(3, 32, 16).sum(-1, dtype=torch.int32))
 
 
-@needs_vnni
+@needs_kquant
 def test_the_librarys_rounding_is_the_reference_rounding():
     x = torch.randn(5, 768) * 3
     for ours, reference in zip(kernels.library().quantize_rows_q8k(x), quantize_rows_reference(x)):
         assert torch.equal(ours, reference)
 
 
-@needs_vnni
+@needs_kquant
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
 def test_kernel_computes_its_integer_arithmetic_and_each_row_alike(kind):
     lib = kernels.library()
@@ -77,7 +77,7 @@ def test_kernel_computes_its_integer_arithmetic_and_each_row_alike(kind):
     assert float((y[:, 16:64] - dense).abs().max() / dense.abs().max()) < 0.03
 
 
-@needs_vnni
+@needs_kquant
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
 def test_a_call_of_more_rows_than_one_pass_computes_each_row_as_alone(kind):
     lib = kernels.library()
@@ -91,7 +91,7 @@ def test_a_call_of_more_rows_than_one_pass_computes_each_row_as_alone(kind):
         assert torch.equal(part, whole[start:start + 61]), start
 
 
-@needs_vnni
+@needs_kquant
 def test_kernel_boundary_names_what_is_wrong():
     lib = kernels.library()
     matrix = kquant_matrix(lib, random_blocks("Q4_K", 16, 256))
@@ -108,7 +108,7 @@ def test_kernel_boundary_names_what_is_wrong():
         lib.Q6KMatrix(**packed)
 
 
-@needs_vnni
+@needs_kquant
 def test_a_fused_matrix_of_mixed_formats_equals_its_parts_with_its_bias():
     lib = kernels.library()
     parts = [random_blocks("Q4_K", 32, 512, seed=3), random_blocks("Q6_K", 16, 512, seed=4),
@@ -155,7 +155,7 @@ def test_the_q8_0_layout_holds_every_code_offset_to_unsigned_where_the_kernel_re
         assert int(packed["codes"][nb, g, j // 4, 4 * o + j % 4]) == int(codes[n, k]) + 128, (n, k)
 
 
-@needs_vnni
+@needs_kquant
 @pytest.mark.parametrize("kind", ["Q5_0", "Q8_0"])
 def test_blocks_of_32_compute_what_the_int8_kernel_computes_bit_for_bit_each_row_alike(kind):
     """Q50Matrix / Q80Matrix read the file's codes (5.5 / 8.5 bits a weight) where Int8Matrix reads them as int8
@@ -182,7 +182,7 @@ def test_blocks_of_32_compute_what_the_int8_kernel_computes_bit_for_bit_each_row
     assert float((y - dense).abs().max() / dense.abs().max()) < 0.03
 
 
-@needs_vnni
+@needs_kquant
 def test_blocks_of_32_refuse_a_layout_of_another_shape():
     lib = kernels.library()
     packed = pack(random_blocks("Q5_0", 16, 64))
@@ -192,7 +192,7 @@ def test_blocks_of_32_refuse_a_layout_of_another_shape():
         lib.Q80Matrix(pack(random_blocks("Q8_0", 16, 64))["codes"], packed["d"].float())
 
 
-@needs_vnni
+@needs_kquant
 def test_q5_0_and_q8_0_segments_run_over_exactly_their_codes():
     """A small model's Q5_0 / Q8_0 matrices (the 0.5B draft model's) beside a K-quant one: each segment computes
     x rounded per group of 32 (the int8 kernel's rounding) times exactly the file's codes and steps, more than
@@ -222,7 +222,7 @@ def test_q5_0_and_q8_0_segments_run_over_exactly_their_codes():
 
 
 
-@needs_vnni
+@needs_kquant
 def test_a_projection_refuses_what_is_not_a_matrix_of_its_k_or_a_bias_of_its_width():
     lib = kernels.library()
     q4k = kquant_matrix(lib, random_blocks("Q4_K", 16, 512, seed=1))
@@ -284,7 +284,7 @@ def test_a_file_without_k_quants_or_not_a_gguf_attaches_nothing(tmp_path):
     assert not any(hasattr(m, ATTRIBUTE) for m in model.modules())
 
 
-@needs_vnni
+@needs_kquant
 @pytest.mark.parametrize("code,sign", [(127, 1.0), (127, -1.0), (-128, 1.0), (-128, -1.0)])
 def test_blocks_of_32_at_the_extremes_of_their_codes_compute_exact_integer_dots(code, sign):
     """Q8_0's unsigned bytes reach 255 and x's int8 codes +-127, where a pair of products leaves int16 (the AVX2

@@ -14,7 +14,7 @@ from tests.models.kquant_fixtures import random_blocks
 
 needs_tiles = pytest.mark.skipif(kernels.amx_int8_unavailable() is not None,
                                  reason=f"the K-quant tiles: {kernels.amx_int8_unavailable()}")
-needs_vnni = pytest.mark.skipif(kernels.kquant_unavailable() is not None,
+needs_kquant = pytest.mark.skipif(kernels.kquant_unavailable() is not None,
                                 reason=f"the K-quant kernels: {kernels.kquant_unavailable()}")
 # Byte ranges of one block (gguf): Q4_K d, dmin (0:4), 12 bytes of 6-bit scales and mins, 128 of codes;
 # Q6_K 128 low nibbles, 64 bytes of top bits, 16 int8 scales (192:208), d (208:210).
@@ -90,7 +90,7 @@ def test_a_projection_takes_the_tiles_where_the_process_may(monkeypatch):
         assert torch.equal(linear(x), on_the_loop(x))
 
 
-@needs_vnni
+@needs_kquant
 def test_a_tile_row_count_below_one_tile_is_refused():
     lib = kernels.library()
     matrix = kquant_matrix(lib, random_blocks("Q4_K", 16, 256))
