@@ -100,8 +100,17 @@ static inline int rows_per_pass(int K) {
 // there each 64 bytes of codes carry 6+ vpdpbusd, too much work for the out-of-order window to keep enough loads in
 // flight, and the next block comes late (forwards of 4 / 8 / 12 rows 10-16% faster on the 1.5B). A single row's
 // loop is light enough that the hardware prefetcher keeps up: there the extra instruction costs
-// (docs/design/kquant-kernels.md).
-static inline bool prefetching(int r0, int RB, int K) { return r0 % rows_per_pass(K) == 0 && RB >= 3; }
+// (docs/design/kquant-kernels.md). The AVX2 build prefetches from one row: its loop does two vpmaddubsw and two
+// vpaddw where AVX-512 does one vpdpbusd, too much for the hardware prefetcher alone even at one row (Zen 3: the
+// 1.5B's forward of one / two rows 1.18x / 1.15x faster so, the 0.5B's 1.03x / 1.06x; 4 and 8 rows unchanged).
+#ifdef SPECDISTILL_AVX2
+constexpr int PREFETCH_FROM_ROWS = 1;
+#else
+constexpr int PREFETCH_FROM_ROWS = 3;
+#endif
+static inline bool prefetching(int r0, int RB, int K) {
+    return r0 % rows_per_pass(K) == 0 && RB >= PREFETCH_FROM_ROWS;
+}
 
 #ifdef SPECDISTILL_AVX2
 #include "kquant_avx2.h"  // the AVX2 build's Q4_K and Q6_K loops, the same numbers
