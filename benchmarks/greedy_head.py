@@ -7,7 +7,8 @@ The decision it backs: docs/design/exact-kernels.md. First checks, on the final 
 prompts and on random rows, that the greedy head's token is the full logits' argmax at every row, and counts the
 candidates it computed exactly. Then times, interleaved rep by rep (medians): the head alone over N rows after a
 100 MB sweep of memory (as in decoding, where the layers' weights pushed the head out of the caches), and the
-forward over N rows after a 300-token prefix (ModelRunner.forward against forward_greedy). Needs AVX512-VNNI.
+forward over N rows after a 300-token prefix (ModelRunner.forward against forward_greedy). Needs the int8
+kernels (AVX512-VNNI or the library's AVX2 build).
 Writes DIR/greedy_head.json.
 """
 
@@ -52,10 +53,11 @@ def time_heads(full, greedy, args, width: int) -> dict:
     return median_ms(interleave(calls, args.reps, args.warmup, before=lambda: sweep.add_(1.0)))
 
 
-def time_forwards(target, args) -> dict:
+def time_forwards(target, args, greedy) -> dict:
     from specdistill.decode.runner import ModelRunner
 
     runner = ModelRunner(target.model)
+    runner.greedy_head = greedy  # forward_greedy's head, whether or not the engine picks it on this CPU
     runner.start(400)
     runner.forward(list(range(1000, 1300)), logits_rows=slice(299, 300))
     runner.cache.advance(300)  # each timed forward writes its rows after it, uncommitted
@@ -79,20 +81,21 @@ def main(argv=None) -> dict:
     import torch
 
     from specdistill.decode.questions import load_questions
-    from specdistill.models.kernel_linear import greedy_head_for, head_for_inference
-    from specdistill.models.kernels import vnni_unavailable
+    from specdistill.models.kernel_linear import GreedyHead, Q80Linear, head_for_inference
+    from specdistill.models.kernels import int8_unavailable, library
     from specdistill.models.target import load_target
 
-    if (why := vnni_unavailable()) is not None:
+    if (why := int8_unavailable()) is not None:
         sys.exit(f"benchmarks.greedy_head: the greedy head does not run here: {why}")
     with torch.inference_mode():
         target = load_target()
         head = target.model.get_output_embeddings()
-        full, greedy = head_for_inference(head), greedy_head_for(head)
-        if greedy is None:
+        full = head_for_inference(head)
+        if not isinstance(full, Q80Linear) or full.codes.form != "fma":
             sys.exit("benchmarks.greedy_head: the head is not the Q8_0 kernel's FMA form here (an AMX host?)")
+        greedy = GreedyHead(head.weight, library())  # where it runs, whether or not the engine picks it
         check = check_tokens(target, full, greedy, load_questions(args.questions, per_category=1)[:4])
-        heads, forwards = time_heads(full, greedy, args, head.weight.shape[1]), time_forwards(target, args)
+        heads, forwards = time_heads(full, greedy, args, head.weight.shape[1]), time_forwards(target, args, greedy)
     print(f"{check['rows']} rows: {check['mismatches']} tokens differ from the full logits' argmax; candidates "
           f"computed exactly per row: median {check['candidates_median']}, max {check['candidates_max']}")
     print(f"medians of {args.reps}, ms (x: the full head's or forward's time over the greedy one's)")

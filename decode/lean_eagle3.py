@@ -47,8 +47,8 @@ DISABLE_ENV = "SPECDISTILL_NO_LEAN_DRAFTER"  # switch for side-by-side measureme
 def lean_eagle3(drafter: Eagle3Drafter, weights: str) -> "LeanEagle3 | None":
     """The lean rows of `drafter` with linear weights in `weights` format ("q8_0": rounded to Q8_0 on the kernel
     library, models.kernel_linear.q80_inference_copy; "int8": the same weights times rows rounded to int8 on its
-    AVX512-VNNI kernel, int8_inference_copy), or None where it does not pack (not fp32 on the CPU) or the
-    environment switches it off."""
+    int8 kernel (AVX512-VNNI or the AVX2 build), int8_inference_copy), or None where it does not pack (not fp32 on
+    the CPU) or the environment switches it off."""
     if not lean_eagle3_runs(drafter):
         return None
     kernels = {"q8_0": q80_inference_copy, "int8": int8_inference_copy}

@@ -22,7 +22,13 @@ import torch
 from specdistill.decode.lean_decoder import lean_supported
 
 # the kernel library's state, read here only (one line to re-point if the library moves again)
-from specdistill.models.kernels import amx_unavailable, cpu_flags, fallbacks, vnni_unavailable
+from specdistill.models.kernels import (
+    amx_unavailable,
+    cpu_flags,
+    fallbacks,
+    greedy_head_unavailable,
+    int8_unavailable,
+)
 from specdistill.models.kernels import flavour as kernel_flavour
 from specdistill.models.kernels import unavailable as kernel_unavailable
 from specdistill.models.packed_linear import gemm_padding, gemm_padding_source, inference_weights
@@ -94,15 +100,17 @@ def matrix_kind(module: torch.nn.Module) -> str:
 def kernel_facts() -> dict:
     """The kernel library (models.kernels): loaded or not (and why not), its build ("avx512" or "avx2"); the form
     its matrices are packed in where their shapes allow ("amx" where this process may use the tiles, else "fma");
-    whether its int8 kernels (the greedy head, int8 drafting) may run; and every fast path this process fell back
-    from so far, with its cost."""
+    whether its int8 kernels (int8 drafting) run, and whether greedy steps take its greedy head; and every fast path
+    this process fell back from so far, with its cost."""
     unavailable = kernel_unavailable()
     no_amx = amx_unavailable()
     return {"state": "loaded" if unavailable is None else "unavailable", "unavailable_reason": unavailable,
             "build": None if unavailable else kernel_flavour()[0],
             "form": None if unavailable else ("fma" if no_amx else "amx"),
             "amx_unavailable_reason": None if unavailable else no_amx,
-            "int8_unavailable_reason": None if unavailable else vnni_unavailable(), "fallbacks": fallbacks()}
+            "int8_unavailable_reason": None if unavailable else int8_unavailable(),
+            "greedy_head_unavailable_reason": None if unavailable else greedy_head_unavailable(),
+            "fallbacks": fallbacks()}
 
 
 def padding_facts() -> dict:

@@ -5,7 +5,7 @@ Where they run: `q41_or_packed` gives a `Q41Linear` for a bias-free fp32 matrix 
 target's layers: its GGUF's own 4-bit groups) when the library runs; calls of at most MAX_ROWS rows go to the kernel,
 longer ones (prefill) to oneDNN's packed GEMM over the same weights. The head (`head_for_inference`): a `Q80Linear`
 where it is exactly Q8_0 (the default target's tied embedding): 113 MB of fp32 become 28 MB of codes, a one-row head
-about 1.9x faster. Greedy steps read `GreedyHead` where the CPU has AVX512-VNNI: an int8 pass with a rigorous bound,
+about 1.9x faster. Greedy steps read `GreedyHead` where it pays (AVX512-VNNI): an int8 pass with a rigorous bound,
 then the few candidates it cannot rule out computed as `q80_gemm` computes them, so exactly the full logits'
 argmax, the head 1.65-2.2x cheaper. Drafters (their numbers only choose proposals, the target verifies): Q8_0
 copies (`q80_inference_copy`) or int8 rows (`int8_inference_copy`). Anything else keeps models.packed_linear.
@@ -29,8 +29,9 @@ from specdistill.models.kernels import (
     MAX_ROWS,
     amx_int8_unavailable,
     amx_unavailable,
+    greedy_head_unavailable,
+    int8_unavailable,
     kquant_unavailable,
-    vnni_unavailable,
 )
 from specdistill.models.kquant import OUTPUTS_SIDE_BY_SIDE, KQuantBlocks
 from specdistill.models.kquant import pack as kquant_pack
@@ -275,8 +276,8 @@ def int8_inference_copy(linear: torch.nn.Linear) -> torch.nn.Module:
     """As `q80_inference_copy`, on the int8 kernel (`Q8Int8Linear`): the weights rounded to Q8_0, decode-time rows
     rounded to int8 per group of 32. ValueError naming what is missing where the CPU or the shape does not allow
     it."""
-    if (why := vnni_unavailable()) is not None:
-        raise ValueError(f"int8 drafting weights need the kernel library on AVX512-VNNI: {why}")
+    if (why := int8_unavailable()) is not None:
+        raise ValueError(f"int8 drafting weights need the kernel library's int8 kernels: {why}")
     if linear.bias is not None or not int8_shapes_supported(linear):
         raise ValueError(f"int8 drafting weights: a bias-free matrix with K a multiple of {GROUP} and N of "
                          f"{INT8_OUTPUT_BLOCK}, got {list(linear.weight.shape)} (bias: {linear.bias is not None})")
@@ -308,15 +309,16 @@ class GreedyHead:
 
 def greedy_head_for(head: torch.nn.Module) -> GreedyHead | None:
     """The greedy head of a target whose inference head (`head_for_inference`) is the Q8_0 kernel's FMA form, where
-    the int8 kernel runs (AVX512-VNNI) and N is whole blocks of 32; else None (greedy steps take the argmax of the
-    full logits). $SPECDISTILL_FULL_HEAD keeps the full logits. Cached until the weights change."""
+    it pays (`kernels.greedy_head_unavailable`: AVX512-VNNI) and N is whole blocks of 32; else None (greedy steps
+    take the argmax of the full logits). $SPECDISTILL_FULL_HEAD keeps the full logits. Cached until the weights
+    change."""
     if os.environ.get(FULL_HEAD_ENV, "") not in ("", "0"):
         return None
     fast = head_for_inference(head)
     if not isinstance(fast, Q80Linear) or fast.codes.form != "fma" or not int8_shapes_supported(head):
         return None
-    if (why := vnni_unavailable()) is not None:
-        if kernels.flavour()[0] != "avx2":  # there the full head is the faster (kernels.vnni_unavailable): no loss
+    if (why := greedy_head_unavailable()) is not None:
+        if kernels.flavour()[0] != "avx2":  # there the full head is as fast (kernels.greedy_head_unavailable): no loss
             kernels.warn_fallback("the greedy head", why, "greedy steps compute every logit: the head 1.65-2.2x "
                                   "costlier, plain decoding about 1.13x slower")
         return None

@@ -60,8 +60,8 @@ from specdistill.models.eagle3 import (  # importing models.eagle3 registers the
     Eagle3Drafter,
 )
 from specdistill.models.kernel_linear import int8_shapes_supported
+from specdistill.models.kernels import int8_unavailable
 from specdistill.models.kernels import unavailable as kernel_unavailable
-from specdistill.models.kernels import vnni_unavailable
 from specdistill.models.packed_linear import drafting_weights, packed_for_inference, packing_supported
 from specdistill.models.quant_formats import shape_supported
 
@@ -99,7 +99,7 @@ class Eagle3Proposer(QueuedFeatures, Proposer):
                  eos_token_ids: set[int] = frozenset(), weights: str = "float32", fixed_steps: bool | None = None,
                  min_prob: float | None = None, priced: bool = True):
         """weights: the format of the drafter's packed linear weights on the CPU (`eagle3_drafting_weights`:
-        int8 wherever the kernel library runs on AVX512-VNNI, else q8_0 wherever the library runs, else float16
+        int8 wherever the kernel library's int8 kernels run, else q8_0 wherever the library runs, else float16
         wherever FBGEMM runs it). fixed_steps: a tree's depths as fixed-shape steps (decode.draft_steps), replayed as
         CUDA graphs where they are supported; None = on CUDA only.
         min_prob: the path-probability floor of greedy trees (module docstring), in [0, 1); 0 = none,
@@ -380,14 +380,17 @@ def build_eagle3_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: 
 def eagle3_drafting_weights(drafter: Eagle3Drafter, choice: str | None, fixed_steps: bool | None) -> str:
     """models.packed_linear.drafting_weights, plus "q8_0": the drafter's matrices rounded to Q8_0 on the kernel
     library (its AMX form where the CPU has one), and "int8": the same Q8_0 weights times decode-time rows rounded
-    to int8 per group of 32, on the library's AVX512-VNNI kernel (models.kernels' Int8Matrix). "auto" picks
-    int8 wherever VNNI, the lean drafting rows and the drafter's shapes allow, else q8_0 wherever the library and
-    the lean rows run: on a 2-core Zen 4 the int8 kernel computes the drafter's matrices 2.3-4x faster than Q8_0's
-    FMA form with warm caches, a drafting depth (in two library calls: decode.lean_eagle3.FusedRows) costs about
-    0.03 of a target forward instead of 0.1, and acceptance on MT-bench is the same within 0.5% (stop 50;
-    docs/journal.md "Drafting in int8, EAGLE-3's depth in one library call, ..."). q8_0 streams about half the bytes
-    of fp16 copies (stop 47 on AMX, stop 48 on Zen 4: EAGLE-3 alone 1.025x against 1.010x). AMX hosts take int8
-    too (they have VNNI); not measured there. Asked for where it cannot run: a ValueError that says why."""
+    to int8 per group of 32, on the library's int8 kernel (models.kernels' Int8Matrix: AVX512-VNNI, or its AVX2
+    build's vpmaddubsw loop). "auto" picks int8 wherever those kernels, the lean drafting rows and the drafter's
+    shapes allow, else q8_0 wherever the library and the lean rows run: on a 2-core Zen 4 the int8 kernel computes
+    the drafter's matrices 2.3-4x faster than Q8_0's FMA form with warm caches, a drafting depth (in two library calls:
+    decode.lean_eagle3.FusedRows) costs about 0.03 of a target forward instead of 0.1, and acceptance on MT-bench is the
+    same within 0.5% (stop 50; docs/journal.md "Drafting in int8, EAGLE-3's depth in one library call, ..."). q8_0
+    streams about half the bytes of fp16 copies (stop 47 on AMX, stop 48 on Zen 4: EAGLE-3 alone 1.025x against 1.010x).
+    AMX hosts take int8 too (they have VNNI); not measured there. On a 2-core Zen 3 (AVX2) the int8 loop computes the
+    1.5B-sized drafter's matrices 1.4x / 1.7x / 2.2x faster than Q8_0's FMA form at 1 / 4 / 8 rows
+    (docs/design/exact-kernels.md).
+    Asked for where it cannot run: a ValueError that says why."""
     lean = lean_eagle3_runs(drafter) and not fixed_steps
     if choice == "q8_0":
         if not lean or kernel_unavailable() is not None:
@@ -395,12 +398,12 @@ def eagle3_drafting_weights(drafter: Eagle3Drafter, choice: str | None, fixed_st
                              f"steps) and the kernel library ({kernel_unavailable() or 'available'})")
         return "q8_0"
     if choice == "int8":
-        if not lean or vnni_unavailable() is not None or not int8_shapes(drafter):
+        if not lean or int8_unavailable() is not None or not int8_shapes(drafter):
             raise ValueError("drafter weights int8 need the lean drafting rows (fp32 on the CPU, not fixed-shape "
-                             f"steps), the kernel library on AVX512-VNNI ({vnni_unavailable() or 'available'}) and "
+                             f"steps), the kernel library's int8 kernels ({int8_unavailable() or 'available'}) and "
                              f"every matrix with K a multiple of 32 and N of 32")
         return "int8"
-    if (choice or "auto") == "auto" and lean and vnni_unavailable() is None and int8_shapes(drafter):
+    if (choice or "auto") == "auto" and lean and int8_unavailable() is None and int8_shapes(drafter):
         return "int8"
     if (choice or "auto") == "auto" and lean and kernel_unavailable() is None and q80_shapes(drafter):
         return "q8_0"

@@ -7,10 +7,11 @@ docs/design/exact-kernels.md says why each exists):
   head (`q80_gemm`, `q80_amx`), fp32 activations and accumulation, every row computed alike whatever the row count;
 - the lean forwards' row operations (`rms_norm_rows`, `rope_qk`) and decode-time attention (`attention_rows`);
 - a decoder layer's decode-time rows in two calls (`layer_rows_attention`, `layer_rows_down`);
-- on AVX512-VNNI, int8 drafting GEMMs (`Int8Matrix.gemm`), an EAGLE-3 drafting depth in two calls (`eagle3_rows`,
-  `eagle3_top`), the greedy head's exact argmax (`q8_argmax`), and a GGUF's own blocks with int8 activations as
-  llama.cpp computes them (`Q4KMatrix`, `Q6KMatrix`, `Q50Matrix`, `Q80Matrix`, fused as `KQuantProjection`:
-  docs/design/kquant-kernels.md), calls of many rows on AMX-INT8 tiles where the CPU has them (`tile_rows`).
+- on AVX512-VNNI and in the AVX2 build, int8 drafting GEMMs (`Int8Matrix.gemm`), an EAGLE-3 drafting depth in two
+  calls (`eagle3_rows`, `eagle3_top`), the greedy head's exact argmax (`q8_argmax`), and a GGUF's own blocks with
+  int8 activations as llama.cpp computes them (`Q4KMatrix`, `Q6KMatrix`, `Q50Matrix`, `Q80Matrix`, fused as
+  `KQuantProjection`: docs/design/kquant-kernels.md), calls of many rows on AMX-INT8 tiles where the CPU has them
+  (`tile_rows`).
 
 `library()` is the loaded module, or None where it cannot run (`unavailable()` says why). Every fallback from a
 fast path is a WARNING once per process naming the reason and its cost (`warn_fallback`), and `fallbacks()` lists
@@ -145,15 +146,28 @@ def amx_int8_unavailable() -> str | None:
                             "a prefill's GEMMs run on the VNNI loop, about 2x slower at 64 rows and more")
 
 
-def vnni_unavailable() -> str | None:
-    """None when the int8 kernels the engine picks for speed (drafting GEMMs, the greedy head) may run here: on
-    AVX512-VNNI. The AVX2 build computes them too, exactly but through SIMDe (the greedy head 0.62x the full head's
-    speed on a 2-core AVX2 EPYC), so there they are not picked."""
+def int8_unavailable() -> str | None:
+    """None when the int8 kernels the engine picks for speed (drafting GEMMs, the greedy head) run natively here: on
+    AVX512-VNNI (vpdpbusd), or in the library's AVX2 build (vpmaddubsw, csrc/int8_avx2.h: the same numbers; on a
+    2-core Zen 3 a drafter's matrices 1.4x / 1.7x / 2.2x faster than the Q8_0 kernel's FMA form at 1 / 4 / 8 rows);
+    else why not."""
+    if flavour()[0] == "avx2":
+        return unavailable()
     missing = [f for f in ("avx512bw", "avx512_vnni") if f not in cpu_flags()]
     return unavailable() or (f"this CPU has no {', '.join(missing)}" if missing else None)
 
 
+def greedy_head_unavailable() -> str | None:
+    """None where greedy steps take the int8 greedy head (models.kernel_linear.GreedyHead): where the int8 kernels run,
+    except in the AVX2 build, where its int8 pass is no faster than computing every logit (the default target's
+    forward level at one row, 0.88-0.96x at 2-8; 2-core Zen 3, `python -m benchmarks.greedy_head`)."""
+    if flavour()[0] == "avx2":
+        return "the library's AVX2 build, where the greedy head is no faster than the full head"
+    return int8_unavailable()
+
+
 def kquant_unavailable() -> str | None:
-    """None when a GGUF's own blocks (Q4_K, Q6_K, Q5_0, Q8_0) may run on the library's int8 GEMMs: on AVX512-VNNI,
-    or in the AVX2 build (its own loops for all four, csrc/kquant_avx2.h and q8_0_avx2.h); else why not."""
-    return unavailable() if flavour()[0] == "avx2" else vnni_unavailable()
+    """None when a GGUF's own blocks (Q4_K, Q6_K, Q5_0, Q8_0) may run on the library's int8 GEMMs: where the int8
+    kernels run (`int8_unavailable`; the AVX2 build has its own loops for all four, csrc/kquant_avx2.h and
+    q8_0_avx2.h); else why not."""
+    return int8_unavailable()

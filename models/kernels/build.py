@@ -40,7 +40,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "gemm_fma.cpp", "row_ops.cpp", "gemm_amx.cpp", "int8.cpp", "kquant.cpp",
            "kquant_amx.cpp")
 HEADERS = ("cpu_kernels.h", "avx2_isa.h", "kquant_avx2.h", "gemm_fma_avx2.h", "attention_avx2.h",
-           "q8_0_avx2.h")
+           "q8_0_avx2.h", "int8_avx2.h")
 MODULE_NAME = "specdistill_cpu_kernels"
 ISA_ENV = "SPECDISTILL_KERNEL_ISA"  # "avx2": the AVX2 flavour even where the CPU has AVX-512
 # -ffp-contract=off: the weights are rebuilt as q * d, rounded, + m, rounded, as they were dequantized; a fused

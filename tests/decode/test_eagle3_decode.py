@@ -19,7 +19,7 @@ from specdistill.decode.proposers.eagle3 import (
 from specdistill.decode.sampling import SamplingConfig
 from specdistill.models.eagle3 import Eagle3Drafter
 from specdistill.models.kernel_linear import Q8Int8Linear, Q80Linear
-from specdistill.models.kernels import amx_unavailable, vnni_unavailable
+from specdistill.models.kernels import amx_unavailable, int8_unavailable
 from specdistill.models.kernels import unavailable as kernel_unavailable
 from specdistill.models.packed_linear import drafting_weights
 from tests.conftest import make_tiny_llama
@@ -306,7 +306,7 @@ def test_q8_0_drafting_weights_stay_lossless_and_auto_picks_them_where_the_kerne
     assert proposer.net.qkv.codes.form == ("amx" if amx_unavailable() is None else "fma")
     for adaptive in (False, True):
         assert SpeculativeEngine(target, proposer, adaptive=adaptive).generate(PROMPT, 40).tokens == ref
-    auto = ("int8" if vnni_unavailable() is None else "q8_0" if kernel_unavailable() is None
+    auto = ("int8" if int8_unavailable() is None else "q8_0" if kernel_unavailable() is None
             else drafting_weights(drafter, "auto"))
     assert eagle3_drafting_weights(drafter, "auto", None) == auto
     assert eagle3_drafting_weights(drafter, "float32", None) == "float32"
@@ -318,7 +318,7 @@ def test_q8_0_drafting_weights_stay_lossless_and_auto_picks_them_where_the_kerne
         drafting_weights(target, "q8_0")
 
 
-@pytest.mark.skipif(vnni_unavailable() is not None, reason=f"the int8 kernel: {vnni_unavailable()}")
+@pytest.mark.skipif(int8_unavailable() is not None, reason=f"the int8 kernel: {int8_unavailable()}")
 def test_int8_drafting_weights_stay_lossless_and_draft_nearly_what_q8_0_drafts():
     target = make_tiny_llama(seed=0, layers=4, peak=4.0, hidden_size=128)
     drafter = tiny_eagle(target, layers=(1, 2, 3))

@@ -8,13 +8,14 @@ from specdistill.decode.engine import SpeculativeEngine
 from specdistill.decode.proposers import PromptLookupProposer
 from specdistill.decode.runner import ModelRunner
 from specdistill.models.kernel_linear import FULL_HEAD_ENV
-from specdistill.models.kernels import amx_unavailable, vnni_unavailable
+from specdistill.models.kernels import amx_unavailable, greedy_head_unavailable
 from specdistill.models.quant_formats import q80_rounded
 from tests.conftest import make_tiny_llama
 from tests.decode.test_engine import PROMPT, target_greedy
 
-needs_greedy_head = pytest.mark.skipif(vnni_unavailable() is not None or amx_unavailable() is None,
-                                       reason="the greedy head: AVX512-VNNI and the head on the FMA form")
+needs_greedy_head = pytest.mark.skipif(greedy_head_unavailable() is not None or amx_unavailable() is None,
+                                       reason="the greedy head: where it pays (AVX512-VNNI) and the head on the FMA "
+                                              "form")
 
 
 def q80_target():

@@ -105,14 +105,14 @@ def assert_every_kind_decodes_plain_decodings_output(target, drafters: dict[str,
 
 def assert_the_fast_paths_ran(facts: dict) -> None:
     """Where the kernel library runs: every layer matrix on the Q4_1 kernel, the head on Q8_0's, and where the CPU
-    takes them the greedy head (int8 kernels, the head in the FMA form) and fused layers (every matrix FMA form)."""
+    takes them the greedy head (where it pays, the head in the FMA form) and fused layers (every matrix FMA form)."""
     target, kernels = facts["target"], facts["kernel_library"]
     if kernels["state"] != "loaded":
         return
     matrices = target["layer_matrices"]
     assert set(matrices) <= {"Q41Linear (fma)", "Q41Linear (amx)"} and sum(matrices.values()) == 4 * target["layers"]
     assert target["head"].startswith("Q80Linear") and target["kernel_attention"]
-    if kernels["int8_unavailable_reason"] is None and target["head"] == "Q80Linear (fma)":
+    if kernels["greedy_head_unavailable_reason"] is None and target["head"] == "Q80Linear (fma)":
         assert target["greedy_head"]
     if set(matrices) == {"Q41Linear (fma)"} and "SPECDISTILL_UNFUSED_LAYERS" not in facts["switches"]:
         assert target["fused_layers"] == target["layers"]
@@ -127,7 +127,7 @@ def test_every_proposer_kind_is_lossless_on_the_kernel_path():
     assert weights["prompt_lookup"] is None and weights["lookahead"] is None  # no weights of their own
     assert weights["eagle3"] == weights["eagle3+prompt_lookup"]  # the hybrid drafts with its inner drafter's
     assert facts["drafters"]["truncated:1+prompt_lookup"]["kind"] == "draft_model+prompt_lookup"
-    if facts["kernel_library"]["state"] == "loaded":  # auto: int8 where VNNI runs, else Q8_0, on the library
+    if facts["kernel_library"]["state"] == "loaded":  # auto: int8 where its int8 kernels run, else Q8_0
         assert weights["eagle3"] == ("int8" if facts["kernel_library"]["int8_unavailable_reason"] is None
                                      else "q8_0")
     assert "auto" not in weights.values()

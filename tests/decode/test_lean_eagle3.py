@@ -9,8 +9,8 @@ from specdistill.decode.lean_decoder import UNFUSED_ENV
 from specdistill.decode.lean_eagle3 import DISABLE_ENV, LeanEagle3, lean_eagle3
 from specdistill.decode.proposers.eagle3 import Eagle3Proposer
 from specdistill.models.eagle3 import DraftCache
+from specdistill.models.kernels import int8_unavailable
 from specdistill.models.kernels import unavailable as kernel_unavailable
-from specdistill.models.kernels import vnni_unavailable
 from specdistill.models.packed_linear import float16_weights_supported, packed_for_inference
 from tests.conftest import make_tiny_llama
 from tests.decode.test_eagle3_decode import tiny_eagle
@@ -109,7 +109,7 @@ def int8_calls(net, drafter, start_position):
     return outs, cache
 
 
-@pytest.mark.skipif(vnni_unavailable() is not None, reason=f"the int8 kernel: {vnni_unavailable()}")
+@pytest.mark.skipif(int8_unavailable() is not None, reason=f"the int8 kernel: {int8_unavailable()}")
 @pytest.mark.parametrize("start_position", [0, 1500])
 def test_fused_int8_rows_and_top_k_compute_what_the_lean_python_computes(start_position, monkeypatch):
     _, drafter = drafter_with_gqa(128)

@@ -19,7 +19,7 @@ from specdistill.models.kernel_linear import (
     q80_inference_copy,
     q80_usable,
 )
-from specdistill.models.kernels import MAX_ROWS, NO_AMX_ENV, amx_unavailable, vnni_unavailable
+from specdistill.models.kernels import MAX_ROWS, NO_AMX_ENV, amx_unavailable, flavour, int8_unavailable
 from specdistill.models.packed_linear import PackedLinear
 from specdistill.models.quant_formats import (
     Q8Int8Weight,
@@ -415,7 +415,7 @@ def test_the_int8_layout_holds_the_q8_0_grid_exactly_and_takes_whole_blocks_of_3
             pack_q8_int8(torch.randn(*shape))
 
 
-needs_vnni = pytest.mark.skipif(vnni_unavailable() is not None, reason=f"the int8 kernel: {vnni_unavailable()}")
+needs_int8 = pytest.mark.skipif(int8_unavailable() is not None, reason=f"the int8 kernel: {int8_unavailable()}")
 
 
 def int8_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -427,7 +427,7 @@ def int8_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (dots * ws.double()[None] * xs.double()[:, None]).sum(-1)
 
 
-@needs_vnni
+@needs_int8
 def test_the_int8_kernel_computes_the_q8_0_dot_of_int8_rows_each_row_alike(lib):
     # seeded: about one draw in 30 (torch.manual_seed(13)) puts some x exactly where the kernel's int8 rounding and
     # int8_rows' disagree (relative error 5.6e-4, the same before the move to csrc/); not yet explained
@@ -445,10 +445,14 @@ def test_the_int8_kernel_computes_the_q8_0_dot_of_int8_rows_each_row_alike(lib):
     scrambled = Q8Int8Weight(packed.codes.flip(-1).contiguous(), packed.step, packed.bias)  # k order mixed up
     assert float((q8_int8_gemm(lib, x, scrambled) - y).abs().max() / y.abs().max()) > 1e-2
     unbiased = Q8Int8Weight(packed.codes, packed.step, torch.zeros_like(packed.bias))  # the offset left in
-    assert float((q8_int8_gemm(lib, x, unbiased) - y).abs().max() / y.abs().max()) > 1e-1
+    drift = float((q8_int8_gemm(lib, x, unbiased) - y).abs().max() / y.abs().max())
+    if flavour()[0] == "avx2":  # its loop multiplies x's signed codes and reads no bias (csrc/int8_avx2.h)
+        assert drift == 0
+    else:
+        assert drift > 1e-1
 
 
-@needs_vnni
+@needs_int8
 def test_int8_drafting_copies_round_weights_to_q8_0_and_send_long_calls_to_onednn():
     linear = torch.nn.Linear(96, 64, bias=False)
     copy_ = int8_inference_copy(linear)
@@ -465,7 +469,7 @@ def test_int8_drafting_copies_round_weights_to_q8_0_and_send_long_calls_to_onedn
         int8_inference_copy(torch.nn.Linear(96, 48, bias=False))
 
 
-@needs_vnni
+@needs_int8
 def test_the_greedy_head_gives_exactly_the_argmax_of_the_q80_logits_ties_to_the_first(lib):
     g = torch.Generator().manual_seed(3)
     weight = q80_rounded(torch.randn(256, 192, generator=g) * 0.05)

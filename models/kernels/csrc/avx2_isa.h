@@ -10,6 +10,7 @@
 #pragma once
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
+#include <cstring>
 
 #define ISA_TARGET(features)  // one instruction set for the whole build
 
@@ -18,6 +19,12 @@ static inline __m256i low_half(__m512i a) { return _mm512_castsi512_si256(a); }
 static inline __m256i high_half(__m512i a) { return _mm512_extracti64x4_epi64(a, 1); }
 static inline __m512i join_halves(__m256i lo, __m256i hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+static inline __m256i broadcast4_256(const int8_t *p) {  // 4 bytes of x to every 32-bit lane
+    int32_t four;
+    memcpy(&four, p, 4);
+    return _mm256_set1_epi32(four);
 }
 
 static inline __m256i dot4_u8s8_256(__m256i acc, __m256i u, __m256i s) {  // u < 128: pair sums fit int16

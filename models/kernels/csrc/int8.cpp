@@ -29,6 +29,9 @@ VNNI_TARGET static void quantize_rows(const float *x, int R, int K, uint8_t *xq,
         }
 }
 
+#ifdef SPECDISTILL_AVX2
+#include "int8_avx2.h"  // the AVX2 build's int8_gemm_rounded, the same numbers
+#else
 // y [R][N] from rows already rounded by quantize_rows (xq, dx).
 VNNI_TARGET static void int8_gemm_rounded(const uint8_t *xq, const float *dx, int R, int K, const int8_t *codes,
                                           const float *d, const int32_t *bias, int N, float *y, int threads) {
@@ -72,6 +75,7 @@ VNNI_TARGET static void int8_gemm_rounded(const uint8_t *xq, const float *dx, in
         }
     }
 }
+#endif  // SPECDISTILL_AVX2
 
 VNNI_TARGET int q8_int8_gemm(const float *x, int R, int K, const int8_t *codes, const float *d, const int32_t *bias,
                              int N, float *y, int threads) {

@@ -10,12 +10,6 @@
 // Q6_K's 0..63 (two summed: at most 32,256).
 #pragma once
 
-static inline __m256i broadcast4_256(const int8_t *p) {  // 4 bytes of x to every 32-bit lane
-    int32_t four;
-    memcpy(&four, p, 4);
-    return _mm256_set1_epi32(four);
-}
-
 static inline __m256i q6k_high_bits_256(__m256i h, int u) {  // q6k_high_bits on 8 outputs
     const __m256i mask = _mm256_set1_epi8(0x30);
     switch (u) {
