@@ -388,8 +388,8 @@ def eagle3_drafting_weights(drafter: Eagle3Drafter, choice: str | None, fixed_st
     same within 0.5% (stop 50; docs/journal.md "Drafting in int8, EAGLE-3's depth in one library call, ..."). q8_0
     streams about half the bytes of fp16 copies (stop 47 on AMX, stop 48 on Zen 4: EAGLE-3 alone 1.025x against 1.010x).
     AMX hosts take int8 too (they have VNNI); not measured there. On a 2-core Zen 3 (AVX2) the int8 loop computes the
-    1.5B-sized drafter's matrices 1.4x / 1.7x / 2.2x faster than Q8_0's FMA form at 1 / 4 / 8 rows
-    (docs/design/exact-kernels.md).
+    1.5B's drafter's matrices 1.35x / 1.6x / 1.9x faster than Q8_0's FMA form at 1 / 4 / 8 rows
+    (`python -m benchmarks.drafting_matrices`; docs/design/exact-kernels.md).
     Asked for where it cannot run: a ValueError that says why."""
     lean = lean_eagle3_runs(drafter) and not fixed_steps
     if choice == "q8_0":

@@ -149,8 +149,8 @@ def amx_int8_unavailable() -> str | None:
 def int8_unavailable() -> str | None:
     """None when the int8 kernels the engine picks for speed (drafting GEMMs, the greedy head) run natively here: on
     AVX512-VNNI (vpdpbusd), or in the library's AVX2 build (vpmaddubsw, csrc/int8_avx2.h: the same numbers; on a
-    2-core Zen 3 a drafter's matrices 1.4x / 1.7x / 2.2x faster than the Q8_0 kernel's FMA form at 1 / 4 / 8 rows);
-    else why not."""
+    2-core Zen 3 the 1.5B's EAGLE-3 drafter's matrices 1.35x / 1.6x / 1.9x faster than the Q8_0 kernel's FMA form at
+    1 / 4 / 8 rows, `python -m benchmarks.drafting_matrices`); else why not."""
     if flavour()[0] == "avx2":
         return unavailable()
     missing = [f for f in ("avx512bw", "avx512_vnni") if f not in cpu_flags()]
