@@ -28,6 +28,10 @@ def drafter_shapes(args) -> list[tuple[int, int]]:
             (2 * args.intermediate, d), (d, args.intermediate), (args.draft_vocab, d)]
 
 
+def relative_difference(a, reference) -> float:
+    return float((a - reference).abs().max() / reference.abs().max())
+
+
 def parse_args(argv=None):
     p = parser(__doc__, "drafting_matrices", reps=30)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
@@ -52,7 +56,7 @@ def main(argv=None) -> dict:
              "int8": [Q8Int8Linear(q80_rounded_linear(m), kernels.library()) for m in linears]}
     with torch.inference_mode():
         inputs = {rows: [torch.randn(rows, m.in_features) for m in linears] for rows in args.rows}
-        worst = max(float((i8(x) - q8(x)).abs().max() / q8(x).abs().max())
+        worst = max(relative_difference(i8(x), q8(x))
                     for q8, i8, x in zip(forms["q8_0"], forms["int8"], inputs[max(args.rows)]))
         calls = {(form, rows): (lambda ms=matrices, xs=inputs[rows]: [m(x) for m, x in zip(ms, xs)])
                  for form, matrices in forms.items() for rows in args.rows}

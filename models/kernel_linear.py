@@ -318,7 +318,7 @@ def greedy_head_for(head: torch.nn.Module) -> GreedyHead | None:
     if not isinstance(fast, Q80Linear) or fast.codes.form != "fma" or not int8_shapes_supported(head):
         return None
     if (why := greedy_head_unavailable()) is not None:
-        if kernels.flavour()[0] != "avx2":  # there the full head is as fast (kernels.greedy_head_unavailable): no loss
+        if int8_unavailable() is not None:  # a missing kernel costs; where it only does not pay (AVX2) nothing is lost
             kernels.warn_fallback("the greedy head", why, "greedy steps compute every logit: the head 1.65-2.2x "
                                   "costlier, plain decoding about 1.13x slower")
         return None
