@@ -71,11 +71,6 @@ class DFlashConfig:
     anchors: int = option(16, "blocks per sequence in a training step, anchored at random response positions")
     prompt_weight: float = option(0.0, "loss weight of block rows drafting a prompt token (the target's "
                                        "distribution there); > 0 also anchors blocks inside the prompt")
-    anchor_weight: float = option(0.0, "loss weight of block row 0, the verified token itself, drafting the token "
-                                       "after it as EAGLE-3's first step does (row 1's target); training only: "
-                                       "it makes the layers read that token, decoding drafts from rows 1..")
-    feature_noise: float = option(0.0, "training only: Gaussian noise added to each fused target feature, its std "
-                                       "this share of the feature's RMS at that position (EAGLE's feature noise)")
     gamma: float = option(0.0, "block row k's loss weight is exp(-(k - 1) / gamma); 0: the paper's for the block "
                                "size (4 at 8, 5 at 10, 7 at 16; else block_size / 2 - 1)")
     init: str = option("target_layers", "how the layers start: target_layers (the target's layers after its deepest "
@@ -98,10 +93,6 @@ class DFlashConfig:
             raise ConfigError(f"dflash.anchors: must be >= 1, got {self.anchors}")
         if not 0 <= self.prompt_weight <= 1:
             raise ConfigError(f"dflash.prompt_weight: must be in [0, 1], got {self.prompt_weight}")
-        if self.anchor_weight < 0:
-            raise ConfigError(f"dflash.anchor_weight: must be >= 0, got {self.anchor_weight}")
-        if self.feature_noise < 0:
-            raise ConfigError(f"dflash.feature_noise: must be >= 0, got {self.feature_noise}")
         if self.gamma < 0:
             raise ConfigError(f"dflash.gamma: must be >= 0 (0: the paper's), got {self.gamma}")
         check_choice("dflash.init", self.init, ("target_layers", "random"))  # models.dflash.DFLASH_INITS
@@ -225,62 +216,37 @@ def block_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
 
 def dflash_loss(drafter: DFlashDrafter, embed: torch.nn.Module, head_rows: torch.Tensor, records: list[FeatureRecord],
                 anchors_per_sequence: int, gamma: float, generator: torch.Generator | None = None,
-                prompt_weight: float = 0.0, anchor_weight: float = 0.0,
-                feature_noise: float = 0.0) -> tuple[torch.Tensor, list[float]]:
+                prompt_weight: float = 0.0) -> tuple[torch.Tensor, list[float]]:
     """The weighted mean over blocks and rows of CE(target's restricted distribution, block row k's).
 
     Block row k at anchor a drafts the token at a + k, whose target distribution is the target's head on its
     final state at a + k - 1; a row counts where that token is inside the record, weighted by `block_weights`
     times 1 for a response token and prompt_weight for a prompt token (eagle3.position_weights); anchors are
-    drawn where block row 1 counts. With anchor_weight > 0, block row 0 (the anchor's own token) drafts the token
-    at a + 1 too, weighted anchor_weight. Returns (the loss, per block row k >= 1 the share of counted rows where
-    the drafter's argmax is the target's)."""
+    drawn where block row 1 counts. Returns (the loss, per block row the share of counted rows where the
+    drafter's argmax is the target's)."""
     device = drafter.fc.weight.device
     ids, features, final, mask, lengths = pad_batch(records, device)  # [B, T], [B, T, KD], [B, T, D], [B, T], [B]
     positional = position_weights(mask, lengths, prompt_weight)  # [B, T]: the weight of predicting token t + 1
     anchors, valid = sample_anchors(positional > 0, anchors_per_sequence,
                                     generator or torch.Generator(device=device))
-    if feature_noise > 0:
-        features = noisy(features, feature_noise, len(drafter.target_layers), generator)
     size, t = drafter.block_size, ids.shape[1]
     with torch.no_grad():
         first = embed(ids.gather(1, anchors)).float()  # [B, A, D]
-    rows, offsets, weights = trained_rows(size, gamma, anchor_weight, device)  # [R] each
-    out = drafter.blocks(features, first, anchors)[:, :, rows]  # [B, A, R, D]: the trained rows
-    drafted = anchors[..., None] + offsets  # [B, A, R]: the positions of the tokens they draft
+    out = drafter.blocks(features, first, anchors)[:, :, 1:]  # [B, A, B-1, D]: the drafting rows
+    drafted = anchors[..., None] + torch.arange(1, size, device=device)  # [B, A, B-1]: their positions
     source = (drafted - 1).clamp(max=t - 1)  # where the target's distribution of each drafted token is
-    row_weight = positional.gather(1, source.flatten(1)).view_as(source)  # [B, A, R]
+    row_weight = positional.gather(1, source.flatten(1)).view_as(source)  # [B, A, B-1]
     counted = (drafted < lengths[:, None, None]) & (row_weight > 0) & valid[..., None]
-    weight = (weights * row_weight)[counted]  # [N]
+    weight = (block_weights(size, gamma, device) * row_weight)[counted]  # [N]
     with torch.no_grad():
-        states = final.gather(1, source.flatten(1)[..., None].expand(-1, -1, final.shape[-1]))  # [B, A*R, D]
+        states = final.gather(1, source.flatten(1)[..., None].expand(-1, -1, final.shape[-1]))  # [B, A(B-1), D]
         target_p = torch.softmax(states.view(*source.shape, -1)[counted] @ head_rows.T, dim=-1)  # [N, M]
     logq = torch.log_softmax(drafter.logits(out[counted]).float(), dim=-1)  # [N, M]
     loss = (-(target_p * logq).sum(-1) * weight).sum() / weight.sum().clamp(min=1e-6)
     hits = (logq.detach().argmax(-1) == target_p.argmax(-1)).float()  # [N]
-    row = rows.expand_as(drafted)[counted]  # [N]: each counted row's k
+    row = torch.arange(1, size, device=device).expand_as(drafted)[counted]  # [N]: each counted row's k
     accuracy = [float(hits[row == k].mean()) if bool((row == k).any()) else math.nan for k in range(1, size)]
     return loss, accuracy
-
-
-def noisy(features: torch.Tensor, share: float, layers: int, generator: torch.Generator) -> torch.Tensor:
-    """features [B, T, K*D] (K target layers side by side) plus Gaussian noise whose std is `share` of each
-    layer's feature RMS at that position."""
-    parts = features.unflatten(-1, (layers, -1))  # [B, T, K, D]
-    scale = parts.pow(2).mean(-1, keepdim=True).sqrt() * share  # [B, T, K, 1]
-    noise = torch.randn(parts.shape, generator=generator, device=features.device, dtype=features.dtype)
-    return (parts + noise * scale).flatten(-2)
-
-
-def trained_rows(block_size: int, gamma: float, anchor_weight: float, device=None):
-    """The block rows the loss reads, with the offset from the anchor of the token each drafts and its weight:
-    rows 1..B-1 draft a + k weighted `block_weights`; row 0, where anchor_weight > 0, drafts a + 1 as row 1 does.
-    Returns (rows [R], offsets [R], weights [R])."""
-    rows = torch.arange(0 if anchor_weight > 0 else 1, block_size, device=device)
-    weights = block_weights(block_size, gamma, device)
-    if anchor_weight > 0:
-        weights = torch.cat([weights.new_tensor([anchor_weight]), weights])
-    return rows, rows.clamp(min=1), weights
 
 
 def train_step(cfg, accelerator, target, drafter, head_rows, records, optimizer, scheduler, anchor_seed: int = 0):
@@ -289,8 +255,7 @@ def train_step(cfg, accelerator, target, drafter, head_rows, records, optimizer,
     generator = torch.Generator(device=module.fc.weight.device).manual_seed(anchor_seed)
     with accelerator.autocast():  # the loss calls the drafter's parts, not the prepared forward accelerate wraps
         loss, accuracy = dflash_loss(module, target.model.get_input_embeddings(), head_rows, records,
-                                     cfg.dflash.anchors, cfg.dflash.decay(), generator, cfg.dflash.prompt_weight,
-                                     cfg.dflash.anchor_weight, cfg.dflash.feature_noise)
+                                     cfg.dflash.anchors, cfg.dflash.decay(), generator, cfg.dflash.prompt_weight)
     apply_gradients(accelerator, drafter, module, loss, optimizer, scheduler)
     return float(loss.detach()), accuracy
 
