@@ -284,6 +284,31 @@ def int8_inference_copy(linear: torch.nn.Linear) -> torch.nn.Module:
     return Q8Int8Linear(q80_rounded_linear(linear), kernels.library())
 
 
+def int8_unsupported(module: torch.nn.Module) -> str | None:
+    """None when every nn.Linear of `module` can run on the int8 kernel (`int8_inference_copy`), else why not: what
+    the CPU lacks, or the first matrix that cannot (a bias, a shape)."""
+    if (why := int8_unavailable()) is not None:
+        return why
+    if not packing_supported(module):
+        return "an fp32 module on the CPU is needed (with oneDNN packing not switched off)"
+    for name, m in module.named_modules():
+        if type(m) is torch.nn.Linear and (m.bias is not None or not int8_shapes_supported(m)):
+            return (f"{name} is {list(m.weight.shape)}{' with a bias' if m.bias is not None else ''}; the int8 kernel "
+                    f"takes bias-free matrices with K a multiple of {GROUP} and N of {INT8_OUTPUT_BLOCK}")
+    return None
+
+
+def int8_for_inference(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `module` (its other parameters shared) with every nn.Linear on the int8 kernel
+    (`int8_inference_copy`: the weights rounded to Q8_0, decode-time rows rounded to int8 per group of 32; calls of
+    more than MAX_ROWS rows through oneDNN over the same rounded weights). For drafters, whose numbers decide only
+    which tokens are proposed. Cached until the weights change. ValueError saying why where `int8_unsupported` does."""
+    if (why := int8_unsupported(module)) is not None:
+        raise ValueError(f"int8 drafting weights: {why}")
+    return cached_copy(_copies, module, ("int8", huge_pages_unavailable(), weights_signature(module)),
+                       lambda: clone_with_packed_linears(module, int8_inference_copy))
+
+
 class GreedyHead:
     """The target's next tokens under greedy decoding from its Q8_0 head (the default target's tied embedding, on
     the FMA form), exactly torch.argmax of `q80_gemm`'s logits, at the int8 kernel's cost: an int8 pass over every

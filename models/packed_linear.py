@@ -234,7 +234,8 @@ def drafting_weights(drafter: torch.nn.Module, choice: str | None = "auto") -> s
     if choice not in DRAFTING_WEIGHTS:
         raise ValueError(f"drafter weights {choice!r}: choose one of {', '.join(DRAFTING_WEIGHTS)}")
     if choice in ("q8_0", "int8"):
-        raise ValueError(f"drafter weights {choice}: only EAGLE-3 drafters draft in it; use auto, float32 or float16")
+        kinds = "EAGLE-3 and DFlash drafters" if choice == "int8" else "EAGLE-3 drafters"
+        raise ValueError(f"drafter weights {choice}: only {kinds} draft in it; use auto, float32 or float16")
     fp16_runs = packing_supported(drafter) and float16_weights_supported()
     if choice == "auto" and any(hasattr(m, GGUF_BLOCKS) for m in drafter.modules()):
         return "float32"  # a GGUF model's own quantized blocks on the kernel library (models.gguf_blocks)

@@ -5,9 +5,14 @@ import pytest
 import torch
 
 from specdistill.decode.engine import SpeculativeEngine
+from specdistill.decode.lean_dflash import LeanDFlash
+from specdistill.decode.lean_eagle3 import DISABLE_ENV as LEAN_DISABLE_ENV
 from specdistill.decode.proposers import PromptLookupProposer, WithPromptLookup
-from specdistill.decode.proposers.dflash import DFlashProposer
+from specdistill.decode.proposers.dflash import DFlashProposer, dflash_drafting_weights
 from specdistill.models.dflash import DFlashDrafter
+from specdistill.models.kernel_linear import Q8Int8Linear
+from specdistill.models.kernels import int8_unavailable
+from specdistill.models.packed_linear import drafting_weights
 from tests.conftest import make_tiny_llama
 from tests.decode.test_engine import PROMPT, target_greedy
 from tests.models.test_dflash import features_of
@@ -109,10 +114,11 @@ def test_reduced_vocabulary_drafts_only_its_tokens():
     assert trees and all(2 <= t < 40 for tree in trees for t in tree.tokens[1:])
 
 
-def test_the_training_blocks_are_what_decoding_computes():
+@pytest.mark.parametrize("hidden", [32, 128])  # head_dim 8: torch's operations; 32: the kernel library's where it runs
+def test_the_training_blocks_are_what_decoding_computes(hidden):
     """DFlashDrafter.blocks at anchor a (training) equals the proposer's block after the first a + 1 tokens,
-    its context fed in two uneven steps as decoding feeds it."""
-    target = make_tiny_llama(seed=0, layers=3)
+    its context fed in two uneven steps as decoding feeds it (decode.lean_dflash's forward)."""
+    target = make_tiny_llama(seed=0, layers=3, hidden_size=hidden)
     drafter = tiny_dflash(target, block_size=5)
     ids = [1, 5, 7, 9, 11, 5, 7, 13, 17, 19, 23, 29]
     embed = target.get_input_embeddings()
@@ -122,6 +128,7 @@ def test_the_training_blocks_are_what_decoding_computes():
         outputs = drafter.blocks(feats[None], embed(torch.tensor(ids))[anchors], anchors)  # [1, 3, 5, D]
         for j, a in enumerate(anchors[0].tolist()):
             proposer = DFlashProposer(drafter, embed)
+            assert isinstance(proposer.net, LeanDFlash)
             proposer.begin(ids, 64)
             proposer.observe_prefill(feats[:a // 2])
             proposer.draft_block(ids[:a // 2 + 1])  # an earlier step, whose block is dropped
@@ -148,3 +155,52 @@ def test_a_depth_past_the_block_is_an_error():
     target = make_tiny_llama(seed=0, layers=3)
     with pytest.raises(ValueError, match="dflash.depth"):
         DFlashProposer(tiny_dflash(target, block_size=4), target.get_input_embeddings(), depth=4)
+
+
+def net_matrices(net) -> list:
+    """The matrices a proposer's net drafts with: the lean forward's, or the module copy's linears."""
+    if isinstance(net, LeanDFlash):
+        return [net.fc, net.lm_head] + [getattr(layer, name) for layer in net.layers
+                                       for name in ("qkv", "kv", "o", "gate_up", "down")]
+    return [m for m in net.modules() if isinstance(m, (torch.nn.Linear, Q8Int8Linear))]
+
+
+@pytest.mark.skipif(int8_unavailable() is not None, reason=f"the int8 kernel: {int8_unavailable()}")
+@pytest.mark.parametrize("lean", [True, False])
+def test_int8_drafting_weights_stay_lossless_and_draft_nearly_what_float32_drafts(lean, monkeypatch):
+    if not lean:
+        monkeypatch.setenv(LEAN_DISABLE_ENV, "1")  # the drafter's own modules over int8 copies
+    target = make_tiny_llama(seed=0, layers=3, peak=4.0, hidden_size=128)  # every matrix a multiple of 32
+    drafter = tiny_dflash(target, block_size=8)
+    ref = target_greedy(target, PROMPT, 40)
+    proposer = DFlashProposer(drafter, target.get_input_embeddings(), weights="int8")
+    assert isinstance(proposer.net, LeanDFlash) == lean
+    linears = net_matrices(proposer.net)
+    assert linears and all(isinstance(m, Q8Int8Linear) for m in linears)  # fc, every layer's matrices, the head
+    assert proposer.weight_format() == "int8"
+    for adaptive in (False, True):
+        assert SpeculativeEngine(target, proposer, adaptive=adaptive).generate(PROMPT, 40).tokens == ref
+    exact = DFlashProposer(drafter, target.get_input_embeddings(), weights="float32")
+    blocks = []
+    with torch.inference_mode():  # as the engine drafts (the proposer's cache is the engine's)
+        features = features_of(target, PROMPT, drafter.target_layers)  # [T, K x D]
+        for p in (proposer, exact):
+            p.begin(PROMPT, 64)
+            p.observe_prefill(features[:-1])  # the context: every position before the block's first row
+            blocks.append(p.draft_block(PROMPT))  # [B, M]
+    int8_logits, fp32_logits = blocks
+    assert float((int8_logits - fp32_logits).abs().max() / fp32_logits.abs().max()) < 5e-2  # Q8_0 and x's rounding
+    assert float((int8_logits.argmax(-1) == fp32_logits.argmax(-1)).float().mean()) >= 0.75
+    assert dflash_drafting_weights(drafter, "auto") == "int8"
+    assert dflash_drafting_weights(drafter, "float32") == "float32"
+
+
+def test_drafting_weights_that_cannot_run_are_errors_that_say_why():
+    odd = tiny_dflash(make_tiny_llama(seed=0, layers=3, hidden_size=48))  # K = 48: not whole groups of 32
+    assert dflash_drafting_weights(odd, "auto") == drafting_weights(odd, "auto")  # auto never fails on a shape
+    with pytest.raises(ValueError, match="int8"):
+        dflash_drafting_weights(odd, "int8")
+    with pytest.raises(ValueError, match="q8_0"):
+        dflash_drafting_weights(odd, "q8_0")
+    with pytest.raises(ValueError, match="drafter weights"):
+        dflash_drafting_weights(odd, "bfloat8")
