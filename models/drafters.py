@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import importlib
 import json
 import logging
 import shutil
@@ -72,11 +73,22 @@ class Drafter:
 
 DrafterLoader = Callable[[Path, dict, Target, str], Drafter]
 _KIND_LOADERS: dict[str, DrafterLoader] = {}
+# the trained kinds, each registered by its own module (which imports this one): imported when a manifest names it,
+# so that load_drafter reads every kind this package writes whatever the caller imported first
+BUILTIN_KINDS = {"eagle3": "specdistill.models.eagle3", "dflash": "specdistill.models.dflash",
+                 "medusa": "specdistill.models.medusa", "lookahead": "specdistill.models.lookahead"}
 
 
 def register_drafter_kind(kind: str, loader: DrafterLoader) -> None:
     """Teach load_drafter a new directory kind: loader(path, manifest, target, device) -> Drafter."""
     _KIND_LOADERS[kind] = loader
+
+
+def kind_loader(kind: str) -> DrafterLoader | None:
+    """The loader of a directory kind: a registered one, or a built-in kind's once its module is imported."""
+    if kind not in _KIND_LOADERS and kind in BUILTIN_KINDS:
+        importlib.import_module(BUILTIN_KINDS[kind])
+    return _KIND_LOADERS.get(kind)
 
 
 # ---- loading ---------------------------------------------------------------------------------------
@@ -138,10 +150,10 @@ def synthesize_manifest(target: Target, kind: str, spec: str) -> dict:
 def load_drafter_dir(path: Path, target: Target, device: str, allow_target_mismatch: bool) -> Drafter:
     manifest = read_manifest(path)
     check_manifest_target(manifest, target, path / MANIFEST, allow_target_mismatch)
-    loader = _KIND_LOADERS.get(manifest["kind"])
+    loader = kind_loader(manifest["kind"])
     if loader is None:
         raise ValueError(f"{path / MANIFEST}: unknown drafter kind {manifest['kind']!r} "
-                         f"(known: {', '.join(sorted(_KIND_LOADERS))})")
+                         f"(known: {', '.join(sorted(set(_KIND_LOADERS) | set(BUILTIN_KINDS)))})")
     return loader(path, manifest, target, device)
 
 

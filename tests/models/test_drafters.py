@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +15,7 @@ import torch
 from specdistill.models import drafters as drafters_module
 from specdistill.models.draft_models import apply_lora, build_small_drafter, build_truncated_drafter
 from specdistill.models.drafters import MANIFEST, load_drafter, save_drafter
+from tests.conftest import ROOT
 
 TOKENS = torch.tensor([[1, 5, 9, 17, 33, 5, 9, 60]])  # [B=1, T=8]
 
@@ -325,3 +329,20 @@ def test_a_named_real_target_loads_as_a_draft_model_by_its_name(target, tmp_path
     assert loaded.manifest["config"] == {"spec": "qwen2.5-coder-0.5b"}
     assert not any(hasattr(m, "kquant_blocks") for m in loaded.model.modules())
     torch.testing.assert_close(logits(loaded.model), logits(draft))
+
+
+def test_a_fresh_interpreter_reads_every_built_in_kind_whatever_it_imported_first():
+    """load_drafter imports the module of the kind a manifest names: a caller that imported only models.drafters
+    loads an EAGLE-3, DFlash, Medusa or [LA] directory too."""
+    code = ("from specdistill.models import drafters as d\n"
+            "assert set(d._KIND_LOADERS) == {'draft_model', 'ensemble', 'prompt_lookup'}, sorted(d._KIND_LOADERS)\n"
+            "assert all(d.kind_loader(kind) is not None for kind in d.BUILTIN_KINDS)\n"
+            "assert d.kind_loader('nonsense') is None\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+
+
+def test_every_kind_a_module_registers_is_a_built_in_kind():
+    registered = {m for path in (ROOT / "models").glob("*.py")
+                  for m in re.findall(r'register_drafter_kind\("(\w+)"', path.read_text())}
+    assert registered == set(drafters_module.BUILTIN_KINDS) | {"draft_model", "ensemble", "prompt_lookup"}
