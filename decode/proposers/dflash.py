@@ -82,20 +82,21 @@ class DFlashProposer(QueuedFeatures, Proposer):
 
     @torch.no_grad()
     def propose(self, seq: list[int], max_depth: int, sampling: SamplingConfig, generator) -> TokenTree:
-        logits = self.draft_block(seq)[1:min(max_depth, self.max_depth) + 1]  # [d, M]: rows 1..d
+        logits = self.draft_block(seq, slice(1, min(max_depth, self.max_depth) + 1))  # [d, M]: rows 1..d
         if sampling.greedy:
             return self.greedy_tree(seq[-1], logits)
         return self.sampled_chain(seq[-1], logits, sampling, generator)
 
-    def draft_block(self, seq: list[int]) -> torch.Tensor:
-        """Feed the pending features as context, then the block after seq: its rows' logits [B, M]."""
+    def draft_block(self, seq: list[int], rows: slice = slice(None)) -> torch.Tensor:
+        """Feed the pending features as context, then the block after seq: the logits [r, M] of its `rows` (the
+        head runs on those rows only; the layers on the whole block, whose rows attend to each other)."""
         if self.cache is None:
             raise RuntimeError("DFlashProposer.propose before begin(): the engine must start the request")
         if self.pending:
             self.net.add_context(torch.cat(self.pending).to(self.device), self.cache)
             self.pending = []
         first = self.embed(torch.tensor([seq[-1]], device=self.device))[0].to(self.dtype)  # [D]
-        return self.net.logits(self.net.block(first, len(seq) - 1, self.cache)).float()  # [B, M]
+        return self.net.logits(self.net.block(first, len(seq) - 1, self.cache)[rows]).float()  # [r, M]
 
     def greedy_tree(self, root: int, logits: torch.Tensor) -> TokenTree:
         """The chain of each row's best token (cut after an EOS), with each depth's next topk - 1 tokens as

@@ -63,13 +63,13 @@ def oracle_drafter(target, ref: list[int], block_size: int = 6) -> DFlashPropose
     proposer = DFlashProposer(tiny_dflash(target, block_size=block_size), target.get_input_embeddings())
     vocab = target.config.vocab_size
 
-    def block(seq):
+    def block(seq, rows=slice(None)):
         n = len(seq) - len(PROMPT)
         logits = torch.zeros(block_size, vocab)
         for i in range(1, block_size):
             logits[i, ref[n + i - 1] if n + i - 1 < len(ref) else 0] = 10.0
         proposer.pending = []
-        return logits
+        return logits[rows]
 
     proposer.draft_block = block
     return proposer
