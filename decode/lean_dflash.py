@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from specdistill.decode.lean_decoder import fused_linear, rms_norm_rows_or_torch, row_ops_library, sdpa_asked
-from specdistill.decode.lean_eagle3 import lean_eagle3_runs
+from specdistill.decode.lean_eagle3 import attend_rows, lean_eagle3_runs, rotary_tables
 from specdistill.models.dflash import DFlashCache, DFlashDrafter
+from specdistill.models.feature_drafter import rotate
 from specdistill.models.kernel_linear import int8_inference_copy
-from specdistill.models.kernels import MAX_ROWS
 from specdistill.models.packed_linear import packed_class
 
 __all__ = ["LeanDFlash", "lean_dflash"]
@@ -74,16 +74,15 @@ class LeanDFlash:
         self.dtype = drafter.norm.weight.dtype
         self.cos = self.sin = torch.empty(0, self.head_dim, dtype=self.dtype)  # [P, hd]: positions 0..P-1
         self.native = row_ops_library(drafter, drafter.norm.weight.shape[0], self.head_dim)
-        self.kernel_attention = self.native is not None and self.head_dim <= 256 and not sdpa_asked()
+        # the library's decode-time attention (None: SDPA), as the target's lean forward (the same switch)
+        self.attention = self.native if self.native is not None and self.head_dim <= 256 and not sdpa_asked() else None
         self.norm = functools.partial(rms_norm_rows_or_torch, self.native)
 
     def rotary(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [count, hd] of positions start .. start + count - 1, from a table grown (doubled) as needed."""
         if start + count > self.cos.shape[0]:
-            size = max(start + count, 2 * self.cos.shape[0], 1024)
-            angles = torch.arange(size, dtype=torch.float32)[:, None] * self.inv_freq  # as models.feature_drafter
-            self.cos = torch.cat([torch.cos(angles)] * 2, dim=-1).to(self.dtype)
-            self.sin = torch.cat([torch.sin(angles)] * 2, dim=-1).to(self.dtype)
+            self.cos, self.sin = rotary_tables(self.inv_freq, max(start + count, 2 * self.cos.shape[0], 1024),
+                                               self.dtype)
         return self.cos[start:start + count], self.sin[start:start + count]
 
     def head_norm(self, x: torch.Tensor, heads: int, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
@@ -100,7 +99,7 @@ class LeanDFlash:
         per_layer = []
         for layer in self.layers:
             kv = layer.kv(context)  # [k, 2 Hkv hd]
-            keys = rotated(self.head_norm(kv[:, :hkv * hd], hkv, layer.norm_k).transpose(0, 1), cos, sin)
+            keys = rotate(self.head_norm(kv[:, :hkv * hd], hkv, layer.norm_k).transpose(0, 1), cos, sin)
             per_layer.append((keys, kv[:, hkv * hd:].reshape(k_rows, hkv, hd).transpose(0, 1)))  # [Hkv, k, hd]
         cache.append(per_layer)
 
@@ -122,30 +121,14 @@ class LeanDFlash:
                 packed = torch.cat([q.flatten(1), k.flatten(1), v], dim=-1)
                 q, k = self.native.rope_qk(packed, h, hkv, hd, cos.contiguous(), sin.contiguous())  # [H|Hkv, B, hd]
             else:
-                q, k = rotated(q.transpose(0, 1), cos, sin), rotated(k.transpose(0, 1), cos, sin)
+                q, k = rotate(q.transpose(0, 1), cos, sin), rotate(k.transpose(0, 1), cos, sin)
             keys, values = cache.with_block(i, k, v.reshape(size, hkv, hd).transpose(0, 1))  # [Hkv, L + B, hd]
-            hidden = hidden + layer.o(self.attend(q, keys, values, visible))
+            hidden = hidden + layer.o(attend_rows(self.attention, q, keys, values, visible))
             gate, up = layer.gate_up(self.norm(hidden, layer.norm_post)).split(layer.intermediate, dim=-1)
             hidden = hidden + layer.down(F.silu(gate) * up)
         return hidden
-
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor):
-        """q [H, n, hd] over keys, values [Hkv, T, hd] where visible [n, T] -> [n, H hd]."""
-        h, n, hd = q.shape
-        if self.kernel_attention and n <= MAX_ROWS:
-            return self.native.attention_rows(q.contiguous(), keys, values, visible, hd ** -0.5)
-        groups = h // self.kv_heads
-        folded = q.reshape(self.kv_heads, groups * n, hd)  # row g*n + i: query head hkv*G + g, row i
-        mask = visible.repeat(groups, 1) if groups > 1 else visible  # [G n, T]
-        attended = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask)  # [Hkv, G n, hd]
-        return attended.reshape(h, n, hd).transpose(0, 1).reshape(n, h * hd)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """The last layer's outputs [..., D] -> draft logits [..., M]."""
         return self.lm_head(self.norm(out, self.norm_out))
 
-
-def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE (rotate-half) on x [heads, n, hd] with cos, sin [n, hd]."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin

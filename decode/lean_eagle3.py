@@ -39,7 +39,7 @@ from specdistill.models.kernel_linear import Q8Int8Linear, int8_inference_copy, 
 from specdistill.models.kernels import MAX_ROWS
 from specdistill.models.packed_linear import packed_class, packing_supported
 
-__all__ = ["DISABLE_ENV", "LeanEagle3", "lean_eagle3", "lean_eagle3_runs"]
+__all__ = ["DISABLE_ENV", "LeanEagle3", "attend_rows", "lean_eagle3", "lean_eagle3_runs", "rotary_tables"]
 
 DISABLE_ENV = "SPECDISTILL_NO_LEAN_DRAFTER"  # switch for side-by-side measurements and as an escape hatch
 
@@ -102,10 +102,7 @@ class LeanEagle3:
     def grow_rotary(self, need: int) -> None:
         """The cos/sin tables [P, hd] to at least `need` positions."""
         if need > self.cos.shape[0]:
-            size = max(need, 2 * self.cos.shape[0], 1024)
-            angles = torch.arange(size, dtype=torch.float32)[:, None] * self.inv_freq  # as Eagle3Layer.project
-            self.cos = torch.cat([torch.cos(angles)] * 2, dim=-1).to(self.dtype)
-            self.sin = torch.cat([torch.sin(angles)] * 2, dim=-1).to(self.dtype)
+            self.cos, self.sin = rotary_tables(self.inv_freq, max(need, 2 * self.cos.shape[0], 1024), self.dtype)
 
     def top(self, out: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """out [n, D] -> each row's k most probable draft indices under the head: (log-probabilities [n, k]
@@ -136,17 +133,33 @@ class LeanEagle3:
             qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin  # RoPE, rotate-half
             q, k = qk[:h], qk[h:]
         keys, values = cache.append(k, qkv[h + hkv:])  # [Hkv, L + n, hd]
-        if self.kernel_attention and n <= MAX_ROWS:  # longer (a prompt's context rows): SDPA's blocking
-            attended = self.native.attention_rows(q, keys, values, visible.contiguous(), hd ** -0.5)  # [n, H hd]
-        else:
-            groups = h // hkv
-            folded = q.reshape(hkv, groups * n, hd)  # row g*n + i: query head hkv*G + g, row i
-            mask = visible.repeat(groups, 1) if groups > 1 else visible  # [G n, L + n]
-            attended = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask)  # [Hkv, G n, hd]
-            attended = attended.reshape(h, n, hd).transpose(0, 1).reshape(n, h * hd)
+        attended = attend_rows(self.native if self.kernel_attention else None, q, keys, values, visible)  # [n, H hd]
         hidden = states + self.o(attended)
         gate, up = self.gate_up(norm(hidden, self.norm_post)).split(self.intermediate, dim=-1)
         return hidden + self.down(F.silu(gate) * up)
+
+
+def rotary_tables(inv_freq: torch.Tensor, size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos, sin [size, hd] for positions 0..size-1, as the drafters' layers compute them
+    (models.feature_drafter.rope_tables)."""
+    angles = torch.arange(size, dtype=torch.float32)[:, None] * inv_freq  # [size, hd / 2]
+    return tuple(torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+
+
+def attend_rows(native, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                visible: torch.Tensor) -> torch.Tensor:
+    """q [H, n, hd] over keys, values [Hkv, T, hd] where visible [n, T] -> [n, H hd]: the kernel library's
+    decode-time attention (`native`; calls of at most MAX_ROWS rows), else SDPA with a group's query heads folded
+    into rows over the unrepeated keys (longer calls, a prompt's context rows: SDPA's blocking)."""
+    h, n, hd = q.shape
+    if native is not None and n <= MAX_ROWS:
+        return native.attention_rows(q.contiguous(), keys, values, visible.contiguous(), hd ** -0.5)
+    hkv = keys.shape[0]
+    groups = h // hkv
+    folded = q.reshape(hkv, groups * n, hd)  # row g*n + i: query head hkv*G + g, row i
+    mask = visible.repeat(groups, 1) if groups > 1 else visible  # [G n, T]
+    attended = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask)  # [Hkv, G n, hd]
+    return attended.reshape(h, n, hd).transpose(0, 1).reshape(n, h * hd)
 
 
 class FusedRows:
