@@ -13,7 +13,7 @@ committed rows, its ancestors' rows and itself), their children's path scores ar
 child's log-probability (children of an EOS node: -inf, never expanded), and the next frontier is the top K
 of those K x K scores, its states and visibility gathered from its parents' rows. One graph per depth d
 records the d - 1 expansions and replays them with one launch; the host reads every candidate (target id,
-parent, score) in one copy and keeps the `tree_nodes` best (decode.proposers.eagle3.select_tree). The
+parent, score) in one copy and keeps the `tree_nodes` best (decode.tree.select_tree). The
 inputs are the root's output row and three integers (position, committed length, first free row) copied in
 before the replay; the candidates are the same as the dynamic, per-depth path's up to exact ties of scores.
 

@@ -7,9 +7,19 @@ whole tree in one forward, each node attending to the committed prefix and to it
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Callable
 
+import numpy as np
 import torch
+
+# min_prob, the path-probability floor of greedy EAGLE-3 and DFlash trees, tuned for EAGLE-3: 0.05 on the 2-core
+# CPU, where rows past the first few cost 1.5 ms each (about 0.06 of a token's time at 40 tokens/s), measured
+# against 0.03, 0.07 and 0.1 (docs/journal.md, "A probability floor for EAGLE-3 trees"); off on CUDA, where it could
+# save nothing: the fixed-shape step drafts every depth anyway, and 48 rows verify for about one forward (not
+# measured there).
+DEFAULT_MIN_PROB = {"cpu": 0.05, "cuda": 0.0}
 
 
 @dataclass
@@ -105,3 +115,44 @@ def attention_bias(
     bias[:, :prefix_len] = 0
     bias[:, prefix_len : prefix_len + n].masked_fill_(ancestors, 0)
     return bias[None, None]
+
+
+def select_tree(root: int, tokens: list[int], parents: list[int], scores: list[float], depths: list[int],
+                tree_nodes: int, min_score: float = float("-inf"),
+                step_seconds: Callable[[int], float] | None = None) -> TokenTree:
+    """The `tree_nodes` most probable candidates whose log path probability is at least `min_score` (ties:
+    shallower first; -inf never), parents before children. A child is never more probable than its parent,
+    so the set is closed under ancestors, and so is every prefix of it in that order. With `step_seconds`
+    (n -> seconds of the step with a tree of n nodes, root included), the prefix that maximises the expected
+    tokens a second (`priced_size`)."""
+    order = np.lexsort((np.asarray(depths), -np.asarray(scores, dtype=np.float64)))
+    kept, chosen = [], set()  # by descending score, and as a set
+    for i in order.tolist():
+        if len(kept) >= tree_nodes or scores[i] == float("-inf") or scores[i] < min_score:  # sorted: none after
+            break
+        if parents[i] < 0 or parents[i] in chosen:
+            kept.append(i)
+            chosen.add(i)
+    if step_seconds is not None:
+        kept = kept[:priced_size([math.exp(scores[i]) for i in kept], step_seconds)]
+        chosen = set(kept)
+    tree, node_of = TokenTree.root(root), {-1: 0}
+    for i in sorted(chosen, key=lambda i: (depths[i], -scores[i])):
+        node_of[i] = tree.add(tokens[i], node_of[parents[i]], None, dedupe=False)
+    return tree
+
+
+def priced_size(probs: list[float], step_seconds: Callable[[int], float]) -> int:
+    """How many of the nodes (in this order; each one's parent before it) a tree keeps: the k in [0, len(probs)]
+    that maximises (1 + probs[0] + ... + probs[k - 1]) / step_seconds(k + 1), the step's expected tokens a second.
+    A node's path probability under a trained drafter is the chance the target accepts it (the drafter is
+    calibrated: module docstring), and a greedy step emits one token more than it accepts, so the numerator is
+    the step's expected tokens; step_seconds prices the drafting done and the verification of k nodes and the
+    root. Ties: the smaller tree."""
+    best, best_rate, expected = 0, 1.0 / step_seconds(1), 1.0
+    for k, p in enumerate(probs, start=1):
+        expected += p
+        rate = expected / step_seconds(k + 1)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best

@@ -11,9 +11,13 @@ and are caught up here), then runs the block.
 
 Greedy: a chain of each block row's most probable token, cut at an EOS and at the depth the engine asks (its
 adaptive controller chooses the depth from measured costs and acceptance, decode.adaptive); with `topk` > 1, each
-depth also keeps its next most probable tokens as leaves beside the chain's node (the block's top alternatives per
+depth also offers its next most probable tokens as leaves beside the chain's node (the block's top alternatives per
 position: the rows' distributions do not depend on the drafts before them, so an alternative is as good a guess
-after the chain's prefix as anywhere), at most `tree_nodes` nodes.
+after the chain's prefix as anywhere). A candidate's path probability is the product of its row's probability and
+those of the chain nodes above it; the tree is the `tree_nodes` most probable candidates at or above the floor
+`min_prob`, and where the engine measures its costs (`price_verification`) the number of them that maximises the
+step's expected tokens a second, as EAGLE-3's trees are priced (decode.tree.select_tree). The block is drafted
+either way; the price decides how many of its rows the target verifies, step by step, from the block's confidence.
 
 Sampling: a chain, token i drawn from block row i's distribution q_i (scattered into the target's vocabulary) and
 proposed with it. q_i is a function of the context alone, a legitimate proposal for the multi-draft rule
@@ -22,12 +26,16 @@ proposed with it. q_i is a function of the context alone, a legitimate proposal 
 
 from __future__ import annotations
 
+import math
+import time
+from typing import Callable
+
 import torch
 
 from specdistill.decode.lean_dflash import lean_dflash
 from specdistill.decode.proposers.base import Proposer, QueuedFeatures, register_proposer, stored_format
 from specdistill.decode.sampling import SamplingConfig, logits_to_probs, sample
-from specdistill.decode.tree import TokenTree
+from specdistill.decode.tree import DEFAULT_MIN_PROB, TokenTree, select_tree
 from specdistill.models.dflash import DFlashCache, DFlashDrafter  # importing it registers the kind "dflash"
 from specdistill.models.kernel_linear import int8_for_inference, int8_unsupported
 from specdistill.models.packed_linear import drafting_weights, packed_for_inference
@@ -40,11 +48,15 @@ class DFlashProposer(QueuedFeatures, Proposer):
     self_drafting = True
 
     def __init__(self, drafter: DFlashDrafter, embed: torch.nn.Module, depth: int | None = None, topk: int = 1,
-                 tree_nodes: int | None = None, eos_token_ids: set[int] = frozenset(), weights: str = "float32"):
-        """depth: the deepest draft (default and at most block_size - 1); topk: tokens kept per depth (1: a chain);
-        tree_nodes: the most nodes besides the root (default depth x topk); weights: the format of the drafter's
-        linear weights on the CPU (`dflash_drafting_weights`: float32, float16 where FBGEMM runs it, int8 where the
-        kernel library's int8 kernel does)."""
+                 tree_nodes: int | None = None, eos_token_ids: set[int] = frozenset(), weights: str = "float32",
+                 min_prob: float | None = None, priced: bool = True):
+        """depth: the deepest draft (default and at most block_size - 1); topk: tokens offered per depth (1: a
+        chain); tree_nodes: the most nodes besides the root (default depth x topk); weights: the format of the
+        drafter's linear weights on the CPU (`dflash_drafting_weights`: float32, float16 where FBGEMM runs it, int8
+        where the kernel library's int8 kernel does). min_prob: the path-probability floor of greedy trees, in
+        [0, 1); 0 = none, None = DEFAULT_MIN_PROB for the device. priced: greedy trees keep the number of
+        candidates that maximises the step's expected tokens a second under the engine's measured verification
+        costs; False: always `tree_nodes` (above the floor)."""
         limit = drafter.block_size - 1
         self.max_depth = depth or limit
         if not 1 <= self.max_depth <= limit:
@@ -55,6 +67,14 @@ class DFlashProposer(QueuedFeatures, Proposer):
         self.tree_nodes = tree_nodes or self.max_depth * topk
         if self.tree_nodes < 1:
             raise ValueError(f"dflash.tree_nodes: must be >= 1, got {tree_nodes}")
+        device_kind = "cuda" if drafter.fc.weight.device.type == "cuda" else "cpu"
+        self.min_prob = DEFAULT_MIN_PROB[device_kind] if min_prob is None else float(min_prob)
+        if not 0.0 <= self.min_prob < 1.0:
+            raise ValueError(f"dflash.min_prob (the tree's path-probability floor) must be in [0, 1), got {min_prob}")
+        self.min_score = math.log(self.min_prob) if self.min_prob > 0 else float("-inf")  # on log path probabilities
+        self.priced = priced
+        self.verify_seconds: Callable[[int], float] | None = None  # from the engine (price_verification)
+        self.started = 0.0  # perf_counter() when the step's propose() began: its drafting time so far
         self.drafter, self.embed = drafter, embed
         # the same weights, packed (oneDNN fp32, FBGEMM fp16) or rounded to Q8_0 on the int8 kernel: the lean forward
         # (decode.lean_dflash) where it runs, else the drafter's own modules over those copies
@@ -73,6 +93,9 @@ class DFlashProposer(QueuedFeatures, Proposer):
     def weight_format(self) -> str:
         return self.weights
 
+    def price_verification(self, seconds: Callable[[int], float] | None) -> None:
+        self.verify_seconds = seconds if self.priced else None
+
     def begin(self, prompt_ids: list[int], capacity: int) -> None:
         rows = capacity + self.drafter.block_size + 1
         if self.cache is None or self.cache.keys.shape[2] < rows:
@@ -82,6 +105,7 @@ class DFlashProposer(QueuedFeatures, Proposer):
 
     @torch.no_grad()
     def propose(self, seq: list[int], max_depth: int, sampling: SamplingConfig, generator) -> TokenTree:
+        self.started = time.perf_counter()
         logits = self.draft_block(seq, slice(1, min(max_depth, self.max_depth) + 1))  # [d, M]: rows 1..d
         if sampling.greedy:
             return self.greedy_tree(seq[-1], logits)
@@ -99,25 +123,22 @@ class DFlashProposer(QueuedFeatures, Proposer):
         return self.net.logits(self.net.block(first, len(seq) - 1, self.cache)[rows]).float()  # [r, M]
 
     def greedy_tree(self, root: int, logits: torch.Tensor) -> TokenTree:
-        """The chain of each row's best token (cut after an EOS), with each depth's next topk - 1 tokens as
-        leaves beside it, chain first, at most tree_nodes nodes."""
+        """logits [d, M] of block rows 1..d -> the tree of the most probable candidates (`tree_candidates`), at
+        most tree_nodes, none below the floor, priced where the engine measures its costs."""
         k = min(self.topk, logits.shape[-1])
-        ranked = self.vocab_map[logits.topk(k, dim=-1).indices].tolist()  # [d][k] target ids, best first
-        tree, parent = TokenTree.root(root), 0
-        chain_nodes = []
-        for tokens in ranked:
-            if len(tree) > self.tree_nodes:
-                break
-            parent = tree.add(tokens[0], parent, None, dedupe=False)
-            chain_nodes.append(parent)
-            if tokens[0] in self.eos_token_ids:
-                break
-        for depth, node in enumerate(chain_nodes):
-            for token in ranked[depth][1:]:
-                if len(tree) > self.tree_nodes:
-                    return tree
-                tree.add(token, tree.parents[node], None, dedupe=False)
-        return tree
+        values, indices = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)  # [d, k] each, best first
+        tokens, parents, scores, depths = tree_candidates(values.tolist(), self.vocab_map[indices].tolist(),
+                                                          self.eos_token_ids)
+        return select_tree(root, tokens, parents, scores, depths, self.tree_nodes, self.min_score,
+                           self.step_seconds())
+
+    def step_seconds(self) -> Callable[[int], float] | None:
+        """n -> the expected seconds of this step with a tree of n nodes: the block drafted so far (its logits are on
+        the host) plus the engine's price of verifying n nodes; None when unpriced."""
+        if self.verify_seconds is None:
+            return None
+        drafted, verify = time.perf_counter() - self.started, self.verify_seconds
+        return lambda n: drafted + verify(n)
 
     def sampled_chain(self, root: int, logits: torch.Tensor, sampling: SamplingConfig, generator) -> TokenTree:
         """Token i drawn from row i's q (over the target's vocabulary) and proposed with it; cut after an EOS."""
@@ -131,6 +152,28 @@ class DFlashProposer(QueuedFeatures, Proposer):
             if token in self.eos_token_ids:
                 break
         return TokenTree.chain(root, drafts, probs)
+
+
+def tree_candidates(logq: list[list[float]], tokens: list[list[int]], eos_token_ids: set[int]
+                    ) -> tuple[list[int], list[int], list[int], list[float]]:
+    """A block's candidates from each drafted row's top-k (log-probabilities and target ids [d][k], best first):
+    at depth i the chain's token (column 0) and its alternatives, all children of the chain's node at depth i - 1,
+    scored by their log path probability (the chain's log-probabilities above them plus their own); nothing
+    below an EOS on the chain. Returns (tokens, parents, scores, depths), parents as candidate indices (-1: the
+    root). A child never outscores its parent, so the most probable candidates are closed under ancestors."""
+    out_tokens, parents, scores, depths = [], [], [], []
+    parent, above = -1, 0.0
+    for depth, (row_logq, row_tokens) in enumerate(zip(logq, tokens), start=1):
+        chain = len(out_tokens)
+        for lq, token in zip(row_logq, row_tokens):
+            out_tokens.append(int(token))
+            parents.append(parent)
+            scores.append(above + lq)
+            depths.append(depth)
+        parent, above = chain, above + row_logq[0]
+        if row_tokens[0] in eos_token_ids:
+            break
+    return out_tokens, parents, scores, depths
 
 
 def dflash_drafting_weights(drafter: DFlashDrafter, choice: str | None = "auto") -> str:
@@ -156,16 +199,24 @@ def dflash_drafting_weights(drafter: DFlashDrafter, choice: str | None = "auto")
 
 def build_dflash_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: set[int] = frozenset(),
                           **kw) -> DFlashProposer:
-    """A loaded dflash drafter's proposer: depth, topk and tree_nodes from kw (dflash_depth, dflash_topk,
-    dflash_tree_nodes), else from its manifest's extra.decoding, else the whole block as a chain; its weights in the
-    format `drafter_weights` chooses (`dflash_drafting_weights`: auto, int8, float32, float16)."""
+    """A loaded dflash drafter's proposer: depth, topk, tree_nodes, min_prob and priced from kw (dflash_depth,
+    dflash_topk, dflash_tree_nodes, dflash_min_prob, dflash_priced), else from its manifest's extra.decoding, else
+    the whole block as a chain, floored at DEFAULT_MIN_PROB and priced; its weights in the format
+    `drafter_weights` chooses (`dflash_drafting_weights`: auto, int8, float32, float16)."""
     options = (drafter.manifest.get("extra") or {}).get("decoding") or {}
+    min_prob = kw.get("dflash_min_prob")  # 0 is a value (no floor), not "unset"
+    if min_prob is None:
+        min_prob = options.get("min_prob")
+    priced = kw.get("dflash_priced")
+    if priced is None:
+        priced = options.get("priced", True)
     return DFlashProposer(drafter.model, target_model.get_input_embeddings(),
                           depth=kw.get("dflash_depth") or options.get("depth"),
                           topk=kw.get("dflash_topk") or options.get("topk") or 1,
                           tree_nodes=kw.get("dflash_tree_nodes") or options.get("tree_nodes"),
                           eos_token_ids=eos_token_ids,
-                          weights=dflash_drafting_weights(drafter.model, kw.get("drafter_weights")))
+                          weights=dflash_drafting_weights(drafter.model, kw.get("drafter_weights")),
+                          min_prob=min_prob, priced=bool(priced))
 
 
 register_proposer("dflash", build_dflash_proposer)

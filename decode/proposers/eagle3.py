@@ -45,7 +45,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import torch
 
 from specdistill.decode.draft_steps import ContextStep, DraftTreeStep, candidate_depths, draft_graphs_supported
@@ -54,7 +53,7 @@ from specdistill.decode.lean_eagle3 import LeanEagle3, lean_eagle3, lean_eagle3_
 from specdistill.decode.proposers.base import CATCH_UP_SPLIT, Proposer, QueuedFeatures, register_proposer, stored_format
 from specdistill.decode.runner import synchronized_clock
 from specdistill.decode.sampling import SamplingConfig, logits_to_probs, sample
-from specdistill.decode.tree import TokenTree
+from specdistill.decode.tree import DEFAULT_MIN_PROB, TokenTree, select_tree
 from specdistill.models.eagle3 import (  # importing models.eagle3 registers the drafter kind "eagle3"
     DraftCache,
     Eagle3Drafter,
@@ -74,11 +73,6 @@ __all__ = ["DEFAULT_MIN_PROB", "DEFAULT_TREE", "Eagle3Proposer", "select_tree"]
 # Arena v2.0), 2.13x / 2.01x (held-out HumanEval + GSM8K) (docs/journal.md, "Four unrolled steps instead of seven").
 # A GPU verifies 32-64 nodes for about one forward.
 DEFAULT_TREE = {"cpu": (8, 3, 14), "cuda": (8, 8, 48)}
-# min_prob, the path-probability floor: 0.05 on the 2-core CPU, where rows past the first few cost 1.5 ms each
-# (about 0.06 of a token's time at 40 tokens/s), measured against 0.03, 0.07 and 0.1 (docs/journal.md, "A
-# probability floor for EAGLE-3 trees"); off on CUDA, where it could save nothing: the fixed-shape step drafts
-# every depth anyway, and 48 rows verify for about one forward (not measured there).
-DEFAULT_MIN_PROB = {"cpu": 0.05, "cuda": 0.0}
 
 
 @dataclass
@@ -313,47 +307,6 @@ class Eagle3Proposer(QueuedFeatures, Proposer):
             self.candidates.append(node)
             out = self.expand([node], out[None], base)[0]
         return TokenTree.chain(root, drafts, probs)
-
-
-def select_tree(root: int, tokens: list[int], parents: list[int], scores: list[float], depths: list[int],
-                tree_nodes: int, min_score: float = float("-inf"),
-                step_seconds: Callable[[int], float] | None = None) -> TokenTree:
-    """The `tree_nodes` most probable candidates whose log path probability is at least `min_score` (ties:
-    shallower first; -inf never), parents before children. A child is never more probable than its parent,
-    so the set is closed under ancestors, and so is every prefix of it in that order. With `step_seconds`
-    (n -> seconds of the step with a tree of n nodes, root included), the prefix that maximises the expected
-    tokens a second (`priced_size`)."""
-    order = np.lexsort((np.asarray(depths), -np.asarray(scores, dtype=np.float64)))
-    kept, chosen = [], set()  # by descending score, and as a set
-    for i in order.tolist():
-        if len(kept) >= tree_nodes or scores[i] == float("-inf") or scores[i] < min_score:  # sorted: none after
-            break
-        if parents[i] < 0 or parents[i] in chosen:
-            kept.append(i)
-            chosen.add(i)
-    if step_seconds is not None:
-        kept = kept[:priced_size([math.exp(scores[i]) for i in kept], step_seconds)]
-        chosen = set(kept)
-    tree, node_of = TokenTree.root(root), {-1: 0}
-    for i in sorted(chosen, key=lambda i: (depths[i], -scores[i])):
-        node_of[i] = tree.add(tokens[i], node_of[parents[i]], None, dedupe=False)
-    return tree
-
-
-def priced_size(probs: list[float], step_seconds: Callable[[int], float]) -> int:
-    """How many of the nodes (in this order; each one's parent before it) a tree keeps: the k in [0, len(probs)]
-    that maximises (1 + probs[0] + ... + probs[k - 1]) / step_seconds(k + 1), the step's expected tokens a second.
-    A node's path probability under a trained drafter is the chance the target accepts it (the drafter is
-    calibrated: module docstring), and a greedy step emits one token more than it accepts, so the numerator is
-    the step's expected tokens; step_seconds prices the drafting done and the verification of k nodes and the
-    root. Ties: the smaller tree."""
-    best, best_rate, expected = 0, 1.0 / step_seconds(1), 1.0
-    for k, p in enumerate(probs, start=1):
-        expected += p
-        rate = expected / step_seconds(k + 1)
-        if rate > best_rate:
-            best, best_rate = k, rate
-    return best
 
 
 def build_eagle3_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: set[int] = frozenset(),

@@ -1,6 +1,10 @@
 """DFlash decoding: lossless with chains and trees (EOS and max_new_tokens inside a block, prompt-lookup steps that
 skip the drafter), sampling keeps the target's distribution, and the training forward is what decoding computes."""
 
+import math
+import time
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -8,7 +12,13 @@ from specdistill.decode.engine import SpeculativeEngine
 from specdistill.decode.lean_dflash import LeanDFlash
 from specdistill.decode.lean_eagle3 import DISABLE_ENV as LEAN_DISABLE_ENV
 from specdistill.decode.proposers import PromptLookupProposer, WithPromptLookup
-from specdistill.decode.proposers.dflash import DFlashProposer, dflash_drafting_weights
+from specdistill.decode.proposers.dflash import (
+    DEFAULT_MIN_PROB,
+    DFlashProposer,
+    build_dflash_proposer,
+    dflash_drafting_weights,
+    tree_candidates,
+)
 from specdistill.models.dflash import DFlashDrafter
 from specdistill.models.kernel_linear import Q8Int8Linear
 from specdistill.models.kernels import int8_unavailable
@@ -32,17 +42,81 @@ def recorded_trees(proposer) -> list:
 
 
 @pytest.mark.parametrize("shape, adaptive", [(dict(), True), (dict(depth=2), False), (dict(topk=3), False),
-                                             (dict(topk=2, tree_nodes=4), False)])
+                                             (dict(topk=2, tree_nodes=4), False), (dict(topk=2, min_prob=0.3), True)])
 def test_greedy_output_is_the_targets(shape, adaptive):
     target = make_tiny_llama(seed=0, layers=3, peak=4.0)
     ref = target_greedy(target, PROMPT, 32)
-    proposer = DFlashProposer(tiny_dflash(target), target.get_input_embeddings(), **shape)
+    proposer = DFlashProposer(tiny_dflash(target), target.get_input_embeddings(), **{"min_prob": 0, **shape})
     trees = recorded_trees(proposer)
     gen = SpeculativeEngine(target, proposer, adaptive=adaptive).generate(PROMPT, 32)
     assert gen.tokens == ref and gen.stats.new_tokens == 32
-    depth, nodes = shape.get("depth", 5), shape.get("tree_nodes", shape.get("depth", 5) * shape.get("topk", 1))
-    assert max(t.max_depth for t in trees) == min(depth, nodes)  # the chain first, then the alternatives
-    assert max(len(t) - 1 for t in trees) == nodes
+    if not adaptive:  # unpriced, no floor: every tree is the tree_nodes most probable candidates
+        depth, nodes = shape.get("depth", 5), shape.get("tree_nodes", shape.get("depth", 5) * shape.get("topk", 1))
+        assert max(len(t) - 1 for t in trees) == nodes
+        if shape.get("topk", 1) == 1:
+            assert max(t.max_depth for t in trees) == depth
+
+
+def block_proposer(block_size: int = 6, **kw) -> DFlashProposer:
+    target = make_tiny_llama(seed=0, layers=3)
+    return DFlashProposer(tiny_dflash(target, block_size=block_size), target.get_input_embeddings(), **kw)
+
+
+def row_logits(rows: list[dict[int, float]], vocab: int = 64) -> torch.Tensor:
+    """[d, vocab] logits whose softmax puts each row's given probabilities on its tokens and the rest of the mass
+    evenly on the other tokens."""
+    logits = torch.empty(len(rows), vocab)
+    for i, row in enumerate(rows):
+        logits[i] = math.log((1 - sum(row.values())) / (vocab - len(row)))
+        for token, p in row.items():
+            logits[i, token] = math.log(p)
+    return logits
+
+
+def test_candidates_are_scored_by_their_path_and_stop_under_an_eos():
+    logq = [[math.log(0.8), math.log(0.1)], [math.log(0.5), math.log(0.4)], [math.log(0.9), math.log(0.05)]]
+    tokens, parents, scores, depths = tree_candidates(logq, [[10, 11], [20, 21], [30, 31]], eos_token_ids={20})
+    assert tokens == [10, 11, 20, 21] and depths == [1, 1, 2, 2]  # nothing under the EOS at depth 2
+    assert parents == [-1, -1, 0, 0]  # alternatives hang beside the chain's node, under its parent
+    assert [round(math.exp(x), 6) for x in scores] == [0.8, 0.1, 0.4, 0.32]
+    assert all(p < 0 or scores[i] <= scores[p] for i, p in enumerate(parents))  # closed under ancestors
+
+
+def test_the_tree_keeps_the_most_probable_candidates_above_the_floor():
+    rows = [{5: 0.9, 6: 0.05}, {7: 0.5, 8: 0.45}, {9: 0.3, 10: 0.2}]  # chain paths 0.9, 0.45, 0.135
+    tree = block_proposer(topk=2, tree_nodes=3, min_prob=0).greedy_tree(1, row_logits(rows))
+    assert sorted(tree.tokens[1:]) == [5, 7, 8]  # 8 (0.405) outranks the deeper chain node 9 (0.135)
+    tree = block_proposer(topk=2, tree_nodes=10, min_prob=0.2).greedy_tree(1, row_logits(rows))
+    assert sorted(tree.tokens[1:]) == [5, 7, 8]  # every other candidate's path is below 0.2
+    assert len(block_proposer(min_prob=0.95).greedy_tree(1, row_logits(rows))) == 1  # a plain decoding step
+
+
+def test_priced_trees_follow_the_price_of_a_row():
+    rows = [{5: 0.9}, {7: 0.8}, {9: 0.5}, {11: 0.2}, {13: 0.1}]  # chain paths 0.9, 0.72, 0.36, 0.072, 0.0072
+    sizes = []
+    for row_cost in (0.0, 0.05, 0.3, 10.0):
+        proposer = block_proposer(min_prob=0)
+        proposer.started = time.perf_counter()
+        proposer.price_verification(lambda n, c=row_cost: 1.0 + c * (n - 1))
+        sizes.append(len(proposer.greedy_tree(1, row_logits(rows))) - 1)
+    assert sizes[0] == 5 and sizes[-1] == 0 and sizes == sorted(sizes, reverse=True)
+    unpriced = block_proposer(min_prob=0, priced=False)
+    unpriced.price_verification(lambda n: float(n))
+    assert len(unpriced.greedy_tree(1, row_logits(rows))) - 1 == 5
+
+
+def test_the_tree_options_come_from_the_call_else_the_manifest():
+    target = make_tiny_llama(seed=0, layers=3)
+    drafter = SimpleNamespace(model=tiny_dflash(target), manifest={"extra": {"decoding": {"min_prob": 0.2,
+                                                                                        "priced": False}}})
+    built = build_dflash_proposer(drafter, target)
+    assert built.min_prob == 0.2 and not built.priced
+    built = build_dflash_proposer(drafter, target, dflash_min_prob=0, dflash_priced=True)
+    assert built.min_prob == 0 and built.priced
+    drafter.manifest = {}
+    assert build_dflash_proposer(drafter, target).min_prob == DEFAULT_MIN_PROB["cpu"]
+    with pytest.raises(ValueError, match="dflash.min_prob"):
+        build_dflash_proposer(drafter, target, dflash_min_prob=1.0)
 
 
 def test_eos_and_max_new_tokens_inside_a_block():
@@ -50,7 +124,7 @@ def test_eos_and_max_new_tokens_inside_a_block():
     ref = target_greedy(target, PROMPT, 40)
     eos = ref[13]
     drafter = tiny_dflash(target)
-    proposer = DFlashProposer(drafter, target.get_input_embeddings(), eos_token_ids={eos})
+    proposer = DFlashProposer(drafter, target.get_input_embeddings(), eos_token_ids={eos}, min_prob=0)
     gen = SpeculativeEngine(target, proposer, {eos}, adaptive=False).generate(PROMPT, 40)
     assert gen.tokens == ref[:ref.index(eos) + 1]
     for max_new in (1, 2, 4, 7):
@@ -94,7 +168,7 @@ def test_with_prompt_lookup_stays_lossless(lookup_first):
     """Also when lookup-only steps skip the drafter: it adds the skipped positions' context at its next step."""
     target = make_tiny_llama(seed=0, layers=3, peak=4.0)
     ref = target_greedy(target, PROMPT, 40)
-    inner = DFlashProposer(tiny_dflash(target), target.get_input_embeddings(), topk=2)
+    inner = DFlashProposer(tiny_dflash(target), target.get_input_embeddings(), topk=2, min_prob=0)
     drafted, original = [], inner.propose
     inner.propose = lambda seq, *a: drafted.append(len(seq)) or original(seq, *a)
     wrapped = WithPromptLookup(inner, PromptLookupProposer(num_tokens=6), lookup_first=lookup_first)
@@ -107,7 +181,8 @@ def test_with_prompt_lookup_stays_lossless(lookup_first):
 
 def test_reduced_vocabulary_drafts_only_its_tokens():
     target = make_tiny_llama(seed=0, layers=3)
-    proposer = DFlashProposer(tiny_dflash(target, vocab=list(range(2, 40))), target.get_input_embeddings(), topk=2)
+    proposer = DFlashProposer(tiny_dflash(target, vocab=list(range(2, 40))), target.get_input_embeddings(), topk=2,
+                              min_prob=0)
     trees = recorded_trees(proposer)
     assert SpeculativeEngine(target, proposer, adaptive=False).generate(PROMPT, 12).tokens == \
         target_greedy(target, PROMPT, 12)

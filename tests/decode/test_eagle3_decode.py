@@ -14,9 +14,9 @@ from specdistill.decode.proposers.eagle3 import (
     Eagle3Proposer,
     build_eagle3_proposer,
     eagle3_drafting_weights,
-    priced_size,
 )
 from specdistill.decode.sampling import SamplingConfig
+from specdistill.decode.tree import priced_size
 from specdistill.models.eagle3 import Eagle3Drafter
 from specdistill.models.kernel_linear import Q8Int8Linear, Q80Linear
 from specdistill.models.kernels import amx_unavailable, int8_unavailable
