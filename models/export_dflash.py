@@ -14,6 +14,11 @@ that z-lab's do not, in the forms llama.cpp already reads from other exports:
 
 `target_layer_ids` are DFlash's (layer outputs): ours (layer inputs) minus one. The target's config and tokenizer
 go to DIR/target, as for EAGLE-3 (models.export.write_target_files).
+
+vLLM (`--format vllm`, speculative method `dflash`) loads the same files with one difference: its
+`DFlashDraftModel` class (qwen3_dflash) takes the reduced head itself (`draft_vocab_size`, `d2t`) where its
+`DSparkDraftModel` is another model family, so that export always names `DFlashDraftModel` (`engine="vllm"`). It
+reads `mask_embedding.pt` in place of the mask token's row, as llama.cpp's converter does.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from safetensors.torch import save_file
 from specdistill.models.dflash import DFlashDrafter
 
 ARCH_FULL, ARCH_REDUCED = "DFlashDraftModel", "DSparkDraftModel"
+ENGINES = ("llamacpp", "vllm")  # who reads the export: llama.cpp's converter, or vLLM's qwen3_dflash
 MARKER = "specdistill_dflash_export"
 
 
@@ -44,10 +50,11 @@ def mask_token(target, requested: int | None) -> int:
     return token
 
 
-def dflash_hf_config(drafter: DFlashDrafter, target, mask_token_id: int) -> dict:
-    """config.json for llama.cpp's converter (Qwen3 keys, DFlash's dflash_config)."""
+def dflash_hf_config(drafter: DFlashDrafter, target, mask_token_id: int, engine: str = "llamacpp") -> dict:
+    """config.json for llama.cpp's converter or for vLLM (Qwen3 keys, DFlash's dflash_config); a reduced head is
+    a DSpark class for the converter, DFlash's own class for vLLM (module docstring)."""
     c = drafter.config
-    reduced = c["draft_vocab_size"] < c["vocab_size"]
+    reduced = c["draft_vocab_size"] < c["vocab_size"] and engine == "llamacpp"
     text = target.model.config.get_text_config()
     return {
         "architectures": [ARCH_REDUCED if reduced else ARCH_FULL],
@@ -75,12 +82,15 @@ def dflash_tensors(drafter: DFlashDrafter, target) -> dict[str, torch.Tensor]:
     return state
 
 
-def export_dflash(drafter_path: str | Path, out: str | Path, target, *, mask_token_id: int | None = None) -> Path:
-    """Write the drafter at `drafter_path` (kind dflash, aligned to `target`) as llama.cpp's converter reads it;
-    atomic: `out` is either the finished export or unchanged."""
+def export_dflash(drafter_path: str | Path, out: str | Path, target, *, mask_token_id: int | None = None,
+                  engine: str = "llamacpp") -> Path:
+    """Write the drafter at `drafter_path` (kind dflash, aligned to `target`) as llama.cpp's converter (engine
+    "llamacpp") or vLLM (engine "vllm") reads it; atomic: `out` is either the finished export or unchanged."""
     from specdistill.models.drafters import load_drafter
     from specdistill.models.export import TARGET_DIR, check_out_dir, write_target_files
 
+    if engine not in ENGINES:
+        raise ValueError(f"dflash export engine {engine!r}: one of {', '.join(ENGINES)}")
     drafter_path, out = Path(drafter_path), check_out_dir(out, drafter_path)  # an earlier export is replaced
     loaded = load_drafter(drafter_path, target, device="cpu")  # refuses a drafter aligned to another target
     if loaded.kind != "dflash":
@@ -93,7 +103,7 @@ def export_dflash(drafter_path: str | Path, out: str | Path, target, *, mask_tok
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        (tmp / "config.json").write_text(json.dumps(dflash_hf_config(drafter, target, token), indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(dflash_hf_config(drafter, target, token, engine), indent=2) + "\n")
         save_file(dflash_tensors(drafter, target), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         torch.save({"mask_token_id": token, "embedding": drafter.mask_embedding.detach().float().cpu().clone()},
                    tmp / "mask_embedding.pt")

@@ -313,12 +313,15 @@ def build_eagle3_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: 
                           **kw) -> Eagle3Proposer:
     """A loaded eagle3 drafter's proposer: its tree's depth, top-K, size and probability floor from kw
     (eagle3_depth, eagle3_topk, eagle3_tree_nodes, eagle3_min_prob), else from its manifest's
-    extra.decoding, else DEFAULT_TREE / DEFAULT_MIN_PROB for the device; eagle3_priced=False keeps every tree at
-    its full size (for side-by-side measurements)."""
+    extra.decoding, else DEFAULT_TREE / DEFAULT_MIN_PROB for the device; eagle3_priced=False (or the manifest's
+    priced: false) keeps every tree at its full size (for side-by-side measurements)."""
     options = (drafter.manifest.get("extra") or {}).get("decoding") or {}
     min_prob = kw.get("eagle3_min_prob")  # 0 is a value (no floor), not "unset"
     if min_prob is None:
         min_prob = options.get("min_prob")
+    priced = kw.get("eagle3_priced")
+    if priced is None:
+        priced = options.get("priced", True)
     return Eagle3Proposer(drafter.model, target_model.get_input_embeddings(),
                           depth=kw.get("eagle3_depth") or options.get("depth"),
                           topk=kw.get("eagle3_topk") or options.get("topk"),
@@ -327,7 +330,7 @@ def build_eagle3_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: 
                           weights=eagle3_drafting_weights(drafter.model, kw.get("drafter_weights"),
                                                           kw.get("eagle3_fixed_steps")),
                           fixed_steps=kw.get("eagle3_fixed_steps"), min_prob=min_prob,
-                          priced=kw.get("eagle3_priced", True))
+                          priced=bool(priced))
 
 
 def eagle3_drafting_weights(drafter: Eagle3Drafter, choice: str | None, fixed_steps: bool | None) -> str:

@@ -1,5 +1,6 @@
-"""DFlash drafters for llama.cpp: the export llama.cpp's own converter reads (models/export_dflash.py), and (slow,
-with `make llamacpp`) the converted GGUF computing our drafter's block as llama.cpp's `dflash` graph computes it."""
+"""DFlash drafters for llama.cpp and vLLM: the export llama.cpp's own converter reads (models/export_dflash.py) and
+vLLM's variant of it, and (slow, with `make llamacpp`) the converted GGUF computing our drafter's block as
+llama.cpp's `dflash` graph computes it."""
 
 from __future__ import annotations
 
@@ -48,6 +49,24 @@ def test_the_export_names_dflash_layers_masks_and_the_reduced_head_as_llamacpp_r
     mask = torch.load(out / "mask_embedding.pt", weights_only=True)
     assert mask["mask_token_id"] == target.vocab_size - 1 and torch.equal(mask["embedding"], drafter.mask_embedding)
     assert (out / "target" / "config.json").is_file() and (out / "target" / "tokenizer.json").is_file()
+
+
+def test_the_vllm_export_is_dflashs_own_class_carrying_the_reduced_head(target, tmp_path):
+    from specdistill.models.export import export_for_vllm
+
+    vocab_map = torch.arange(0, target.vocab_size, 5)[:2048]
+    saved_dflash(target, tmp_path / "drafter", vocab_map)
+    out, method = export_for_vllm(tmp_path / "drafter", tmp_path / "export", target)
+    config = json.loads((out / "config.json").read_text())
+    assert method == "dflash" and config["architectures"] == [ARCH_FULL]  # vLLM's DSpark is another family
+    assert config["draft_vocab_size"] == 2048 and config["vocab_size"] == target.vocab_size
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(str(out / "model.safetensors"))["d2t"] + torch.arange(2048), vocab_map)
+    assert (out / "mask_embedding.pt").is_file()
+    with pytest.raises(ValueError, match="engine 'sglang'"):
+        export_dflash(tmp_path / "drafter", tmp_path / "other", target, engine="sglang")
+    assert not (tmp_path / "other").exists()
 
 
 def test_a_full_vocabulary_head_is_plain_dflash_and_an_earlier_export_is_replaced(target, tmp_path):

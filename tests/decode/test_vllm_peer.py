@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+import torch
 
 from specdistill.decode.evaluate import EvalConfig, build_methods
 from specdistill.decode.vllm_peer import (
@@ -138,4 +139,41 @@ def test_vllm_runs_an_exported_draft_model_losslessly(tmp_path):
     assert reply["tokens"] == plain == ours.tokens
     theirs = stats_from(reply)
     assert theirs is not None and ours.stats.tau > 1.5
+    assert abs(theirs.tau - ours.stats.tau) <= 0.15 * ours.stats.tau, (theirs.tau, ours.stats.tau)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (ROOT / ".venv-vllm" / "bin" / "python").exists(), reason="no vLLM environment (make vllm)")
+def test_vllm_runs_an_exported_dflash_drafter_losslessly(tmp_path):
+    """vLLM's `dflash` method on a `--format vllm` export of a DFlash drafter (untrained, its layers the target's
+    deep ones, a reduced head): vLLM loads it, drafts its whole block each step, and its answer is our plain
+    decoding's, as ours is with the same drafter at the same fixed block. (A trained drafter's acceptance in both
+    engines: docs/results.md, "DFlash in vLLM".)"""
+    from specdistill.decode.engine import SpeculativeEngine
+    from specdistill.decode.proposers import build_proposer
+    from specdistill.decode.vllm_peer import exported_config, stats_from, target_directory
+    from specdistill.models.dflash import DFlashDrafter
+    from specdistill.models.drafters import load_drafter, save_drafter
+    from specdistill.models.target import load_target
+
+    target = load_target()
+    model = DFlashDrafter.for_target(target.model, torch.arange(0, target.vocab_size, 3)[:8192], num_layers=1,
+                                     block_size=5, target_layers=[2, 15, 27], seed=3)
+    save_drafter(tmp_path / "dflash", model, target, "dflash", config={**model.config})
+    drafter = load_drafter(str(tmp_path / "dflash"), target)
+    speculative = exported_config(str(tmp_path / "dflash"), drafter, target, tmp_path / "exports")
+    assert speculative["method"] == "dflash" and speculative["num_speculative_tokens"] == 4
+    prompt = target.encode_chat([{"role": "user", "content": "List the days of the week."}])
+    plain = SpeculativeEngine(target.model, None, target.eos_token_ids).generate(prompt, 32).tokens
+    proposer = build_proposer(drafter, target.model, eos_token_ids=target.eos_token_ids, dflash_min_prob=0,
+                              dflash_priced=False)
+    ours = SpeculativeEngine(target.model, proposer, target.eos_token_ids, adaptive=False).generate(prompt, 32)
+    worker = VllmWorker(target_directory(target), "float32", speculative, 2)
+    try:
+        reply = worker.generate(prompt, 32, sorted(target.eos_token_ids))
+    finally:
+        worker.close()
+    assert reply["tokens"] == plain == ours.tokens
+    theirs = stats_from(reply)
+    assert theirs is not None and len(theirs.accepted_per_position) == 4  # it drafted the whole block
     assert abs(theirs.tau - ours.stats.tau) <= 0.15 * ours.stats.tau, (theirs.tau, ours.stats.tau)

@@ -1,8 +1,9 @@
-"""Check a drafter exported for vLLM (EAGLE-3, Medusa heads, a draft model) against our engine: the same drafter,
-the same chain depth, the same prompts, greedy; prints both engines' tau and acceptance per position and vLLM's
-mismatches against our plain decoding. Our engine drafts what vLLM drafts: a top-1 chain, in full every step
-(EAGLE-3 and a draft model `--depth` deep, Medusa one token per head). Needs `make vllm` (vLLM compiles for
-about 3.5 minutes at start).
+"""Check a drafter exported for vLLM (EAGLE-3, DFlash, Medusa heads, a draft model) against our engine: the same
+drafter, the same chain depth, the same prompts, greedy; prints both engines' tau and acceptance per position and
+vLLM's mismatches against our plain decoding. Our engine drafts what vLLM drafts: a top-1 chain, in full every step
+(EAGLE-3 and a draft model `--depth` deep, Medusa one token per head, DFlash its whole block: its rows attend to
+each other, so a shorter block would be another computation). Needs `make vllm` (vLLM compiles for about 3.5
+minutes at start).
 
     specdistill vllm-check [DRAFTER] [--depth 6] [--max-new-tokens 96]
 """
@@ -28,6 +29,10 @@ def chain_proposer(drafter, target, depth: int):
         return MedusaProposer(drafter.model, tree=default_chain(depth), vocab_map=drafter.vocab_map,
                               embed=target.model.get_input_embeddings())
     # fp32 drafter weights: vLLM runs the drafter as exported, so ours must not round it to fp16
+    if drafter.kind == "dflash":  # the whole block as a chain, no floor, no price: what vLLM drafts
+        return build_proposer(drafter, target.model, dflash_depth=depth, dflash_topk=1, dflash_tree_nodes=depth,
+                              dflash_min_prob=0, dflash_priced=False, eos_token_ids=target.eos_token_ids,
+                              drafter_weights="float32")
     if drafter.kind == "eagle3":
         return build_proposer(drafter, target.model, eagle3_depth=depth, eagle3_topk=1, eagle3_tree_nodes=depth,
                               drafter_weights="float32")
@@ -42,7 +47,8 @@ def main(argv=None) -> dict:
                    "e.g. qwen2.5-coder-1.5b; vLLM loads its converted directory")
     p.add_argument("--questions", default=str(ROOT.parent / "shared/data/mt_bench/question.jsonl"))
     p.add_argument("--per-category", type=int, default=1)
-    p.add_argument("--depth", type=int, default=6, help="chain depth (EAGLE-3, draft model; Medusa: its heads)")
+    p.add_argument("--depth", type=int, default=6,
+                   help="chain depth (EAGLE-3, draft model; Medusa: its heads; DFlash: its block)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--out", default="runs/vllm_check.json")
     args = p.parse_args(argv)
@@ -51,7 +57,8 @@ def main(argv=None) -> dict:
     questions = load_questions(args.questions, per_category=args.per_category)
     prompts = [target.encode_chat([{"role": "user", "content": q.turns[0]}]) for q in questions]
     n, eos = args.max_new_tokens, sorted(target.eos_token_ids)
-    depth = drafter.model.config["num_heads"] if drafter.kind == "medusa" else args.depth
+    depth = {"medusa": lambda: drafter.model.config["num_heads"],
+             "dflash": lambda: drafter.model.block_size - 1}.get(drafter.kind, lambda: args.depth)()
     proposer = chain_proposer(drafter, target, depth)
     engine = SpeculativeEngine(target.model, proposer, target.eos_token_ids, adaptive=False)
     ours = aggregate_stats([engine.generate(prompt, n).stats for prompt in prompts])
