@@ -1,4 +1,4 @@
-"""`specdistill eagle3-tree` (train/tools/eagle3_tree.py): a trained EAGLE-3 or DFlash drafter's decoding tree
+"""`specdistill tree-shape` (train/tools/tree_shape.py): a trained EAGLE-3 or DFlash drafter's decoding tree
 shape rewritten in its manifest, which the proposer then drafts with; other kinds and bad values are refused."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from specdistill.models.dflash import DFlashDrafter
 from specdistill.models.drafters import load_drafter, save_drafter
 from specdistill.models.eagle3 import Eagle3Drafter
 from specdistill.models.target import load_target
-from specdistill.train.tools.eagle3_tree import main
+from specdistill.train.tools.tree_shape import main
 from tests.conftest import make_tiny_llama
 from tests.models.conftest import make_tiny_tokenizer
 

@@ -1,7 +1,7 @@
 """Give a trained EAGLE-3 or DFlash drafter another decoding tree shape without retraining.
 
-    specdistill eagle3-tree --drafter DIR [--depth D] [--topk K] [--tree-nodes N] [--min-prob P]
-        [--priced | --no-priced] [--out OUT_DIR] [--target T]
+    specdistill tree-shape --drafter DIR [--depth D] [--topk K] [--tree-nodes N] [--min-prob P]
+        [--priced | --no-priced] [--out OUT_DIR] [--target T]     (`eagle3-tree`: its former name)
 
 The shape lives in the drafter's manifest (`extra.decoding`): the deepest draft D, the top-K tokens
 offered under each expanded node (and, for EAGLE-3, the K nodes expanded per depth; for DFlash the K best tokens of
