@@ -10,13 +10,15 @@ that registers its builder at import (`register_proposer`); the package's __init
 
 from __future__ import annotations
 
+import math
+import time
 from abc import ABC, abstractmethod
 from typing import Callable
 
 import torch
 
 from specdistill.decode.sampling import SamplingConfig
-from specdistill.decode.tree import TokenTree
+from specdistill.decode.tree import DEFAULT_MIN_PROB, TokenTree
 from specdistill.models.packed_linear import packing_supported
 
 Alternate = tuple[int, int, float]  # (depth in the chain, target token id, log path probability)
@@ -114,6 +116,47 @@ class QueuedFeatures:
     def observe_verification(self, features: torch.Tensor, verdict) -> None:
         """features [N, K x D] of the verified tree; the accepted path's rows are the next positions."""
         self.pending.append(features[verdict.path])
+
+
+class PricedTrees:
+    """For proposers whose greedy trees are cut by path probability (EAGLE-3, DFlash; decode.tree.select_tree): the
+    floor `min_prob` and the engine's price of verification, with the drafting time of the step so far."""
+
+    def init_pricing(self, kind: str, device: torch.device, min_prob: float | None, priced: bool) -> None:
+        """min_prob: the path-probability floor, in [0, 1); 0 = none, None = DEFAULT_MIN_PROB for the device (an
+        error naming `kind`.min_prob otherwise). priced: trees keep only what the measured verification pays for."""
+        self.min_prob = DEFAULT_MIN_PROB["cuda" if device.type == "cuda" else "cpu"] if min_prob is None \
+            else float(min_prob)
+        if not 0.0 <= self.min_prob < 1.0:
+            raise ValueError(f"{kind}.min_prob (the tree's path-probability floor) must be in [0, 1), got {min_prob}")
+        self.min_score = math.log(self.min_prob) if self.min_prob > 0 else float("-inf")  # on log path probabilities
+        self.priced = priced
+        self.verify_seconds: Callable[[int], float] | None = None  # from the engine (price_verification)
+        self.started = 0.0  # perf_counter() when the step's propose() began: its drafting time so far
+
+    def price_verification(self, seconds: Callable[[int], float] | None) -> None:
+        self.verify_seconds = seconds if self.priced else None
+
+    def start_step(self) -> None:
+        """Called first in propose(): the step's drafting time counts from here."""
+        self.started = time.perf_counter()
+
+    def step_seconds(self) -> Callable[[int], float] | None:
+        """n -> the expected seconds of this step with a tree of n nodes: the drafting done so far (its candidates
+        are on the host) plus the engine's price of verifying n nodes; None when unpriced."""
+        if self.verify_seconds is None:
+            return None
+        drafted, verify = time.perf_counter() - self.started, self.verify_seconds
+        return lambda n: drafted + verify(n)
+
+
+def pricing_options(kind: str, kw: dict, options: dict) -> dict:
+    """min_prob and priced for a PricedTrees proposer: kw's `<kind>_min_prob` / `<kind>_priced`, else the drafter
+    manifest's extra.decoding `options`, else None (the device's floor) and True. A min_prob of 0 is a value (no
+    floor), not "unset"."""
+    min_prob, priced = kw.get(f"{kind}_min_prob"), kw.get(f"{kind}_priced")
+    return {"min_prob": options.get("min_prob") if min_prob is None else min_prob,
+            "priced": bool(options.get("priced", True) if priced is None else priced)}
 
 
 def register_proposer(kind: str, builder: ProposerBuilder) -> None:

@@ -26,16 +26,19 @@ proposed with it. q_i is a function of the context alone, a legitimate proposal 
 
 from __future__ import annotations
 
-import math
-import time
-from typing import Callable
-
 import torch
 
 from specdistill.decode.lean_dflash import lean_dflash
-from specdistill.decode.proposers.base import Proposer, QueuedFeatures, register_proposer, stored_format
+from specdistill.decode.proposers.base import (
+    PricedTrees,
+    Proposer,
+    QueuedFeatures,
+    pricing_options,
+    register_proposer,
+    stored_format,
+)
 from specdistill.decode.sampling import SamplingConfig, logits_to_probs, sample
-from specdistill.decode.tree import DEFAULT_MIN_PROB, TokenTree, select_tree
+from specdistill.decode.tree import TokenTree, select_tree
 from specdistill.models.dflash import DFlashCache, DFlashDrafter  # importing it registers the kind "dflash"
 from specdistill.models.kernel_linear import int8_for_inference, int8_unsupported
 from specdistill.models.packed_linear import drafting_weights, packed_for_inference
@@ -43,7 +46,7 @@ from specdistill.models.packed_linear import drafting_weights, packed_for_infere
 __all__ = ["DFlashProposer", "build_dflash_proposer", "dflash_drafting_weights"]
 
 
-class DFlashProposer(QueuedFeatures, Proposer):
+class DFlashProposer(PricedTrees, QueuedFeatures, Proposer):
     name = "dflash"
     self_drafting = True
 
@@ -67,14 +70,7 @@ class DFlashProposer(QueuedFeatures, Proposer):
         self.tree_nodes = tree_nodes or self.max_depth * topk
         if self.tree_nodes < 1:
             raise ValueError(f"dflash.tree_nodes: must be >= 1, got {tree_nodes}")
-        device_kind = "cuda" if drafter.fc.weight.device.type == "cuda" else "cpu"
-        self.min_prob = DEFAULT_MIN_PROB[device_kind] if min_prob is None else float(min_prob)
-        if not 0.0 <= self.min_prob < 1.0:
-            raise ValueError(f"dflash.min_prob (the tree's path-probability floor) must be in [0, 1), got {min_prob}")
-        self.min_score = math.log(self.min_prob) if self.min_prob > 0 else float("-inf")  # on log path probabilities
-        self.priced = priced
-        self.verify_seconds: Callable[[int], float] | None = None  # from the engine (price_verification)
-        self.started = 0.0  # perf_counter() when the step's propose() began: its drafting time so far
+        self.init_pricing("dflash", drafter.fc.weight.device, min_prob, priced)
         self.drafter, self.embed = drafter, embed
         # the same weights, packed (oneDNN fp32, FBGEMM fp16) or rounded to Q8_0 on the int8 kernel: the lean forward
         # (decode.lean_dflash) where it runs, else the drafter's own modules over those copies
@@ -93,9 +89,6 @@ class DFlashProposer(QueuedFeatures, Proposer):
     def weight_format(self) -> str:
         return self.weights
 
-    def price_verification(self, seconds: Callable[[int], float] | None) -> None:
-        self.verify_seconds = seconds if self.priced else None
-
     def begin(self, prompt_ids: list[int], capacity: int) -> None:
         rows = capacity + self.drafter.block_size + 1
         if self.cache is None or self.cache.keys.shape[2] < rows:
@@ -105,7 +98,7 @@ class DFlashProposer(QueuedFeatures, Proposer):
 
     @torch.no_grad()
     def propose(self, seq: list[int], max_depth: int, sampling: SamplingConfig, generator) -> TokenTree:
-        self.started = time.perf_counter()
+        self.start_step()
         logits = self.draft_block(seq, slice(1, min(max_depth, self.max_depth) + 1))  # [d, M]: rows 1..d
         if sampling.greedy:
             return self.greedy_tree(seq[-1], logits)
@@ -131,14 +124,6 @@ class DFlashProposer(QueuedFeatures, Proposer):
                                                           self.eos_token_ids)
         return select_tree(root, tokens, parents, scores, depths, self.tree_nodes, self.min_score,
                            self.step_seconds())
-
-    def step_seconds(self) -> Callable[[int], float] | None:
-        """n -> the expected seconds of this step with a tree of n nodes: the block drafted so far (its logits are on
-        the host) plus the engine's price of verifying n nodes; None when unpriced."""
-        if self.verify_seconds is None:
-            return None
-        drafted, verify = time.perf_counter() - self.started, self.verify_seconds
-        return lambda n: drafted + verify(n)
 
     def sampled_chain(self, root: int, logits: torch.Tensor, sampling: SamplingConfig, generator) -> TokenTree:
         """Token i drawn from row i's q (over the target's vocabulary) and proposed with it; cut after an EOS."""
@@ -204,19 +189,13 @@ def build_dflash_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: 
     the whole block as a chain, floored at DEFAULT_MIN_PROB and priced; its weights in the format
     `drafter_weights` chooses (`dflash_drafting_weights`: auto, int8, float32, float16)."""
     options = (drafter.manifest.get("extra") or {}).get("decoding") or {}
-    min_prob = kw.get("dflash_min_prob")  # 0 is a value (no floor), not "unset"
-    if min_prob is None:
-        min_prob = options.get("min_prob")
-    priced = kw.get("dflash_priced")
-    if priced is None:
-        priced = options.get("priced", True)
     return DFlashProposer(drafter.model, target_model.get_input_embeddings(),
                           depth=kw.get("dflash_depth") or options.get("depth"),
                           topk=kw.get("dflash_topk") or options.get("topk") or 1,
                           tree_nodes=kw.get("dflash_tree_nodes") or options.get("tree_nodes"),
                           eos_token_ids=eos_token_ids,
                           weights=dflash_drafting_weights(drafter.model, kw.get("drafter_weights")),
-                          min_prob=min_prob, priced=bool(priced))
+                          **pricing_options("dflash", kw, options))
 
 
 register_proposer("dflash", build_dflash_proposer)

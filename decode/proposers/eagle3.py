@@ -40,17 +40,22 @@ distribution exactly. A top-K tree would not be a draw from q.
 from __future__ import annotations
 
 import heapq
-import math
-import time
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from specdistill.decode.draft_steps import ContextStep, DraftTreeStep, candidate_depths, draft_graphs_supported
 from specdistill.decode.lean_eagle3 import DISABLE_ENV as LEAN_DISABLE_ENV
 from specdistill.decode.lean_eagle3 import LeanEagle3, lean_eagle3, lean_eagle3_runs
-from specdistill.decode.proposers.base import CATCH_UP_SPLIT, Proposer, QueuedFeatures, register_proposer, stored_format
+from specdistill.decode.proposers.base import (
+    CATCH_UP_SPLIT,
+    PricedTrees,
+    Proposer,
+    QueuedFeatures,
+    pricing_options,
+    register_proposer,
+    stored_format,
+)
 from specdistill.decode.runner import synchronized_clock
 from specdistill.decode.sampling import SamplingConfig, logits_to_probs, sample
 from specdistill.decode.tree import DEFAULT_MIN_PROB, TokenTree, select_tree
@@ -84,7 +89,7 @@ class Candidate:
     row: int = -1  # the drafter cache row that expanded it (its children's logits), -1 if not expanded
 
 
-class Eagle3Proposer(QueuedFeatures, Proposer):
+class Eagle3Proposer(PricedTrees, QueuedFeatures, Proposer):
     name = "eagle3"
     self_drafting = True
 
@@ -110,13 +115,7 @@ class Eagle3Proposer(QueuedFeatures, Proposer):
         if min(self.max_depth, self.topk, self.tree_nodes) < 1:
             raise ValueError(f"eagle3: depth, topk and tree_nodes must be >= 1, got "
                              f"{self.max_depth}, {self.topk}, {self.tree_nodes}")
-        self.min_prob = DEFAULT_MIN_PROB[device_kind] if min_prob is None else float(min_prob)
-        if not 0.0 <= self.min_prob < 1.0:
-            raise ValueError(f"eagle3: min_prob (the tree's path-probability floor) must be in [0, 1), got {min_prob}")
-        self.min_score = math.log(self.min_prob) if self.min_prob > 0 else float("-inf")  # on log path probabilities
-        self.priced = priced
-        self.verify_seconds: Callable[[int], float] | None = None  # from the engine (price_verification)
-        self.started = 0.0  # perf_counter() when the step's propose() began: its drafting time so far
+        self.init_pricing("eagle3", device, min_prob, priced)
         self.drafter = drafter
         self.embed = embed
         self.feature_layers = drafter.target_layers
@@ -163,14 +162,11 @@ class Eagle3Proposer(QueuedFeatures, Proposer):
     def last_catch_up_s(self) -> float:
         return self.catch_up_s
 
-    def price_verification(self, seconds: Callable[[int], float] | None) -> None:
-        self.verify_seconds = seconds if self.priced else None
-
     @torch.no_grad()
     def propose(self, seq: list[int], max_depth: int, sampling: SamplingConfig, generator) -> TokenTree:
         if self.cache is None:
             raise RuntimeError("Eagle3Proposer.propose before begin(): the engine must start the request")
-        self.started = time.perf_counter()
+        self.start_step()
         out = self.feed_context(seq)  # [D]: the last context row's output, whose head drafts depth 1
         depth = min(max_depth, self.max_depth)
         if sampling.greedy:
@@ -262,14 +258,6 @@ class Eagle3Proposer(QueuedFeatures, Proposer):
         return select_tree(root, [x.token for x in c], [x.parent for x in c], [x.score for x in c],
                            [x.depth for x in c], self.tree_nodes, self.min_score, self.step_seconds())
 
-    def step_seconds(self) -> Callable[[int], float] | None:
-        """n -> the expected seconds of this step with a tree of n nodes: the drafting done so far (synchronized:
-        the candidates are on the host) plus the engine's price of verifying n nodes; None when unpriced."""
-        if self.verify_seconds is None:
-            return None
-        drafted, verify = time.perf_counter() - self.started, self.verify_seconds
-        return lambda n: drafted + verify(n)
-
     def children_of(self, outs: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
         """The drafter's outputs [P, D] -> each one's top-K children (log-probs, target ids), in one device-to-host
         copy each: the lean rows' `top` where they have one (one library call on int8 matrices), else log_softmax
@@ -316,12 +304,6 @@ def build_eagle3_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: 
     extra.decoding, else DEFAULT_TREE / DEFAULT_MIN_PROB for the device; eagle3_priced=False (or the manifest's
     priced: false) keeps every tree at its full size (for side-by-side measurements)."""
     options = (drafter.manifest.get("extra") or {}).get("decoding") or {}
-    min_prob = kw.get("eagle3_min_prob")  # 0 is a value (no floor), not "unset"
-    if min_prob is None:
-        min_prob = options.get("min_prob")
-    priced = kw.get("eagle3_priced")
-    if priced is None:
-        priced = options.get("priced", True)
     return Eagle3Proposer(drafter.model, target_model.get_input_embeddings(),
                           depth=kw.get("eagle3_depth") or options.get("depth"),
                           topk=kw.get("eagle3_topk") or options.get("topk"),
@@ -329,8 +311,7 @@ def build_eagle3_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: 
                           eos_token_ids=eos_token_ids,
                           weights=eagle3_drafting_weights(drafter.model, kw.get("drafter_weights"),
                                                           kw.get("eagle3_fixed_steps")),
-                          fixed_steps=kw.get("eagle3_fixed_steps"), min_prob=min_prob,
-                          priced=bool(priced))
+                          fixed_steps=kw.get("eagle3_fixed_steps"), **pricing_options("eagle3", kw, options))
 
 
 def eagle3_drafting_weights(drafter: Eagle3Drafter, choice: str | None, fixed_steps: bool | None) -> str:

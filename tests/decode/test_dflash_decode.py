@@ -13,12 +13,12 @@ from specdistill.decode.lean_dflash import LeanDFlash
 from specdistill.decode.lean_eagle3 import DISABLE_ENV as LEAN_DISABLE_ENV
 from specdistill.decode.proposers import PromptLookupProposer, WithPromptLookup
 from specdistill.decode.proposers.dflash import (
-    DEFAULT_MIN_PROB,
     DFlashProposer,
     build_dflash_proposer,
     dflash_drafting_weights,
     tree_candidates,
 )
+from specdistill.decode.tree import DEFAULT_MIN_PROB
 from specdistill.models.dflash import DFlashDrafter
 from specdistill.models.kernel_linear import Q8Int8Linear
 from specdistill.models.kernels import int8_unavailable

@@ -93,21 +93,27 @@ def test_vllm_counters_become_our_statistics():
     assert stats_from({"tokens": [1, 2], "wall_s": 1.0, "spec": {"drafts": 0}}) is None
 
 
+def vllm_reply(target, speculative: dict | None, prompt: list[int], max_new_tokens: int) -> dict:
+    """One greedy generation by a vLLM worker (float32, 2 threads) with this speculative_config, the worker closed."""
+    from specdistill.decode.vllm_peer import target_directory
+
+    worker = VllmWorker(target_directory(target), "float32", speculative, 2)
+    try:
+        return worker.generate(prompt, max_new_tokens, sorted(target.eos_token_ids))
+    finally:
+        worker.close()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not (ROOT / ".venv-vllm" / "bin" / "python").exists(), reason="no vLLM environment (make vllm)")
 def test_vllm_greedy_equals_our_engine_on_the_default_target():
     from specdistill.decode.engine import SpeculativeEngine
-    from specdistill.decode.vllm_peer import target_directory
     from specdistill.models.target import load_target
 
     target = load_target()
     prompt = target.encode_chat([{"role": "user", "content": "Name three colours and say why the sky is blue."}])
     ours = SpeculativeEngine(target.model, None, target.eos_token_ids).generate(prompt, 48).tokens
-    worker = VllmWorker(target_directory(target), "float32", None, 2)
-    try:
-        reply = worker.generate(prompt, 48, sorted(target.eos_token_ids))
-    finally:
-        worker.close()
+    reply = vllm_reply(target, None, prompt, 48)
     assert reply["tokens"] == ours, (reply["tokens"], ours, sys.version)
 
 
@@ -119,7 +125,7 @@ def test_vllm_runs_an_exported_draft_model_losslessly(tmp_path):
     its acceptance is ours for the same 5-token chains, within 15%."""
     from specdistill.decode.engine import SpeculativeEngine
     from specdistill.decode.proposers import build_proposer
-    from specdistill.decode.vllm_peer import exported_config, stats_from, target_directory
+    from specdistill.decode.vllm_peer import exported_config, stats_from
     from specdistill.models.drafters import load_drafter
     from specdistill.models.target import load_target
 
@@ -131,11 +137,7 @@ def test_vllm_runs_an_exported_draft_model_losslessly(tmp_path):
     plain = SpeculativeEngine(target.model, None, target.eos_token_ids).generate(prompt, 48).tokens
     proposer = build_proposer(drafter, target.model, gamma=5, eos_token_ids=target.eos_token_ids)
     ours = SpeculativeEngine(target.model, proposer, target.eos_token_ids, adaptive=False).generate(prompt, 48)
-    worker = VllmWorker(target_directory(target), "float32", speculative, 2)
-    try:
-        reply = worker.generate(prompt, 48, sorted(target.eos_token_ids))
-    finally:
-        worker.close()
+    reply = vllm_reply(target, speculative, prompt, 48)
     assert reply["tokens"] == plain == ours.tokens
     theirs = stats_from(reply)
     assert theirs is not None and ours.stats.tau > 1.5
@@ -151,7 +153,7 @@ def test_vllm_runs_an_exported_dflash_drafter_losslessly(tmp_path):
     engines: docs/results.md, "DFlash in vLLM".)"""
     from specdistill.decode.engine import SpeculativeEngine
     from specdistill.decode.proposers import build_proposer
-    from specdistill.decode.vllm_peer import exported_config, stats_from, target_directory
+    from specdistill.decode.vllm_peer import exported_config, stats_from
     from specdistill.models.dflash import DFlashDrafter
     from specdistill.models.drafters import load_drafter, save_drafter
     from specdistill.models.target import load_target
@@ -168,11 +170,7 @@ def test_vllm_runs_an_exported_dflash_drafter_losslessly(tmp_path):
     proposer = build_proposer(drafter, target.model, eos_token_ids=target.eos_token_ids, dflash_min_prob=0,
                               dflash_priced=False)
     ours = SpeculativeEngine(target.model, proposer, target.eos_token_ids, adaptive=False).generate(prompt, 32)
-    worker = VllmWorker(target_directory(target), "float32", speculative, 2)
-    try:
-        reply = worker.generate(prompt, 32, sorted(target.eos_token_ids))
-    finally:
-        worker.close()
+    reply = vllm_reply(target, speculative, prompt, 32)
     assert reply["tokens"] == plain == ours.tokens
     theirs = stats_from(reply)
     assert theirs is not None and len(theirs.accepted_per_position) == 4  # it drafted the whole block
