@@ -40,6 +40,15 @@ def chain_proposer(drafter, target, depth: int):
                           drafter_weights="float32")
 
 
+def chain_depth(drafter, asked: int) -> int:
+    """How deep both engines draft: Medusa one token per head, DFlash its whole block, the others `asked`."""
+    if drafter.kind == "medusa":
+        return drafter.model.config["num_heads"]
+    if drafter.kind == "dflash":
+        return drafter.model.block_size - 1
+    return asked
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("drafter", nargs="?", default="runs/smollm2_eagle3_gpu/drafter")
@@ -57,8 +66,7 @@ def main(argv=None) -> dict:
     questions = load_questions(args.questions, per_category=args.per_category)
     prompts = [target.encode_chat([{"role": "user", "content": q.turns[0]}]) for q in questions]
     n, eos = args.max_new_tokens, sorted(target.eos_token_ids)
-    depth = {"medusa": lambda: drafter.model.config["num_heads"],
-             "dflash": lambda: drafter.model.block_size - 1}.get(drafter.kind, lambda: args.depth)()
+    depth = chain_depth(drafter, args.depth)
     proposer = chain_proposer(drafter, target, depth)
     engine = SpeculativeEngine(target.model, proposer, target.eos_token_ids, adaptive=False)
     ours = aggregate_stats([engine.generate(prompt, n).stats for prompt in prompts])
