@@ -35,6 +35,7 @@ from specdistill.decode.lean_decoder import (
     unfused_asked,
 )
 from specdistill.models.eagle3 import DraftCache, Eagle3Drafter
+from specdistill.models.feature_drafter import rope_tables, rotate
 from specdistill.models.kernel_linear import Q8Int8Linear, int8_inference_copy, q80_inference_copy
 from specdistill.models.kernels import MAX_ROWS
 from specdistill.models.packed_linear import packed_class, packing_supported
@@ -128,9 +129,7 @@ class LeanEagle3:
         if self.native is not None:
             q, k = self.native.rope_qk(fused.contiguous(), h, hkv, hd, cos.contiguous(), sin.contiguous())
         else:
-            qk = qkv[:h + hkv]
-            half = hd // 2
-            qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin  # RoPE, rotate-half
+            qk = rotate(qkv[:h + hkv], cos, sin)  # [H + Hkv, n, hd]
             q, k = qk[:h], qk[h:]
         keys, values = cache.append(k, qkv[h + hkv:])  # [Hkv, L + n, hd]
         attended = attend_rows(self.native if self.kernel_attention else None, q, keys, values, visible)  # [n, H hd]
@@ -140,10 +139,10 @@ class LeanEagle3:
 
 
 def rotary_tables(inv_freq: torch.Tensor, size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE's cos, sin [size, hd] for positions 0..size-1, as the drafters' layers compute them
-    (models.feature_drafter.rope_tables)."""
-    angles = torch.arange(size, dtype=torch.float32)[:, None] * inv_freq  # [size, hd / 2]
-    return tuple(torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    """RoPE's cos, sin [size, hd] for positions 0..size-1: the drafters' layers' own tables
+    (models.feature_drafter.rope_tables), without their head axis."""
+    cos, sin = rope_tables(inv_freq, torch.arange(size), dtype)  # [1, size, hd] each
+    return cos[0], sin[0]
 
 
 def attend_rows(native, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
