@@ -135,14 +135,15 @@ def exported_config(spec: str, drafter, target, export_dir: Path) -> dict:
     """Export a drafter for vLLM (models.export's --format vllm) and vLLM's speculative_config for it, at the
     depth our engine drafts it: EAGLE-3 and DFlash their manifest's depth (else the proposer's default for the
     device; DFlash's whole block), a draft model our default chain length, Medusa one token per head."""
+    from specdistill.decode.proposers.base import manifest_decoding
     from specdistill.decode.proposers.eagle3 import DEFAULT_TREE
     from specdistill.models.export import export_for_vllm
 
     if drafter.kind == "eagle3":
-        options = (drafter.manifest.get("extra") or {}).get("decoding") or {}
+        options = manifest_decoding(drafter)
         depth = int(options.get("depth") or DEFAULT_TREE["cuda" if target.device.type == "cuda" else "cpu"][0])
     elif drafter.kind == "dflash":
-        options = (drafter.manifest.get("extra") or {}).get("decoding") or {}
+        options = manifest_decoding(drafter)
         depth = int(options.get("depth") or drafter.model.block_size - 1)
     elif drafter.kind == "medusa":
         depth = int(drafter.model.config["num_heads"])

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from benchmarks import attention_heads, compare_commits, decode_methods
+from benchmarks import attention_heads, compare_commits, decode_methods, lookup_depths
 from benchmarks.harness import ROOT, cpu_info, fingerprint, interleave, median_ms, write_report
 from specdistill.decode.evaluate import build_parser, config_from_args
 from specdistill.models import kernels
@@ -126,6 +126,17 @@ def test_every_benchmark_starts_and_parses_its_arguments(name):
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "--out" in done.stdout and "--reps" in done.stdout
+
+
+def test_the_lookup_study_replays_every_answer_token_and_a_depth_per_length_is_never_worse():
+    records = [([1, 5, 7, 9, 3], [5, 7, 9, 3, 5, 7, 9, 3, 5, 7, 2]), ([4, 4, 4], [4, 4, 4, 4, 8, 4, 4])]
+    tokens, rows, by_length = lookup_depths.replay(records, lambda n: 0)
+    assert tokens == sum(len(a) for _, a in records) and rows == 0
+    assert sum(stats[0] for stats in by_length.values()) == tokens  # depth 0: one token a step
+    deep, deep_rows, deep_by_length = lookup_depths.replay(records, lambda n: 10)
+    assert deep == tokens and deep_rows > 0 and sum(s[0] for s in deep_by_length.values()) < tokens
+    one, one_speed, per, per_speed = lookup_depths.best_depths(records, 0.2)
+    assert per_speed >= one_speed and set(per) == {1, 2, 3} and one in lookup_depths.DEPTHS
 
 
 @pytest.mark.skipif(kernels.unavailable() is not None, reason=f"the kernel library: {kernels.unavailable()}")

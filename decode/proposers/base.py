@@ -150,6 +150,13 @@ class PricedTrees:
         return lambda n: drafted + verify(n)
 
 
+def manifest_decoding(drafter) -> dict:
+    """The drafter manifest's extra.decoding: how it asks to be decoded (a tree's depth and floor, a lookup's
+    regimes); {} where it has none, or no manifest (a drafter built in code)."""
+    manifest = getattr(drafter, "manifest", None) or {}
+    return (manifest.get("extra") or {}).get("decoding") or {}
+
+
 def pricing_options(kind: str, kw: dict, options: dict) -> dict:
     """min_prob and priced for a PricedTrees proposer: kw's `<kind>_min_prob` / `<kind>_priced`, else the drafter
     manifest's extra.decoding `options`, else None (the device's floor) and True. A min_prob of 0 is a value (no

@@ -33,6 +33,7 @@ from specdistill.decode.proposers.base import (
     PricedTrees,
     Proposer,
     QueuedFeatures,
+    manifest_decoding,
     pricing_options,
     register_proposer,
     stored_format,
@@ -188,7 +189,7 @@ def build_dflash_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: 
     dflash_topk, dflash_tree_nodes, dflash_min_prob, dflash_priced), else from its manifest's extra.decoding, else
     the whole block as a chain, floored at DEFAULT_MIN_PROB and priced; its weights in the format
     `drafter_weights` chooses (`dflash_drafting_weights`: auto, int8, float32, float16)."""
-    options = (drafter.manifest.get("extra") or {}).get("decoding") or {}
+    options = manifest_decoding(drafter)
     return DFlashProposer(drafter.model, target_model.get_input_embeddings(),
                           depth=kw.get("dflash_depth") or options.get("depth"),
                           topk=kw.get("dflash_topk") or options.get("topk") or 1,

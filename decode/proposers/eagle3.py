@@ -52,6 +52,7 @@ from specdistill.decode.proposers.base import (
     PricedTrees,
     Proposer,
     QueuedFeatures,
+    manifest_decoding,
     pricing_options,
     register_proposer,
     stored_format,
@@ -303,7 +304,7 @@ def build_eagle3_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: 
     (eagle3_depth, eagle3_topk, eagle3_tree_nodes, eagle3_min_prob), else from its manifest's
     extra.decoding, else DEFAULT_TREE / DEFAULT_MIN_PROB for the device; eagle3_priced=False (or the manifest's
     priced: false) keeps every tree at its full size (for side-by-side measurements)."""
-    options = (drafter.manifest.get("extra") or {}).get("decoding") or {}
+    options = manifest_decoding(drafter)
     return Eagle3Proposer(drafter.model, target_model.get_input_embeddings(),
                           depth=kw.get("eagle3_depth") or options.get("depth"),
                           topk=kw.get("eagle3_topk") or options.get("topk"),

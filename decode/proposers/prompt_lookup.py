@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specdistill.decode.proposers.base import Proposer, register_proposer, register_wrapper
+from specdistill.decode.proposers.base import Proposer, manifest_decoding, register_proposer, register_wrapper
 from specdistill.decode.tree import TokenTree
 
 __all__ = ["PromptLookupProposer", "WithPromptLookup", "LOOKUP_SOURCE", "lookup_continuation",
@@ -14,23 +14,50 @@ __all__ = ["PromptLookupProposer", "WithPromptLookup", "LOOKUP_SOURCE", "lookup_
 
 class PromptLookupProposer(Proposer):
     """N-gram lookup in the sequence itself (prompt lookup decoding): find the most recent earlier
-    occurrence of the last n tokens (longest n first) and propose what followed it."""
+    occurrence of the last n tokens (longest n first) and propose what followed it.
+
+    `by_length`: each length n of the matched n-gram is a drafting regime of its own ("ngram1" .. "ngramN",
+    `regime`), so the engine's adaptive depth is chosen per length: on the targets' greedy answers a 3-gram's
+    chain is accepted 2-4.5 tokens deep on average and a 1-gram's 0.5-0.8 (docs/design/adaptive-depth.md), and one
+    depth for both drafts the 1-gram's rows for little where a verified row is dear. A step without a match
+    ("ngram0") drafts nothing. False: one regime for every step (as before 2026-12-07)."""
 
     name = "prompt_lookup"
 
-    def __init__(self, num_tokens: int = 10, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, num_tokens: int = 10, max_ngram: int = 3, min_ngram: int = 1, by_length: bool = True):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.num_tokens = self.max_depth = num_tokens
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.by_length = by_length
+        self.last_match: tuple = (None, (0, []))
+
+    def begin(self, prompt_ids: list[int], capacity: int) -> None:
+        self.last_match = (None, (0, []))
+
+    def regime(self, seq: list[int]) -> tuple[str | None, int]:
+        """("ngramN", deepest draft) for a match of N tokens (by_length), ("ngram0", 0) for none; one unnamed
+        regime otherwise."""
+        if not self.by_length:
+            return None, self.max_depth
+        n, drafts = self.full_match(seq)
+        return f"ngram{n}", self.max_depth if drafts else 0
 
     def propose(self, seq, max_depth, sampling, generator):
-        return TokenTree.chain(seq[-1], self.match(seq, max_depth)[1])
+        return TokenTree.chain(seq[-1], self.full_match(seq)[1][:max_depth])
 
     def match(self, seq: list[int], max_depth: int) -> tuple[int, list[int]]:
         """(n, drafts): the matched n-gram's length (0: none) and up to min(num_tokens, max_depth) drafts."""
         depth = min(self.num_tokens, max_depth)
         return lookup_match(seq, depth, self.max_ngram, self.min_ngram) if depth > 0 else (0, [])
+
+    def full_match(self, seq: list[int]) -> tuple[int, list[int]]:
+        """match() at full depth, computed once per step (regime() and propose() both ask; within a request seq
+        only grows, so its length names the step)."""
+        key = (id(seq), len(seq), seq[-1])
+        if self.last_match[0] != key:
+            self.last_match = (key, self.match(seq, self.num_tokens))
+        return self.last_match[1]
 
 
 LOOKUP_SOURCE = 1 << 20  # the lookup chain's source index: after any member of an inner ensemble
@@ -69,7 +96,6 @@ class WithPromptLookup(Proposer):
         self.name = f"{inner.name}+prompt_lookup"  # as the drafter spec names the composition (reports, errors)
         self.lookup_first = lookup_first
         self.weak_chain = lookup.num_tokens if weak_chain is None else weak_chain
-        self.last_match: tuple = (None, (0, []))
         self.self_drafting = inner.self_drafting
         self.feature_layers = inner.feature_layers  # EAGLE-3 reads these target layers
         self.max_depth = max(inner.max_depth, lookup.max_depth)
@@ -80,7 +106,7 @@ class WithPromptLookup(Proposer):
         return self.inner.weight_format()  # the lookup has no weights
 
     def begin(self, prompt_ids: list[int], capacity: int) -> None:
-        self.last_match = (None, (0, []))
+        self.lookup.begin(prompt_ids, capacity)
         self.inner.begin(prompt_ids, capacity)
 
     def last_catch_up_s(self) -> float:
@@ -99,19 +125,18 @@ class WithPromptLookup(Proposer):
 
     def regime(self, seq: list[int]) -> tuple[str | None, int]:
         """(name, deepest draft) of this step's drafting, for the engine's adaptive depth: "lookup" (the
-        chain alone) or "inner" (the inner tree and a weak chain); one regime when lookup_first is 0."""
+        chain alone; "lookupN" for a match of N tokens where the lookup's by_length is set) or "inner" (the inner
+        tree and a weak chain); one regime when lookup_first is 0."""
         if not self.lookup_first:
             return None, self.max_depth
-        if self.drafts_alone(self.match(seq)):
-            return "lookup", self.lookup.max_depth
+        found = self.match(seq)
+        if self.drafts_alone(found):
+            return f"lookup{found[0]}" if self.lookup.by_length else "lookup", self.lookup.max_depth
         return "inner", max(self.inner.max_depth, min(self.weak_chain, self.lookup.max_depth))
 
     def match(self, seq: list[int]) -> tuple[int, list[int]]:
-        """The lookup's (n, drafts) at full depth, computed once per step (regime() and propose() both ask)."""
-        key = (id(seq), len(seq), seq[-1])
-        if self.last_match[0] != key:
-            self.last_match = (key, self.lookup.match(seq, self.lookup.num_tokens))
-        return self.last_match[1]
+        """The lookup's (n, drafts) at full depth, computed once per step."""
+        return self.lookup.full_match(seq)
 
     def drafts_alone(self, match: tuple[int, list[int]]) -> bool:
         return bool(self.lookup_first and match[0] >= self.lookup_first and match[1])
@@ -149,21 +174,30 @@ def lookup_match(seq: list[int], k: int, max_ngram: int, min_ngram: int) -> tupl
     return 0, []
 
 
-def prompt_lookup_proposer(gamma: int, kw: dict) -> PromptLookupProposer:
-    """Prompt lookup drafting up to 2 x gamma tokens unless kw sets num_tokens / max_ngram."""
-    return PromptLookupProposer(num_tokens=kw.get("num_tokens", max(gamma, 1) * 2), max_ngram=kw.get("max_ngram", 3))
+def prompt_lookup_proposer(gamma: int, kw: dict, drafter=None) -> PromptLookupProposer:
+    """Prompt lookup drafting up to 2 x gamma tokens unless kw sets num_tokens / max_ngram; a depth per matched
+    length (PromptLookupProposer.by_length) unless kw's lookup_by_length, else the drafter manifest's
+    extra.decoding.lookup_by_length, is false."""
+    by_length = kw.get("lookup_by_length")
+    if by_length is None:
+        by_length = manifest_decoding(drafter).get("lookup_by_length", True)
+    if not isinstance(by_length, bool):
+        raise ValueError(f"lookup_by_length: must be true or false, got {by_length!r}")
+    return PromptLookupProposer(num_tokens=kw.get("num_tokens", max(gamma, 1) * 2), max_ngram=kw.get("max_ngram", 3),
+                                by_length=by_length)
 
 
 def build_prompt_lookup_proposer(drafter, target_model, gamma: int = 5, eos_token_ids: set[int] = frozenset(),
                                  **kw) -> PromptLookupProposer:
-    return prompt_lookup_proposer(gamma, kw)
+    return prompt_lookup_proposer(gamma, kw, drafter)
 
 
 def add_prompt_lookup(inner: Proposer, drafter, target_model, gamma: int = 5,
                       eos_token_ids: set[int] = frozenset(), **kw) -> WithPromptLookup:
     """`inner` with a prompt-lookup chain added to its trees (a drafter whose `with_lookup` is set);
-    kw lookup_first / lookup_weak_chain set WithPromptLookup's lookup_first / weak_chain."""
-    return WithPromptLookup(inner, prompt_lookup_proposer(gamma, kw), lookup_first=kw.get("lookup_first", 2),
+    kw lookup_first / lookup_weak_chain set WithPromptLookup's lookup_first / weak_chain, lookup_by_length (or the
+    drafter manifest's) whether the chain's steps take a depth per matched length."""
+    return WithPromptLookup(inner, prompt_lookup_proposer(gamma, kw, drafter), lookup_first=kw.get("lookup_first", 2),
                             weak_chain=kw.get("lookup_weak_chain"))
 
 
