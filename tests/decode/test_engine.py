@@ -23,7 +23,7 @@ class AlwaysWrongProposer(PromptLookupProposer):
     """Drafts the token the target is known not to emit (its argmax + 1), four deep."""
 
     def __init__(self, target):
-        super().__init__()
+        super().__init__(by_length=False)  # one regime: it drafts whatever the lookup would match
         self.target = target
 
     def propose(self, seq, max_depth, sampling, generator):
@@ -189,7 +189,7 @@ class CatchingUpProposer(PromptLookupProposer):
     """Drafts a fixed chain at no cost but `catch_up` seconds per draft, all of it catching up."""
 
     def __init__(self, catch_up: float):
-        super().__init__(num_tokens=3)
+        super().__init__(num_tokens=3, by_length=False)  # one regime: its chain does not depend on matches
         self.catch_up = catch_up
 
     def propose(self, seq, max_depth, sampling, generator):
