@@ -15,13 +15,15 @@ adaptive depth choose; here chosen with hindsight, a coordinate search over 0..1
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from benchmarks.harness import parser, print_table, write_report
 
 DEPTHS = (0, 1, 2, 3, 4, 6, 8, 10)
 MAX_NGRAM = 3
 
 
-def replay(records, depth_of) -> tuple[float, float, dict]:
+def replay(records, depth_of) -> tuple[int, int, dict]:
     """Decode every (prompt, answer) record with lookup chains cut at depth_of(n) for a match of n tokens:
     (tokens, verified rows past the first, {n: [steps, accepted at DEPTHS' cuts]})."""
     from specdistill.decode.proposers.prompt_lookup import lookup_match
@@ -71,8 +73,6 @@ def best_depths(records, row_cost: float) -> tuple[int, float, dict[int, int], f
 def answers(directory: str, limit: int) -> list[tuple[list[int], list[int]]]:
     """The first `limit` (prompt ids, answer ids) of a teacher-data directory's finished shards (an interrupted
     generation's too: which shards were read is printed)."""
-    from pathlib import Path
-
     from specdistill.distill.teacher_data import concatenate_shards, read_settings_file, shard_path
 
     out = Path(directory).expanduser()

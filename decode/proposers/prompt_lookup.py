@@ -130,20 +130,16 @@ class WithPromptLookup(Proposer):
         tree and a weak chain); one regime when lookup_first is 0."""
         if not self.lookup_first:
             return None, self.max_depth
-        found = self.match(seq)
+        found = self.lookup.full_match(seq)
         if self.drafts_alone(found):
             return f"lookup{found[0]}" if self.lookup.by_length else "lookup", self.lookup.max_depth
         return "inner", max(self.inner.max_depth, min(self.weak_chain, self.lookup.max_depth))
-
-    def match(self, seq: list[int]) -> tuple[int, list[int]]:
-        """The lookup's (n, drafts) at full depth, computed once per step."""
-        return self.lookup.full_match(seq)
 
     def drafts_alone(self, match: tuple[int, list[int]]) -> bool:
         return bool(self.lookup_first and match[0] >= self.lookup_first and match[1])
 
     def propose(self, seq, max_depth, sampling, generator):
-        found = self.match(seq)
+        found = self.lookup.full_match(seq)
         drafts = found[1][:max_depth]
         self.inner_drafted = not self.drafts_alone(found)
         if not self.inner_drafted:  # the inner proposer drafts nothing this step

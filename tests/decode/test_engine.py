@@ -23,7 +23,7 @@ class AlwaysWrongProposer(PromptLookupProposer):
     """Drafts the token the target is known not to emit (its argmax + 1), four deep."""
 
     def __init__(self, target):
-        super().__init__(by_length=False)  # one regime: it drafts whatever the lookup would match
+        super().__init__(by_length=False)  # one regime: its chain does not depend on matches
         self.target = target
 
     def propose(self, seq, max_depth, sampling, generator):
