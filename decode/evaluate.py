@@ -188,9 +188,11 @@ def survive(method: Method, active: list[Method], failed: dict[str, str] | None,
 
 # ---- building the methods ----------------------------------------------------------------------------
 
-def build_methods(target, drafters: Mapping[str, object], config: EvalConfig) -> tuple[list[Method], dict[str, str]]:
+def build_methods(target, drafters: Mapping[str, object], config: EvalConfig,
+                  engine_options: Mapping[str, dict] | None = None) -> tuple[list[Method], dict[str, str]]:
     """baseline, one speculative method per drafter, and with peers="hf" transformers' methods.
-    Returns the methods and {method: reason} for the ones that cannot run."""
+    engine_options: {drafter spec: SpeculativeEngine keywords} for the engines of those drafters' methods
+    (benchmarks.engine_options). Returns the methods and {method: reason} for the ones that cannot run."""
     one = len(drafters) == 1
     sampling = config.sampling
     methods = [engine_method(BASELINE, target, None, config.max_new_tokens, sampling)]
@@ -199,7 +201,8 @@ def build_methods(target, drafters: Mapping[str, object], config: EvalConfig) ->
                                   prompt_vocab=config.prompt_vocab, drafter_weights=config.drafter_weights,
                                   lookup_first=config.lookup_first, lookup_weak_chain=config.lookup_weak_chain)
         methods.append(engine_method(method_name("speculative", spec, one), target, proposer,
-                                     config.max_new_tokens, sampling, adaptive=not config.fixed_depth))
+                                     config.max_new_tokens, sampling, adaptive=not config.fixed_depth,
+                                     **(engine_options or {}).get(spec, {})))
     skipped = {}
     if "hf" in config.peers and target.precision == "float16-weights":
         reason = ("transformers' generate computes the fp32 model, not the float16-weights one this run decodes: "

@@ -44,10 +44,11 @@ class Method:
 
 
 def engine_method(name: str, target, proposer: Proposer | None, max_new_tokens: int,
-                  sampling: SamplingConfig, adaptive: bool = True) -> Method:
+                  sampling: SamplingConfig, adaptive: bool = True, **engine_options) -> Method:
     """Our engine; proposer None is plain autoregressive decoding (the baseline). adaptive=False
-    drafts the proposer's full depth every step (tau then measures acceptance alone)."""
-    engine = SpeculativeEngine(target.model, proposer, target.eos_token_ids, adaptive=adaptive)
+    drafts the proposer's full depth every step (tau then measures acceptance alone). engine_options: further
+    SpeculativeEngine keywords."""
+    engine = SpeculativeEngine(target.model, proposer, target.eos_token_ids, adaptive=adaptive, **engine_options)
 
     def run(prompt_ids: list[int]) -> TurnOutput:
         start = synchronized_clock(target.device)

@@ -9,10 +9,12 @@ import sys
 
 import pytest
 
-from benchmarks import attention_heads, compare_commits, decode_methods, lookup_depths
+from benchmarks import attention_heads, compare_commits, decode_methods, engine_options, lookup_depths
 from benchmarks.harness import ROOT, cpu_info, fingerprint, interleave, median_ms, write_report
-from specdistill.decode.evaluate import build_parser, config_from_args
+from specdistill.decode.evaluate import EvalConfig, build_methods, build_parser, config_from_args
 from specdistill.models import kernels
+from specdistill.models.drafters import load_drafter
+from specdistill.models.target import target_from_model
 from tests.conftest import make_tiny_llama
 from tests.decode.test_evaluate import MT_BENCH_LINES, VOCAB, make_chat_tokenizer, write_lines
 
@@ -159,3 +161,35 @@ def test_the_older_side_of_a_comparison_runs_its_own_code(tmp_path):
         compare_commits.check_imports_from(tree)
     finally:
         compare_commits.remove_worktree(tree)
+
+
+def test_engine_options_run_each_drafter_twice_in_one_report(tmp_path):
+    target = tmp_path / "tiny-target"
+    make_tiny_llama(vocab_size=VOCAB, layers=2, seed=0).save_pretrained(target)
+    make_chat_tokenizer().save_pretrained(target)
+    questions = write_lines(tmp_path / "q.jsonl", MT_BENCH_LINES)
+    code = engine_options.main(["--option", "share_verify_costs=false", "--drafter", "prompt_lookup", "--questions",
+                                str(questions), "--target", str(target), "--max-new-tokens", "6", "--warmup", "0",
+                                "--out", str(tmp_path / "out")])
+    assert code == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert set(report["methods"]) == {"baseline", "speculative[prompt_lookup]",
+                                      "speculative[prompt_lookup@share_verify_costs=false]"}
+    assert report["config"]["engine_options"] == {"share_verify_costs": False}
+    assert all(m["mismatches"] == 0 for m in report["methods"].values())
+
+
+def test_engine_options_reach_the_twins_engines_only():
+    target = target_from_model(make_tiny_llama(vocab_size=VOCAB, layers=2, seed=0), make_chat_tokenizer(), "tiny")
+    config = EvalConfig(drafters=("prompt_lookup",), questions="q", max_new_tokens=6, warmup=0)
+    drafters = {"a": load_drafter("prompt_lookup", target), "b": load_drafter("prompt_lookup", target)}
+    methods, _ = build_methods(target, drafters, config, engine_options={"b": {"share_verify_costs": False}})
+    engines = {m.name: m.engine for m in methods}
+    assert engines["speculative[a]"].verify_costs == {} and engines["speculative[b]"].verify_costs is None
+
+
+@pytest.mark.parametrize("pair, named", [("nonsense=1", "nonsense"), ("share_verify_costs", "KEY=VALUE"),
+                                         ("share_verify_costs=nope", "not JSON"), ("adaptive=false", "adaptive")])
+def test_a_bad_engine_option_is_an_error_naming_it(pair, named):
+    with pytest.raises(ValueError, match=named):
+        engine_options.engine_options([pair])
