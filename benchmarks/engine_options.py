@@ -1,6 +1,6 @@
 """Engine options side by side: each drafter on an engine with its defaults and on one with the options given.
 
-    python -m benchmarks.engine_options --option share_verify_costs=false --drafter prompt_lookup \
+    python -m benchmarks.engine_options --option max_tree_nodes=16 --drafter prompt_lookup \
         --questions ../shared/data/mt_bench/question.jsonl --per-category 2 [decode.evaluate's other arguments]
 
 One evaluation (decode.evaluate: warm-up, methods interleaved question by question, every greedy turn checked token

@@ -44,12 +44,10 @@ class SpeculativeEngine:
     def __init__(self, target_model: torch.nn.Module, proposer: Proposer | None = None,
                  eos_token_ids: set[int] | frozenset = frozenset(), static_shapes: bool | None = None,
                  max_tree_nodes: int = 64, adaptive: bool = True,
-                 fixed_steps: bool | None = None, one_shape: bool | None = None, share_verify_costs: bool = True):
+                 fixed_steps: bool | None = None, one_shape: bool | None = None):
         """adaptive: in greedy mode, choose each step's draft depth by measured cost and
         acceptance (decode.adaptive). Sampling always drafts the proposer's full depth, so that a
         seed reproduces its output (timings must not steer which random draws are made).
-        share_verify_costs: the controllers of every drafting regime learn one table of what verifying n rows costs
-        (`verify_costs`); False: each regime its own (as before 2026-12-08; level within noise, docs/results.md).
         static_shapes, fixed_steps: see decode.runner.ModelRunner (by default both on CUDA: CUDA graphs).
         one_shape: every target forward of up to max_tree_nodes rows, plain decoding's one-row steps included, runs
         as a step of exactly that many rows, so that every token's projections come from the same kernels; the
@@ -74,11 +72,8 @@ class SpeculativeEngine:
         # whose next step may draft, and reads the next proposals from them: `prefill_rows`, `verification_rows`,
         # `observe_rows`
         self.lookahead = proposer is not None and proposer.adds_rows
-        # one controller per drafting regime (see regime()); `controller` is the proposer's only or default one.
-        # Acceptance and drafting time are the regime's, but a forward over n rows costs the same however its tree was
-        # drafted: the controllers price verification from one table, which every step's measurement updates.
+        # one controller per drafting regime (see regime()); `controller` is the proposer's only or default one
         self.controllers: dict[str | None, DraftLengthController] = {}
-        self.verify_costs: dict[int, float] | None = {} if share_verify_costs else None  # tree size -> seconds, EMA
         self.controller = self.controller_for(None, proposer.max_depth) if proposer is not None and adaptive else None
 
     @torch.inference_mode()
@@ -195,8 +190,7 @@ class SpeculativeEngine:
 
     def controller_for(self, name: str | None, max_depth: int) -> DraftLengthController:
         if name not in self.controllers:
-            shared = {} if self.verify_costs is None else {"verify_cost": self.verify_costs}
-            self.controllers[name] = DraftLengthController(max_depth=max_depth, **shared)
+            self.controllers[name] = DraftLengthController(max_depth=max_depth)
         return self.controllers[name]
 
     def draft(self, seq: list[int], max_depth: int, sampling: SamplingConfig,

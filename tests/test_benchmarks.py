@@ -168,14 +168,14 @@ def test_engine_options_run_each_drafter_twice_in_one_report(tmp_path):
     make_tiny_llama(vocab_size=VOCAB, layers=2, seed=0).save_pretrained(target)
     make_chat_tokenizer().save_pretrained(target)
     questions = write_lines(tmp_path / "q.jsonl", MT_BENCH_LINES)
-    code = engine_options.main(["--option", "share_verify_costs=false", "--drafter", "prompt_lookup", "--questions",
+    code = engine_options.main(["--option", "max_tree_nodes=16", "--drafter", "prompt_lookup", "--questions",
                                 str(questions), "--target", str(target), "--max-new-tokens", "6", "--warmup", "0",
                                 "--out", str(tmp_path / "out")])
     assert code == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert set(report["methods"]) == {"baseline", "speculative[prompt_lookup]",
-                                      "speculative[prompt_lookup@share_verify_costs=false]"}
-    assert report["config"]["engine_options"] == {"share_verify_costs": False}
+                                      "speculative[prompt_lookup@max_tree_nodes=16]"}
+    assert report["config"]["engine_options"] == {"max_tree_nodes": 16}
     assert all(m["mismatches"] == 0 for m in report["methods"].values())
 
 
@@ -183,13 +183,13 @@ def test_engine_options_reach_the_twins_engines_only():
     target = target_from_model(make_tiny_llama(vocab_size=VOCAB, layers=2, seed=0), make_chat_tokenizer(), "tiny")
     config = EvalConfig(drafters=("prompt_lookup",), questions="q", max_new_tokens=6, warmup=0)
     drafters = {"a": load_drafter("prompt_lookup", target), "b": load_drafter("prompt_lookup", target)}
-    methods, _ = build_methods(target, drafters, config, engine_options={"b": {"share_verify_costs": False}})
+    methods, _ = build_methods(target, drafters, config, engine_options={"b": {"max_tree_nodes": 16}})
     engines = {m.name: m.engine for m in methods}
-    assert engines["speculative[a]"].verify_costs == {} and engines["speculative[b]"].verify_costs is None
+    assert engines["speculative[a]"].max_tree_nodes == 64 and engines["speculative[b]"].max_tree_nodes == 16
 
 
-@pytest.mark.parametrize("pair, named", [("nonsense=1", "nonsense"), ("share_verify_costs", "KEY=VALUE"),
-                                         ("share_verify_costs=nope", "not JSON"), ("adaptive=false", "adaptive")])
+@pytest.mark.parametrize("pair, named", [("nonsense=1", "nonsense"), ("max_tree_nodes", "KEY=VALUE"),
+                                         ("max_tree_nodes=many", "not JSON"), ("adaptive=false", "adaptive")])
 def test_a_bad_engine_option_is_an_error_naming_it(pair, named):
     with pytest.raises(ValueError, match=named):
         engine_options.engine_options([pair])

@@ -62,21 +62,3 @@ def test_the_option_comes_from_kw_or_the_manifest_and_a_bad_value_is_named(tmp_p
     assert isinstance(hybrid, WithPromptLookup) and not hybrid.lookup.by_length
     with pytest.raises(ValueError, match="lookup_by_length"):
         prompt_lookup_proposer(5, {"lookup_by_length": "no"})
-
-
-@pytest.mark.parametrize("share", [True, False])
-def test_every_regime_prices_verification_from_one_table_unless_told_not_to(share):
-    target = make_tiny_llama(seed=0)
-    engine = SpeculativeEngine(target, PromptLookupProposer(6), adaptive=True, share_verify_costs=share)
-    assert engine.generate(REPEATING, 60).tokens == target_greedy(target, REPEATING, 60)
-    regimes = [c for name, c in engine.controllers.items() if name is not None]
-    assert len(regimes) >= 2
-    tables = {id(c.verify_cost) for c in regimes}
-    assert tables == ({id(engine.verify_costs)} if share else {id(c.verify_cost) for c in regimes})
-    assert len(tables) == (1 if share else len(regimes))
-    # a size one regime measured prices the other's trees of that size, a regime's own sizes only otherwise
-    engine.controller_for("a", 4).observe(2, 1, 37, 0.001, 0.25)
-    other = engine.controller_for("b", 4)
-    assert (37 in other.verify_cost) == share
-    if share:
-        assert other.predicted_verify_cost(37) == 0.25
