@@ -47,7 +47,6 @@ def label(options: dict) -> str:
 
 def main(argv=None) -> int:
     from specdistill.decode import evaluate
-    from specdistill.decode.report import format_tables, lossless_failures, write_report
     from specdistill.models.drafters import load_drafter
 
     p = parser(__doc__, "engine_options", reps=1)
@@ -70,14 +69,8 @@ def main(argv=None) -> int:
     both = {**drafters, **twins}
     methods, skipped = evaluate.build_methods(target, both, config, engine_options={spec: options for spec in twins})
     result = evaluate.evaluate_methods(methods, skipped, target, both, questions, config)
-    out = write_report(config.out, {**result.config, "engine_options": options}, result.summary, result.results,
-                       result.skipped, result.runtime)
-    sys.stdout.write(format_tables(result.summary) + f"\nwrote {out / 'report.json'}\n")
-    failures = lossless_failures(result.summary)
-    if failures:
-        sys.stderr.write(evaluate.mismatch_message(failures, out, config.allow_mismatches) + "\n")
-        return 0 if config.allow_mismatches else evaluate.EXIT_MISMATCH
-    return 0
+    result.config["engine_options"] = options
+    return evaluate.report_result(result, config)
 
 
 if __name__ == "__main__":

@@ -483,6 +483,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"argument --drafter: {err}")
     with logging_redirect_tqdm():
         result = evaluate_methods(methods, skipped, target, drafters, questions, config)
+    return report_result(result, config)
+
+
+def report_result(result: EvalResult, config: EvalConfig) -> int:
+    """Write the report under config.out, print its tables (and where peers' answers left ours); the exit status:
+    EXIT_MISMATCH where a method of ours left plain decoding's greedy output, unless --allow-mismatches."""
     out = write_report(config.out, result.config, result.summary, result.results, result.skipped, result.runtime)
     sys.stdout.write(format_tables(result.summary) + "\n")
     if divergence := format_divergences(result.summary):
